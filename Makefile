@@ -1,0 +1,30 @@
+# tollgate — `make demo` runs the demo, `make test` runs every test. Both set up what is missing.
+WASM := dist/tollgate.wasm
+ENVOY := .venv/bin/envoy
+CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
+
+.PHONY: setup build test lint unit integration demo clean
+
+setup:
+	@scripts/setup.sh
+
+build: setup
+	cargo build --release --target wasm32-wasip1 -p tollgate
+	@mkdir -p dist && cp $(CARGO_WASM) $(WASM)
+	@echo "built $(WASM): $$(wc -c < $(WASM)) bytes"
+
+lint: setup
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
+
+# Unit and property tests of the core and the host-independent filter code, then the real-Envoy tests.
+test: build lint
+	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) cargo test --workspace
+
+demo: build
+	demo/run.sh
+
+clean:
+	cargo clean
+	rm -rf dist .venv

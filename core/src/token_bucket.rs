@@ -1,0 +1,243 @@
+//! GCRA, the token bucket kept as one timestamp: the decision as a pure function of state and time.
+//!
+//! Time is scaled by `requests` so that the emission interval `period / requests` is an exact
+//! integer (`period_ns` in scaled units): no rounding drift, whatever the rate.
+
+/// A token bucket of capacity `burst`, refilled with `requests` tokens per `period_ns`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TokenBucket {
+    requests: u64,
+    period_ns: u64,
+    burst: u64,
+}
+
+/// The outcome of one decision. `tat` is the new theoretical arrival time to store, in scaled units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Allow {
+        tat: u128,
+        /// Requests of cost 1 that would still be admitted right now.
+        remaining: u64,
+        /// Nanoseconds until the bucket is full again.
+        reset_ns: u64,
+    },
+    Deny {
+        /// Nanoseconds until this request would conform.
+        retry_after_ns: u64,
+        remaining: u64,
+        reset_ns: u64,
+    },
+}
+
+impl TokenBucket {
+    /// `None` if any parameter is zero.
+    pub fn new(requests: u64, period_ns: u64, burst: u64) -> Option<Self> {
+        (requests > 0 && period_ns > 0 && burst > 0).then_some(Self {
+            requests,
+            period_ns,
+            burst,
+        })
+    }
+
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+
+    pub fn period_ns(&self) -> u64 {
+        self.period_ns
+    }
+
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    fn scaled(&self, ns: u64) -> u128 {
+        u128::from(ns) * u128::from(self.requests)
+    }
+
+    fn unscale_up(&self, scaled: u128) -> u64 {
+        let r = u128::from(self.requests);
+        u64::try_from(scaled.div_ceil(r)).unwrap_or(u64::MAX)
+    }
+
+    /// Capacity of the bucket in scaled time: `burst` emission intervals.
+    fn capacity(&self) -> u128 {
+        u128::from(self.period_ns) * u128::from(self.burst)
+    }
+
+    /// True if a bucket with this `tat` is full at `now_ns`: it is then the same as a fresh one.
+    pub fn is_full(&self, tat: u128, now_ns: u64) -> bool {
+        tat <= self.scaled(now_ns)
+    }
+
+    /// Decide a request of `cost` tokens at `now_ns` against stored `tat` (0 for a fresh bucket).
+    pub fn decide(&self, tat: u128, now_ns: u64, cost: u64) -> Decision {
+        let now = self.scaled(now_ns);
+        let base = tat.max(now);
+        let period = u128::from(self.period_ns);
+        let new_tat = base.saturating_add(period.saturating_mul(u128::from(cost)));
+        let horizon = now.saturating_add(self.capacity());
+        if new_tat <= horizon {
+            Decision::Allow {
+                tat: new_tat,
+                remaining: tokens(horizon - new_tat, period),
+                reset_ns: self.unscale_up(new_tat - now),
+            }
+        } else {
+            Decision::Deny {
+                retry_after_ns: self.unscale_up(new_tat - horizon),
+                remaining: tokens(horizon.saturating_sub(base), period),
+                reset_ns: self.unscale_up(base - now),
+            }
+        }
+    }
+
+    /// The `tat` after giving back `cost` tokens taken by an earlier `Allow` (for all-or-nothing).
+    pub fn refund(&self, tat: u128, cost: u64) -> u128 {
+        tat.saturating_sub(u128::from(self.period_ns).saturating_mul(u128::from(cost)))
+    }
+}
+
+fn tokens(span: u128, period: u128) -> u64 {
+    u64::try_from(span / period).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn allowed(d: Decision) -> Option<u128> {
+        match d {
+            Decision::Allow { tat, .. } => Some(tat),
+            Decision::Deny { .. } => None,
+        }
+    }
+
+    #[test]
+    fn fresh_bucket_admits_burst_then_denies_with_retry_after_one_interval() {
+        let tb = TokenBucket::new(10, SEC, 5).unwrap();
+        let now = 1_000 * SEC;
+        let mut tat = 0;
+        for i in 0..5 {
+            match tb.decide(tat, now, 1) {
+                Decision::Allow {
+                    tat: t,
+                    remaining,
+                    reset_ns,
+                } => {
+                    assert_eq!(remaining, 4 - i);
+                    assert_eq!(reset_ns, (i + 1) * SEC / 10);
+                    tat = t;
+                }
+                d => panic!("request {i} denied: {d:?}"),
+            }
+        }
+        assert_eq!(
+            tb.decide(tat, now, 1),
+            Decision::Deny {
+                retry_after_ns: SEC / 10,
+                remaining: 0,
+                reset_ns: SEC / 2
+            }
+        );
+        assert!(allowed(tb.decide(tat, now + SEC / 10, 1)).is_some());
+        assert!(tb.is_full(tat, now + SEC / 2));
+        assert!(!tb.is_full(tat, now + SEC / 2 - 1));
+    }
+
+    #[test]
+    fn non_integer_interval_has_no_drift() {
+        // 3 per 2 ns: the interval is 2/3 ns, which no integer nanosecond interval can express.
+        // A client taking exactly 3 every 2 ns must be served forever, and never a 4th.
+        let tb = TokenBucket::new(3, 2, 3).unwrap();
+        let mut tat = 0;
+        for tick in 0..10_000u64 {
+            let now = SEC + 2 * tick;
+            for n in 0..3 {
+                tat = allowed(tb.decide(tat, now, 1))
+                    .unwrap_or_else(|| panic!("refused at tick {tick}, request {n}"));
+            }
+            assert!(
+                allowed(tb.decide(tat, now, 1)).is_none(),
+                "4th admitted at {tick}"
+            );
+        }
+    }
+
+    #[test]
+    fn cost_larger_than_burst_is_denied() {
+        let tb = TokenBucket::new(1, SEC, 3).unwrap();
+        assert!(allowed(tb.decide(0, SEC, 4)).is_none());
+        assert!(allowed(tb.decide(0, SEC, 3)).is_some());
+    }
+
+    #[test]
+    fn refund_restores_the_state() {
+        let tb = TokenBucket::new(7, SEC, 3).unwrap();
+        let tat = allowed(tb.decide(0, SEC, 1)).unwrap();
+        let tat2 = allowed(tb.decide(tat, SEC, 2)).unwrap();
+        assert_eq!(tb.refund(tat2, 2), tat);
+    }
+
+    #[test]
+    fn zero_parameters_are_rejected() {
+        assert!(TokenBucket::new(0, SEC, 1).is_none());
+        assert!(TokenBucket::new(1, 0, 1).is_none());
+        assert!(TokenBucket::new(1, SEC, 0).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn admitted_never_exceeds_burst_plus_rate_times_elapsed_plus_one(
+            requests in 1u64..1000,
+            period_ms in 1u64..100_000,
+            burst in 1u64..500,
+            gaps in prop::collection::vec(0u64..5_000_000_000, 1..400),
+        ) {
+            let period_ns = period_ms * 1_000_000;
+            let tb = TokenBucket::new(requests, period_ns, burst).unwrap();
+            let start = 1_000_000 * SEC;
+            let mut now = start;
+            let mut tat = 0;
+            let mut admitted = 0u128;
+            for gap in gaps {
+                now += gap;
+                if let Some(t) = allowed(tb.decide(tat, now, 1)) {
+                    tat = t;
+                    admitted += 1;
+                }
+                let elapsed = u128::from(now - start);
+                let bound = u128::from(burst)
+                    + elapsed * u128::from(requests) / u128::from(period_ns) + 1;
+                prop_assert!(admitted <= bound, "admitted {} > bound {}", admitted, bound);
+            }
+        }
+
+        #[test]
+        fn steady_client_at_or_below_the_rate_is_never_refused(
+            requests in 1u64..1000,
+            period_ms in 1u64..100_000,
+            burst in 1u64..50,
+            slack_ns in prop::collection::vec(0u64..1_000_000, 1..300),
+        ) {
+            let period_ns = period_ms * 1_000_000;
+            let tb = TokenBucket::new(requests, period_ns, burst).unwrap();
+            // The client's n-th request comes no earlier than n intervals after its first.
+            let start = 1_000_000 * SEC;
+            let mut tat = 0;
+            let mut extra = 0u64;
+            for (n, slack) in slack_ns.into_iter().enumerate() {
+                extra += slack;
+                let ideal = u128::from(n as u64) * u128::from(period_ns)
+                    / u128::from(requests);
+                let now = start + u64::try_from(ideal).unwrap() + 1 + extra;
+                let t = allowed(tb.decide(tat, now, 1));
+                prop_assert!(t.is_some(), "request {} refused", n);
+                tat = t.unwrap();
+            }
+        }
+    }
+}

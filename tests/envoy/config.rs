@@ -1,0 +1,115 @@
+//! Bad configurations are refused at load, and Envoy's log names the field and the reason.
+
+use crate::harness::Envoy;
+use serde_json::{json, Value};
+
+fn rule(extra: Value) -> Value {
+    let mut r = json!({"name": "r", "limit": {"requests": 10, "per": "1s"}});
+    for (k, v) in extra.as_object().unwrap() {
+        r[k] = v.clone();
+    }
+    r
+}
+
+#[test]
+fn invalid_configurations_are_refused_with_the_field_named() {
+    let corpus: Vec<(Value, &str)> = vec![
+        (json!("not json at all {"), "configuration: expected ident"),
+        (json!({}), "configuration: missing field `rules`"),
+        (json!({"rules": []}), "rules: at least one rule is required"),
+        (
+            json!({"rules": [rule(json!({}))], "extra": 1}),
+            "extra: unknown field `extra`",
+        ),
+        (
+            json!({"rules": [rule(json!({})), rule(json!({"name": "s", "limit": {"requests": 1, "per": "5x"}}))]}),
+            r#"rules[1].limit.per: invalid duration "5x""#,
+        ),
+        (
+            json!({"rules": [rule(json!({"limit": {"requests": 0, "per": "1s"}}))]}),
+            "rules[0].limit.requests: invalid value: integer `0`",
+        ),
+        (
+            json!({"rules": [rule(json!({"limit": {"requests": -1, "per": "1s"}}))]}),
+            "rules[0].limit.requests: invalid value: integer `-1`",
+        ),
+        (
+            json!({"rules": [rule(json!({"burst": "ten"}))]}),
+            "rules[0].burst: invalid type: string",
+        ),
+        (
+            json!({"rules": [rule(json!({})), rule(json!({}))]}),
+            r#"rules[1].name: duplicate rule name "r""#,
+        ),
+        (
+            json!({"rules": [rule(json!({"name": "Per IP"}))]}),
+            r#"rules[0].name: invalid rule name "Per IP""#,
+        ),
+        (
+            json!({"rules": [rule(json!({"algorithm": "sliding_window"}))]}),
+            r#"rules[0].algorithm: unsupported algorithm "sliding_window""#,
+        ),
+        (
+            json!({"rules": [rule(json!({"key": ["cookie:session"]}))]}),
+            r#"rules[0].key[0]: unknown key part "cookie:session""#,
+        ),
+        (
+            json!({"rules": [rule(json!({"match": {"path": "/a", "path_prefix": "/"}}))]}),
+            "rules[0].match: give either path or path_prefix",
+        ),
+        (
+            json!({"rules": [rule(json!({"match": {"hosts": "a.example"}}))]}),
+            "rules[0].match.hosts: invalid type: string",
+        ),
+        (
+            json!({"rules": [rule(json!({"missing_key": "ignore"}))]}),
+            "rules[0].missing_key: unknown variant `ignore`",
+        ),
+        (
+            json!({"rules": [rule(json!({}))], "response": {"status": 700}}),
+            "response.status: 700 is not an HTTP status",
+        ),
+        (
+            json!({"rules": [rule(json!({}))], "rate_limit_headers": "rfc"}),
+            "rate_limit_headers: unknown variant `rfc`",
+        ),
+        (
+            json!({"rules": [rule(json!({}))], "client_ip": {"trusted_hops": "1"}}),
+            "client_ip.trusted_hops: invalid type: string",
+        ),
+    ];
+    // Each refusal is its own short-lived Envoy: run them a few at a time.
+    let results: Vec<(String, String, String)> = corpus
+        .chunks(4)
+        .flat_map(|chunk| {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = chunk
+                    .iter()
+                    .map(|(config, want)| {
+                        s.spawn(move || {
+                            // A raw string is passed through as the plugin configuration text.
+                            let refused = Envoy::expect_refusal(config);
+                            assert!(!refused.status.success(), "Envoy must exit with an error");
+                            (config.to_string(), want.to_string(), refused.log)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for (config, want, log) in results {
+        let line = log
+            .lines()
+            .find(|l| l.contains("invalid configuration: "))
+            .unwrap_or_else(|| panic!("no tollgate error for {config} in:\n{log}"));
+        let message = line.split("invalid configuration: ").nth(1).unwrap();
+        assert!(
+            message.starts_with(&want),
+            "for {config}\n got: {message}\nwant: {want}…"
+        );
+    }
+}

@@ -1,0 +1,12 @@
+//! Integration tests: the built `.wasm` in a real Envoy (`--concurrency 2`), real HTTP.
+//! Run through `make test`, which builds the module and installs the pinned Envoy first.
+
+// Test code: a failed expectation is meant to panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod harness;
+
+mod config;
+mod headers;
+mod limits;
+mod matching;

@@ -1,0 +1,89 @@
+//! Which requests a rule applies to, and how its key is built.
+
+use crate::harness::{one_rule, statuses, Client, Envoy};
+use serde_json::json;
+
+#[test]
+fn matches_by_path_prefix_method_host_and_header() {
+    let envoy = Envoy::start(&one_rule(json!({
+        "name": "api",
+        "match": {"path_prefix": "/api/", "methods": ["POST"], "hosts": ["api.example.com"],
+                  "headers": {"x-tier": "free"}},
+        "limit": {"requests": 1, "per": "1d"}, "burst": 1
+    })));
+    let client = Client::new();
+    let send = |method: &str, path: &str, host: &str, tier: &str| {
+        client
+            .send(
+                method,
+                &envoy.url(path),
+                &[("host", host), ("x-tier", tier)],
+            )
+            .status
+    };
+    assert_eq!(send("POST", "/api/x", "api.example.com:8080", "free"), 200);
+    assert_eq!(send("POST", "/api/y?z=1", "API.example.com", "free"), 429);
+    // Change any one condition and the rule does not apply.
+    for _ in 0..3 {
+        assert_eq!(send("GET", "/api/x", "api.example.com", "free"), 200);
+        assert_eq!(send("POST", "/apx", "api.example.com", "free"), 200);
+        assert_eq!(send("POST", "/api/x", "other.example.com", "free"), 200);
+        assert_eq!(send("POST", "/api/x", "api.example.com", "paid"), 200);
+    }
+}
+
+#[test]
+fn matches_an_exact_path_ignoring_the_query() {
+    let envoy = Envoy::start(&one_rule(json!({
+        "name": "login", "match": {"path": "/login"},
+        "limit": {"requests": 1, "per": "1d"}, "burst": 2
+    })));
+    assert_eq!(statuses(&envoy.url("/login?next=/home"), &[], 3), (2, 1));
+    assert_eq!(statuses(&envoy.url("/login/more"), &[], 3), (3, 0));
+}
+
+#[test]
+fn missing_key_skip_leaves_the_request_unlimited() {
+    let envoy = Envoy::start(&one_rule(json!({
+        "name": "per-user", "key": ["header:x-user"],
+        "limit": {"requests": 1, "per": "1d"}, "burst": 1
+    })));
+    assert_eq!(statuses(&envoy.url("/"), &[], 5), (5, 0));
+    assert_eq!(statuses(&envoy.url("/"), &[("x-user", "a")], 2), (1, 1));
+}
+
+#[test]
+fn missing_key_limit_puts_absent_values_in_one_bucket() {
+    let envoy = Envoy::start(&one_rule(json!({
+        "name": "per-user", "key": ["header:x-user"], "missing_key": "limit",
+        "limit": {"requests": 1, "per": "1d"}, "burst": 2
+    })));
+    assert_eq!(statuses(&envoy.url("/"), &[], 3), (2, 1));
+    assert_eq!(statuses(&envoy.url("/"), &[("x-user", "")], 2), (2, 0));
+}
+
+#[test]
+fn keys_from_query_path_method_and_host() {
+    let envoy = Envoy::start(&json!({"rules": [
+        {"name": "by-query", "match": {"path_prefix": "/q"}, "key": ["query:api_key"],
+         "limit": {"requests": 1, "per": "1d"}, "burst": 1},
+        {"name": "by-request", "match": {"path_prefix": "/r"}, "key": ["method", "path", "host"],
+         "limit": {"requests": 1, "per": "1d"}, "burst": 1}
+    ]}));
+    let url = |p: &str| envoy.url(p);
+    assert_eq!(statuses(&url("/q?api_key=k1"), &[], 2), (1, 1));
+    assert_eq!(statuses(&url("/q?x=1&api_key=k2"), &[], 2), (1, 1));
+    assert_eq!(
+        statuses(&url("/q?api_key=k%31"), &[], 1),
+        (0, 1),
+        "k%31 is k1"
+    );
+    assert_eq!(statuses(&url("/q"), &[], 3), (3, 0), "no api_key: skipped");
+    let client = Client::new();
+    let send = |m: &str, p: &str, h: &str| client.send(m, &url(p), &[("host", h)]).status;
+    assert_eq!(send("GET", "/r1", "a.example"), 200);
+    assert_eq!(send("GET", "/r1", "a.example"), 429);
+    assert_eq!(send("POST", "/r1", "a.example"), 200);
+    assert_eq!(send("GET", "/r2", "a.example"), 200);
+    assert_eq!(send("GET", "/r1", "b.example"), 200);
+}
