@@ -73,8 +73,8 @@ fn retry_after_is_rounded_up_to_whole_seconds() {
          "limit": {"requests": 2, "per": "3s"}, "burst": 1}
     ]}));
     let c = Client::new();
-    assert_eq!(c.get(&envoy.url("/quarter"), &[]).status, 200);
     let sent = std::time::Instant::now();
+    assert_eq!(c.get(&envoy.url("/quarter"), &[]).status, 200);
     let r = c.get(&envoy.url("/quarter"), &[]);
     if r.status == 429 {
         // Under 250 ms to wait: 1 second, never 0.

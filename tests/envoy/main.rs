@@ -7,6 +7,7 @@
 mod harness;
 
 mod config;
+mod examples;
 mod headers;
 mod limits;
 mod matching;
