@@ -13,24 +13,21 @@ use std::time::{Duration, Instant};
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub fn wasm_path() -> PathBuf {
-    let path = std::env::var_os("TOLLGATE_WASM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("dist/tollgate.wasm"));
-    assert!(
-        path.exists(),
-        "{} is missing: run the tests with `make test` (it builds the module first)",
-        path.display()
-    );
-    path
+    built_artifact("TOLLGATE_WASM", "dist/tollgate.wasm")
 }
 
 pub fn envoy_bin() -> PathBuf {
-    let path = std::env::var_os("ENVOY_BIN")
+    built_artifact("ENVOY_BIN", ".venv/bin/envoy")
+}
+
+/// A path `make test` provides through `var`, else its default place in the repository.
+fn built_artifact(var: &str, default: &str) -> PathBuf {
+    let path = std::env::var_os(var)
         .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".venv/bin/envoy"));
+        .unwrap_or_else(|| repo().join(default));
     assert!(
         path.exists(),
-        "{} is missing: run the tests with `make test` (it installs Envoy first)",
+        "{} is missing: run the tests with `make test` (it builds and installs what they need)",
         path.display()
     );
     path
