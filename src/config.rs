@@ -5,12 +5,16 @@ use serde::Deserialize;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::num::{NonZeroU32, NonZeroU64};
-use tollgate_core::{SlotTable, TokenBucket};
+use tollgate_core::{
+    Concurrency, FixedWindow, LeakyBucket, Limit, SlidingWindow, SlotTable, TokenBucket, WarmUp,
+};
 
 /// Slots per rule when `max_keys` is not given.
 pub const DEFAULT_MAX_KEYS: u32 = 10_000;
 /// Upper bound of `max_keys`: every slot is created when the configuration loads.
 pub const MAX_MAX_KEYS: u32 = 1_000_000;
+/// How long a leaky bucket may hold a request when `max_delay` is not given.
+pub const DEFAULT_MAX_DELAY_NS: u64 = 10_000_000_000;
 
 /// A configuration error, shown as `path: reason` (e.g. `rules[1].limit.per: invalid duration "5x"`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,10 +47,51 @@ pub struct Rule {
     pub matcher: Match,
     pub key: Vec<KeyPart>,
     pub missing_key: MissingKey,
-    pub bucket: TokenBucket,
-    pub table: SlotTable,
+    pub quota: Quota,
+    pub cost: Cost,
+    /// Specific keys (encoded like request keys) with their own treatment.
+    pub overrides: Vec<Override>,
+    /// The rule's own rejection response, else the top-level one.
+    pub response: Option<Response>,
     /// The rule's own `dry_run` or the top-level one.
     pub dry_run: bool,
+}
+
+/// A limit with the slots that hold its state and how headers state it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quota {
+    pub limit: Limit,
+    pub table: SlotTable,
+    /// `RateLimit-Policy` quota `q` and window `w` seconds (none for concurrency).
+    pub policy: (u64, Option<u64>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    pub key: Vec<u8>,
+    pub action: OverrideAction,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum OverrideAction {
+    /// This key gets its own limit (and its own slot: no sharing).
+    Limit(Quota),
+    /// The rule does not apply to this key.
+    Unlimited,
+    /// Every request of this key is refused by this rule.
+    Block,
+}
+
+/// Tokens a request takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u64),
+    /// From a request header: absent or not a whole number → `default`; above `max` → `max`.
+    Header {
+        name: String,
+        default: u64,
+        max: u64,
+    },
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -103,6 +148,40 @@ pub struct Response {
 }
 
 impl Config {
+    /// Every quota with its rule: each rule's own, then its overrides' limits.
+    pub fn quotas(&self) -> impl Iterator<Item = (&Rule, &Quota)> {
+        self.rules.iter().flat_map(|rule| {
+            std::iter::once(&rule.quota)
+                .chain(rule.overrides.iter().filter_map(|o| match &o.action {
+                    OverrideAction::Limit(q) => Some(q),
+                    _ => None,
+                }))
+                .map(move |q| (rule, q))
+        })
+    }
+
+    /// One line for the log: every rule and its limit.
+    pub fn summary(&self) -> String {
+        let rules: Vec<String> = self
+            .rules
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} ({}, {} slots{}{})",
+                    r.name,
+                    describe(&r.quota.limit),
+                    r.quota.table.capacity(),
+                    match r.overrides.len() {
+                        0 => String::new(),
+                        n => format!(", {n} override(s)"),
+                    },
+                    if r.dry_run { ", dry run" } else { "" }
+                )
+            })
+            .collect();
+        format!("{} rule(s): {}", rules.len(), rules.join("; "))
+    }
+
     /// Parse and validate the plugin configuration bytes.
     pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
         let mut de = serde_json::Deserializer::from_slice(bytes);
@@ -145,14 +224,78 @@ struct RawRule {
     #[serde(default)]
     key: Vec<KeyPart>,
     limit: RawLimit,
-    burst: Option<NonZeroU64>,
+    burst: Option<u64>,
     #[serde(default)]
     algorithm: Algorithm,
+    delay: Option<Delay>,
+    max_delay: Option<Period>,
+    warmup: Option<Period>,
+    cost: Option<RawCost>,
+    #[serde(default)]
+    overrides: Vec<RawOverride>,
+    response: Option<RawResponse>,
     #[serde(default)]
     missing_key: MissingKey,
     #[serde(default)]
     dry_run: bool,
     max_keys: Option<NonZeroU32>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawCost {
+    Fixed(u64),
+    Header(RawHeaderCost),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHeaderCost {
+    header: String,
+    #[serde(default = "one")]
+    default: u64,
+    max: NonZeroU64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOverride {
+    values: Vec<String>,
+    limit: Option<RawLimit>,
+    burst: Option<u64>,
+    #[serde(default)]
+    unlimited: bool,
+    #[serde(default)]
+    block: bool,
+}
+
+/// nginx `delay=N` or `nodelay`.
+#[derive(Clone, Copy)]
+enum Delay {
+    Requests(u64),
+    Never,
+}
+
+impl<'de> Deserialize<'de> for Delay {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Self::Requests(n)),
+            Raw::S(s) if s == "nodelay" => Ok(Self::Never),
+            Raw::S(s) => Err(de::Error::custom(format!(
+                "invalid delay {s:?} (expected a whole number of requests or \"nodelay\")"
+            ))),
+        }
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -169,8 +312,9 @@ struct RawMatch {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawLimit {
-    requests: NonZeroU64,
-    per: Period,
+    requests: Option<NonZeroU64>,
+    per: Option<Period>,
+    concurrent: Option<NonZeroU64>,
 }
 
 #[derive(Deserialize)]
@@ -218,22 +362,15 @@ impl<'de> Deserialize<'de> for RuleName {
     }
 }
 
-#[derive(Default)]
+#[derive(Default, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
 enum Algorithm {
     #[default]
     TokenBucket,
-}
-
-impl<'de> Deserialize<'de> for Algorithm {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        match s.as_str() {
-            "token_bucket" => Ok(Self::TokenBucket),
-            _ => Err(de::Error::custom(format!(
-                "unsupported algorithm {s:?} (supported: \"token_bucket\")"
-            ))),
-        }
-    }
+    FixedWindow,
+    SlidingWindow,
+    LeakyBucket,
+    Concurrency,
 }
 
 impl<'de> Deserialize<'de> for KeyPart {
@@ -320,7 +457,7 @@ impl RawConfig {
             }
             rules.push(raw.validate(&path, self.dry_run)?);
         }
-        let response = self.response.validate()?;
+        let response = self.response.validate("response")?;
         Ok(Config {
             rules,
             response,
@@ -332,10 +469,7 @@ impl RawConfig {
 
 impl RawRule {
     fn validate(self, path: &str, dry_run_all: bool) -> Result<Rule, ConfigError> {
-        let Algorithm::TokenBucket = self.algorithm;
         let matcher = self.matcher.validate(&format!("{path}.match"))?;
-        let requests = self.limit.requests.get();
-        let burst = self.burst.map_or(requests, NonZeroU64::get);
         let max_keys = self.max_keys.map_or(DEFAULT_MAX_KEYS, NonZeroU32::get);
         if max_keys > MAX_MAX_KEYS {
             return Err(err(
@@ -343,34 +477,325 @@ impl RawRule {
                 format!("{max_keys} is more than the maximum of {MAX_MAX_KEYS}"),
             ));
         }
-        let bucket = TokenBucket::new(requests, self.limit.per.ns, burst)
-            .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
+        let only = |given: bool, field: &str, algorithms: &str| {
+            if given {
+                Err(err(
+                    format!("{path}.{field}"),
+                    format!("only applies to {algorithms}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let algorithm = self.algorithm;
+        only(
+            self.delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.max_delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "max_delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.warmup.is_some() && algorithm != Algorithm::TokenBucket,
+            "warmup",
+            "algorithm \"token_bucket\"",
+        )?;
+        if self.warmup.is_some() && self.burst.is_some() {
+            return Err(err(
+                format!("{path}.burst"),
+                "cannot be combined with warmup (a warming bucket admits one request at a time)",
+            ));
+        }
+        let params = LimitParams {
+            algorithm,
+            delay: self.delay,
+            max_delay_ns: self.max_delay.map_or(DEFAULT_MAX_DELAY_NS, |p| p.ns),
+            warmup_ns: self.warmup.map(|p| p.ns),
+        };
+        let name = self.name.0;
+        let limit = params.limit(&self.limit, self.burst, path)?;
+        let quota = Quota::new(limit, &name, max_keys);
+
         let mut seen = HashSet::new();
         for (j, part) in self.key.iter().enumerate() {
             if !seen.insert(part) {
                 return Err(err(format!("{path}.key[{j}]"), "repeated key part"));
             }
         }
-        // The slot names carry the parameters: a reload that changes them starts the rule fresh,
-        // one that keeps them keeps its state.
-        let params: Vec<u8> = [requests, self.limit.per.ns, burst, u64::from(max_keys)]
-            .iter()
-            .flat_map(|p| p.to_le_bytes())
-            .collect();
-        let fingerprint = tollgate_core::slot::fingerprint(&params);
-        let table = SlotTable::new(
-            format!("tollgate.tb.{}.{fingerprint:016x}.", self.name.0),
-            max_keys,
-        );
+        let cost = match self.cost {
+            None => Cost::Fixed(1),
+            Some(RawCost::Fixed(n)) => Cost::Fixed(n),
+            Some(RawCost::Header(h)) => {
+                if h.header.is_empty() {
+                    return Err(err(format!("{path}.cost.header"), "empty header name"));
+                }
+                Cost::Header {
+                    name: h.header.to_ascii_lowercase(),
+                    default: h.default.min(h.max.get()),
+                    max: h.max.get(),
+                }
+            }
+        };
+        if algorithm == Algorithm::LeakyBucket && !matches!(cost, Cost::Fixed(1)) {
+            // A held request's delay is decided for the whole cost at once; keep nginx's model.
+            return Err(err(format!("{path}.cost"), "leaky_bucket requests cost 1"));
+        }
+
+        let mut overrides = Vec::with_capacity(self.overrides.len());
+        let mut override_keys = HashSet::new();
+        for (j, o) in self.overrides.into_iter().enumerate() {
+            let at = format!("{path}.overrides[{j}]");
+            if o.values.len() != self.key.len() {
+                return Err(err(
+                    format!("{at}.values"),
+                    format!(
+                        "gives {} value(s) for a key of {} part(s)",
+                        o.values.len(),
+                        self.key.len()
+                    ),
+                ));
+            }
+            let mut values = Vec::with_capacity(o.values.len());
+            for (k, (v, part)) in o.values.iter().zip(&self.key).enumerate() {
+                values.push(match part {
+                    KeyPart::ClientIp => v
+                        .parse::<std::net::IpAddr>()
+                        .map(|ip| ip.to_string())
+                        .map_err(|_| {
+                            err(
+                                format!("{at}.values[{k}]"),
+                                format!("{v:?} is not an IP address"),
+                            )
+                        })?,
+                    KeyPart::Host => v.to_ascii_lowercase(),
+                    _ => v.clone(),
+                });
+            }
+            let key = crate::request::encode_key(values.iter().map(|v| Some(v.as_str())));
+            if !override_keys.insert(key.clone()) {
+                return Err(err(
+                    format!("{at}.values"),
+                    "another override has the same values",
+                ));
+            }
+            let action = match (o.limit, o.unlimited, o.block) {
+                (Some(l), false, false) => {
+                    let limit = params.limit(&l, o.burst, &at)?;
+                    OverrideAction::Limit(Quota::new(limit, &format!("{name}.o{j}"), 1))
+                }
+                (None, true, false) if o.burst.is_none() => OverrideAction::Unlimited,
+                (None, false, true) if o.burst.is_none() => OverrideAction::Block,
+                _ => {
+                    return Err(err(
+                        at,
+                        "give exactly one of limit (with optional burst), unlimited or block",
+                    ))
+                }
+            };
+            overrides.push(Override { key, action });
+        }
+        let response = self
+            .response
+            .map(|r| r.validate(&format!("{path}.response")))
+            .transpose()?;
         Ok(Rule {
-            name: self.name.0,
+            name,
             matcher,
             key: self.key,
             missing_key: self.missing_key,
-            bucket,
-            table,
+            quota,
+            cost,
+            overrides,
+            response,
             dry_run: self.dry_run || dry_run_all,
         })
+    }
+}
+
+/// A rule's algorithm settings, applied to its own limit and to its overrides' limits.
+struct LimitParams {
+    algorithm: Algorithm,
+    delay: Option<Delay>,
+    max_delay_ns: u64,
+    warmup_ns: Option<u64>,
+}
+
+impl LimitParams {
+    fn limit(&self, raw: &RawLimit, burst: Option<u64>, path: &str) -> Result<Limit, ConfigError> {
+        let field = |f: &str| format!("{path}.limit.{f}");
+        if self.algorithm == Algorithm::Concurrency {
+            if raw.requests.is_some() || raw.per.is_some() {
+                return Err(err(
+                    format!("{path}.limit"),
+                    "a concurrency limit is {\"concurrent\": N}, without requests or per",
+                ));
+            }
+            if burst.is_some() {
+                return Err(err(
+                    format!("{path}.burst"),
+                    "does not apply to concurrency",
+                ));
+            }
+            let n = raw.concurrent.ok_or_else(|| {
+                err(
+                    field("concurrent"),
+                    "required for algorithm \"concurrency\"",
+                )
+            })?;
+            return Concurrency::new(n.get())
+                .map(Limit::Concurrency)
+                .ok_or_else(|| err(field("concurrent"), "must be at least 1"));
+        }
+        if raw.concurrent.is_some() {
+            return Err(err(
+                field("concurrent"),
+                "only applies to algorithm \"concurrency\"",
+            ));
+        }
+        let requests = raw
+            .requests
+            .ok_or_else(|| err(field("requests"), "required"))?
+            .get();
+        let per = raw.per.ok_or_else(|| err(field("per"), "required"))?.ns;
+        let positive = || err(format!("{path}.limit"), "must be positive");
+        let zero_burst = || err(format!("{path}.burst"), "must be at least 1");
+        match self.algorithm {
+            Algorithm::TokenBucket => match self.warmup_ns {
+                Some(w) => WarmUp::new(requests, per, w)
+                    .map(Limit::WarmUp)
+                    .ok_or_else(positive),
+                None => {
+                    let burst = burst.unwrap_or(requests);
+                    if burst == 0 {
+                        return Err(zero_burst());
+                    }
+                    TokenBucket::new(requests, per, burst)
+                        .map(Limit::TokenBucket)
+                        .ok_or_else(positive)
+                }
+            },
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                if burst.is_some() {
+                    return Err(err(
+                        format!("{path}.burst"),
+                        "does not apply to window algorithms (the limit is the window's quota)",
+                    ));
+                }
+                if self.algorithm == Algorithm::FixedWindow {
+                    FixedWindow::new(requests, per).map(Limit::FixedWindow)
+                } else {
+                    SlidingWindow::new(requests, per).map(Limit::SlidingWindow)
+                }
+                .ok_or_else(positive)
+            }
+            Algorithm::LeakyBucket => {
+                let delay = match self.delay {
+                    None => 0,
+                    Some(Delay::Requests(n)) => n,
+                    Some(Delay::Never) => u64::MAX,
+                };
+                LeakyBucket::new(requests, per, burst.unwrap_or(0), delay, self.max_delay_ns)
+                    .map(Limit::LeakyBucket)
+                    .ok_or_else(positive)
+            }
+            Algorithm::Concurrency => Err(positive()),
+        }
+    }
+}
+
+impl Quota {
+    /// `owner` names the slots (a rule, or a rule's override); the name carries the limit's
+    /// parameters: a reload that keeps them keeps the state, one that changes them starts fresh.
+    fn new(limit: Limit, owner: &str, max_keys: u32) -> Self {
+        let fingerprint =
+            tollgate_core::slot::fingerprint(format!("{limit:?}/{max_keys}").as_bytes());
+        let table = SlotTable::new(format!("tollgate.{owner}.{fingerprint:016x}."), max_keys);
+        Self {
+            policy: policy(&limit),
+            limit,
+            table,
+        }
+    }
+}
+
+/// A limit as the configuration would write it.
+pub fn describe(limit: &Limit) -> String {
+    match limit {
+        Limit::TokenBucket(a) => format!(
+            "token_bucket {} per {}, burst {}",
+            a.requests(),
+            duration(a.period_ns()),
+            a.burst()
+        ),
+        Limit::WarmUp(a) => format!(
+            "token_bucket {} per {}, warmup {}",
+            a.requests(),
+            duration(a.period_ns()),
+            duration(a.warmup_ns())
+        ),
+        Limit::FixedWindow(a) => {
+            format!("fixed_window {} per {}", a.limit(), duration(a.period_ns()))
+        }
+        Limit::SlidingWindow(a) => {
+            format!(
+                "sliding_window {} per {}",
+                a.limit(),
+                duration(a.period_ns())
+            )
+        }
+        Limit::LeakyBucket(a) => format!(
+            "leaky_bucket {} per {}, burst {}, delay {}, max_delay {}",
+            a.requests(),
+            duration(a.period_ns()),
+            a.burst(),
+            if a.delay() == u64::MAX {
+                "nodelay".to_string()
+            } else {
+                a.delay().to_string()
+            },
+            duration(a.max_delay_ns())
+        ),
+        Limit::Concurrency(a) => format!("concurrency {} in flight", a.limit()),
+    }
+}
+
+/// Nanoseconds in the largest unit that divides them: "250ms", "1m".
+fn duration(ns: u64) -> String {
+    const UNITS: [(u64, &str); 5] = [
+        (86_400_000_000_000, "d"),
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+    ];
+    for (unit, name) in UNITS {
+        if ns % unit == 0 && ns >= unit {
+            return format!("{}{name}", ns / unit);
+        }
+    }
+    format!("{ns}ns")
+}
+
+/// The policy as quota `q` per window `w` seconds. A period that is not whole seconds is stated
+/// per second, rounded down (never promising more than the rule gives).
+fn policy(limit: &Limit) -> (u64, Option<u64>) {
+    const NS_PER_SEC: u64 = 1_000_000_000;
+    let (requests, period_ns) = match limit {
+        Limit::TokenBucket(a) => (a.requests(), a.period_ns()),
+        Limit::WarmUp(a) => (a.requests(), a.period_ns()),
+        Limit::FixedWindow(a) => (a.limit(), a.period_ns()),
+        Limit::SlidingWindow(a) => (a.limit(), a.period_ns()),
+        Limit::LeakyBucket(a) => (a.requests(), a.period_ns()),
+        Limit::Concurrency(a) => return (a.limit(), None),
+    };
+    if period_ns % NS_PER_SEC == 0 {
+        (requests, Some(period_ns / NS_PER_SEC))
+    } else {
+        let per_sec = u128::from(requests) * u128::from(NS_PER_SEC) / u128::from(period_ns);
+        (u64::try_from(per_sec).unwrap_or(u64::MAX), Some(1))
     }
 }
 
@@ -441,10 +866,10 @@ fn check_path(field: &str, p: String) -> Result<String, ConfigError> {
 }
 
 impl RawResponse {
-    fn validate(self) -> Result<Response, ConfigError> {
+    fn validate(self, path: &str) -> Result<Response, ConfigError> {
         if !(200..=599).contains(&self.status) {
             return Err(err(
-                "response.status",
+                format!("{path}.status"),
                 format!("{} is not an HTTP status between 200 and 599", self.status),
             ));
         }
@@ -453,7 +878,7 @@ impl RawResponse {
             let lower = name.to_ascii_lowercase();
             if lower.is_empty() || lower.starts_with(':') || lower == "content-length" {
                 return Err(err(
-                    format!("response.headers.{name}"),
+                    format!("{path}.headers.{name}"),
                     "this header cannot be set",
                 ));
             }
@@ -501,7 +926,10 @@ mod tests {
         )
         .unwrap();
         let r = &c.rules[0];
-        assert_eq!(r.bucket, TokenBucket::new(100, 60_000_000_000, 20).unwrap());
+        assert_eq!(
+            r.quota.limit,
+            Limit::TokenBucket(TokenBucket::new(100, 60_000_000_000, 20).unwrap())
+        );
         assert_eq!(r.matcher.methods, ["GET", "POST"]);
         assert_eq!(r.matcher.hosts, ["api.example.com"]);
         assert_eq!(
@@ -520,15 +948,17 @@ mod tests {
         assert_eq!(r.missing_key, MissingKey::Limit);
         assert_eq!(c.trusted_hops, 1);
         assert_eq!(c.rate_limit_headers, HeaderFormat::Both);
-        assert!(!r.table.prefix().contains('/'));
+        assert!(!r.quota.table.prefix().contains('/'));
     }
 
     #[test]
     fn defaults() {
         let c = parse(MIN).unwrap();
         let r = &c.rules[0];
-        assert_eq!(r.bucket.burst(), 10);
-        assert_eq!(r.table.len(), DEFAULT_MAX_KEYS);
+        assert_eq!(describe(&r.quota.limit), "token_bucket 10 per 1s, burst 10");
+        assert_eq!(r.quota.table.capacity(), u64::from(DEFAULT_MAX_KEYS));
+        assert_eq!(r.quota.policy, (10, Some(1)));
+        assert_eq!(r.cost, Cost::Fixed(1));
         assert_eq!(r.missing_key, MissingKey::Skip);
         assert_eq!(c.response.status, 429);
         assert_eq!(c.rate_limit_headers, HeaderFormat::Draft);
@@ -540,8 +970,64 @@ mod tests {
     fn changed_parameters_change_the_slot_names() {
         let a = parse(MIN).unwrap();
         let b = parse(&MIN.replace("10", "11")).unwrap();
-        assert_ne!(a.rules[0].table, b.rules[0].table);
-        assert_eq!(a.rules[0].table, parse(MIN).unwrap().rules[0].table);
+        assert_ne!(a.rules[0].quota.table, b.rules[0].quota.table);
+        assert_eq!(
+            a.rules[0].quota.table,
+            parse(MIN).unwrap().rules[0].quota.table
+        );
+    }
+
+    #[test]
+    fn every_algorithm_and_option() {
+        let c = parse(
+            r#"{"rules":[
+              {"name":"fw","algorithm":"fixed_window","limit":{"requests":100,"per":"1m"}},
+              {"name":"sw","algorithm":"sliding_window","limit":{"requests":100,"per":"1m"}},
+              {"name":"lb","algorithm":"leaky_bucket","limit":{"requests":10,"per":"1s"},"burst":5,"delay":2,"max_delay":"3s"},
+              {"name":"nd","algorithm":"leaky_bucket","limit":{"requests":10,"per":"1s"},"delay":"nodelay"},
+              {"name":"cc","algorithm":"concurrency","limit":{"concurrent":8},"key":["client_ip"],
+               "overrides":[{"values":["10.0.0.1"],"limit":{"concurrent":50}},
+                            {"values":["::0001"],"unlimited":true},
+                            {"values":["192.0.2.7"],"block":true}]},
+              {"name":"wu","limit":{"requests":30,"per":"1s"},"warmup":"10s",
+               "cost":{"header":"X-Cost","max":10},"response":{"status":503}}
+            ]}"#,
+        )
+        .unwrap();
+        let d: Vec<String> = c.rules.iter().map(|r| describe(&r.quota.limit)).collect();
+        assert_eq!(
+            d,
+            [
+                "fixed_window 100 per 1m",
+                "sliding_window 100 per 1m",
+                "leaky_bucket 10 per 1s, burst 5, delay 2, max_delay 3s",
+                "leaky_bucket 10 per 1s, burst 0, delay nodelay, max_delay 10s",
+                "concurrency 8 in flight",
+                "token_bucket 30 per 1s, warmup 10s",
+            ]
+        );
+        let cc = &c.rules[4];
+        assert_eq!(cc.quota.policy, (8, None));
+        assert_eq!(cc.overrides.len(), 3);
+        assert_eq!(
+            cc.overrides[1].key,
+            crate::request::encode_key([Some("::1")].into_iter())
+        );
+        assert!(matches!(cc.overrides[2].action, OverrideAction::Block));
+        assert_eq!(c.quotas().count(), 7);
+        let wu = &c.rules[5];
+        assert_eq!(
+            wu.cost,
+            Cost::Header {
+                name: "x-cost".into(),
+                default: 1,
+                max: 10
+            }
+        );
+        assert_eq!(wu.response.as_ref().map(|r| r.status), Some(503));
+        assert!(c
+            .summary()
+            .starts_with("6 rule(s): fw (fixed_window 100 per 1m, 10000 slots)"));
     }
 
     #[test]
@@ -597,7 +1083,7 @@ mod tests {
             ),
             (
                 r#"{"rules":[{"name":"r","burst":0,"limit":{"requests":1,"per":"1s"}}]}"#,
-                "rules[0].burst: invalid value: integer `0`",
+                "rules[0].burst: must be at least 1",
             ),
             (
                 r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}},{"name":"r","limit":{"requests":1,"per":"1s"}}]}"#,
@@ -608,8 +1094,8 @@ mod tests {
                 r#"rules[0].name: invalid rule name "Bad/Name""#,
             ),
             (
-                r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","limit":{"requests":1,"per":"1s"}}]}"#,
-                r#"rules[0].algorithm: unsupported algorithm "leaky_bucket""#,
+                r#"{"rules":[{"name":"r","algorithm":"gcra2","limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].algorithm: unknown variant `gcra2`, expected one of `token_bucket`, `fixed_window`, `sliding_window`, `leaky_bucket`, `concurrency`",
             ),
             (
                 r#"{"rules":[{"name":"r","key":["cookie"],"limit":{"requests":1,"per":"1s"}}]}"#,
@@ -662,6 +1148,74 @@ mod tests {
             (
                 r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"dry_run":"yes"}"#,
                 "dry_run: invalid type: string",
+            ),
+            (
+                r#"{"rules":[{"name":"r","algorithm":"fixed_window","burst":5,"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].burst: does not apply to window algorithms",
+            ),
+            (
+                r#"{"rules":[{"name":"r","delay":2,"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].delay: only applies to algorithm \"leaky_bucket\"",
+            ),
+            (
+                r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","delay":"later","limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].delay: invalid delay \"later\"",
+            ),
+            (
+                r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","max_delay":"1x","limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].max_delay: invalid duration \"1x\"",
+            ),
+            (
+                r#"{"rules":[{"name":"r","warmup":"10s","burst":3,"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].burst: cannot be combined with warmup",
+            ),
+            (
+                r#"{"rules":[{"name":"r","algorithm":"concurrency","limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].limit: a concurrency limit is",
+            ),
+            (
+                r#"{"rules":[{"name":"r","algorithm":"concurrency","limit":{}}]}"#,
+                "rules[0].limit.concurrent: required",
+            ),
+            (
+                r#"{"rules":[{"name":"r","limit":{"concurrent":3}}]}"#,
+                "rules[0].limit.concurrent: only applies to algorithm \"concurrency\"",
+            ),
+            (
+                r#"{"rules":[{"name":"r","limit":{"per":"1s"}}]}"#,
+                "rules[0].limit.requests: required",
+            ),
+            (
+                r#"{"rules":[{"name":"r","cost":{"header":"x-cost"},"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].cost: data did not match any variant",
+            ),
+            (
+                r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","cost":2,"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].cost: leaky_bucket requests cost 1",
+            ),
+            (
+                r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["a","b"],"unlimited":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].overrides[0].values: gives 2 value(s) for a key of 1 part(s)",
+            ),
+            (
+                r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["nope"],"block":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].overrides[0].values[0]: \"nope\" is not an IP address",
+            ),
+            (
+                r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["::1"],"block":true,"unlimited":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].overrides[0]: give exactly one of",
+            ),
+            (
+                r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["::1"],"block":true},{"values":["0::1"],"unlimited":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].overrides[1].values: another override has the same values",
+            ),
+            (
+                r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["::1"],"limit":{"requests":0,"per":"1s"}}],"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].overrides[0].limit.requests: invalid value: integer `0`",
+            ),
+            (
+                r#"{"rules":[{"name":"r","response":{"status":42},"limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].response.status: 42 is not an HTTP status",
             ),
         ];
         for (input, want) in cases {

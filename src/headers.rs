@@ -1,7 +1,6 @@
 //! Rate-limit response headers: IETF draft-ietf-httpapi-ratelimit-headers-10 and the legacy X- set.
 
 use crate::config::HeaderFormat;
-use tollgate_core::TokenBucket;
 
 const NS_PER_SEC: u64 = 1_000_000_000;
 
@@ -15,30 +14,19 @@ pub fn retry_after_secs(retry_after_ns: u64) -> u64 {
     ceil_secs(retry_after_ns).max(1)
 }
 
-/// The policy as quota `q` per window `w` seconds. A period that is not whole seconds is stated
-/// per second, rounded down (never promising more than the rule gives).
-pub fn policy(bucket: &TokenBucket) -> (u64, u64) {
-    let (requests, period_ns) = (bucket.requests(), bucket.period_ns());
-    if period_ns % NS_PER_SEC == 0 {
-        (requests, period_ns / NS_PER_SEC)
-    } else {
-        let per_sec = u128::from(requests) * u128::from(NS_PER_SEC) / u128::from(period_ns);
-        (u64::try_from(per_sec).unwrap_or(u64::MAX), 1)
-    }
-}
-
-/// Headers describing `rule`'s quota: `remaining` requests, `reset_secs` until `t`/`Reset`.
+/// Headers describing `rule`'s quota: policy `q` per `w` seconds, `remaining` requests,
+/// `reset_secs` until `t`/`Reset`.
 pub fn quota_headers(
     format: HeaderFormat,
     rule: &str,
-    bucket: &TokenBucket,
+    (q, w): (u64, Option<u64>),
     remaining: u64,
     reset_secs: u64,
     out: &mut Vec<(&'static str, String)>,
 ) {
-    let (q, w) = policy(bucket);
     if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
-        out.push(("ratelimit-policy", format!("\"{rule}\";q={q};w={w}")));
+        let window = w.map(|w| format!(";w={w}")).unwrap_or_default();
+        out.push(("ratelimit-policy", format!("\"{rule}\";q={q}{window}")));
         out.push((
             "ratelimit",
             format!("\"{rule}\";r={remaining};t={reset_secs}"),
@@ -66,9 +54,15 @@ mod tests {
 
     #[test]
     fn formats() {
-        let b = TokenBucket::new(100, 60 * NS_PER_SEC, 20).unwrap();
         let mut out = Vec::new();
-        quota_headers(HeaderFormat::Both, "per-ip", &b, 7, 3, &mut out);
+        quota_headers(
+            HeaderFormat::Both,
+            "per-ip",
+            (100, Some(60)),
+            7,
+            3,
+            &mut out,
+        );
         assert_eq!(
             out,
             [
@@ -80,9 +74,9 @@ mod tests {
             ]
         );
         out.clear();
-        quota_headers(HeaderFormat::None, "r", &b, 7, 3, &mut out);
+        quota_headers(HeaderFormat::None, "r", (100, Some(60)), 7, 3, &mut out);
         assert!(out.is_empty());
-        let fast = TokenBucket::new(10, 250_000_000, 10).unwrap();
-        assert_eq!(policy(&fast), (40, 1));
+        quota_headers(HeaderFormat::Draft, "c", (5, None), 2, 0, &mut out);
+        assert_eq!(out[0].1, "\"c\";q=5");
     }
 }

@@ -117,31 +117,41 @@ impl<'a, V: RequestView> Request<'a, V> {
                 .all(|(name, value)| self.view.header(name).as_deref() == Some(value.as_str()))
     }
 
-    /// The rule's bucket key: each part tagged and length-prefixed, so that no two different
-    /// combinations of values give the same bytes. `None` when a part is absent and the rule skips.
+    /// The rule's bucket key (see [`encode_key`]); `None` when a part is absent and the rule skips.
     pub fn key(&self, parts: &[KeyPart], missing: MissingKey) -> Option<Vec<u8>> {
-        let mut key = Vec::with_capacity(64);
-        for part in parts {
-            let value: Option<std::borrow::Cow<'_, str>> = match part {
+        let values: Vec<Option<std::borrow::Cow<'_, str>>> = parts
+            .iter()
+            .map(|part| match part {
                 KeyPart::ClientIp => self.client_ip().map(Into::into),
                 KeyPart::Path => self.path().map(Into::into),
                 KeyPart::Method => self.method().map(Into::into),
                 KeyPart::Host => self.host().map(Into::into),
                 KeyPart::Header(name) => self.view.header(name).map(Into::into),
                 KeyPart::Query(name) => self.query(name).map(Into::into),
-            };
-            match value {
-                Some(v) => {
-                    key.push(1);
-                    key.extend_from_slice(&(v.len() as u32).to_le_bytes());
-                    key.extend_from_slice(v.as_bytes());
-                }
-                None if missing == MissingKey::Limit => key.push(0),
-                None => return None,
-            }
+            })
+            .collect();
+        if missing == MissingKey::Skip && values.iter().any(Option::is_none) {
+            return None;
         }
-        Some(key)
+        Some(encode_key(values.iter().map(|v| v.as_deref())))
     }
+}
+
+/// Key bytes from part values: each tagged and length-prefixed, so that no two different
+/// combinations of values (or of present and absent parts) give the same bytes.
+pub fn encode_key<'v>(values: impl Iterator<Item = Option<&'v str>>) -> Vec<u8> {
+    let mut key = Vec::with_capacity(64);
+    for value in values {
+        match value {
+            Some(v) => {
+                key.push(1);
+                key.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                key.extend_from_slice(v.as_bytes());
+            }
+            None => key.push(0),
+        }
+    }
+    key
 }
 
 fn strip_port(authority: &str) -> &str {

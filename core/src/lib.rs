@@ -3,12 +3,24 @@
 //! Nothing here knows about proxy-wasm. The filter adapts Envoy's shared data to [`CasStore`];
 //! tests and the quota service use [`MemoryStore`].
 
+pub mod algorithm;
+pub mod concurrency;
+pub mod fixed_window;
+pub mod leaky_bucket;
 pub mod limiter;
+pub mod sliding_window;
 pub mod slot;
 pub mod store;
 pub mod token_bucket;
+pub mod warm_up;
 
-pub use limiter::{admit, Check, CheckOutcome, Outcome, SlotEvent, Verdict, MAX_CAS_ATTEMPTS};
+pub use algorithm::{Decision, Limit};
+pub use concurrency::Concurrency;
+pub use fixed_window::FixedWindow;
+pub use leaky_bucket::LeakyBucket;
+pub use limiter::{admit, release, Check, CheckOutcome, Hold, Outcome, SlotEvent, Verdict};
+pub use sliding_window::SlidingWindow;
 pub use slot::{SlotId, SlotTable};
 pub use store::{CasStore, MemoryStore, StoreError};
-pub use token_bucket::{Decision, TokenBucket};
+pub use token_bucket::TokenBucket;
+pub use warm_up::WarmUp;

@@ -4,23 +4,20 @@
 //! (a 429 storm costs reads only). Phase two writes each decision with CAS; a lost race re-reads and
 //! re-decides, and a refusal found then gives back what earlier rules already took.
 
-use crate::slot::{SlotId, SlotTable};
+use crate::algorithm::{Decision, Limit, State};
+use crate::slot::{Group, SlotId, SlotTable};
 use crate::store::{CasStore, StoreError};
-use crate::token_bucket::{Decision, TokenBucket};
 
-/// Writes tried per slot before the request is treated as refused by contention.
+/// Writes tried per group before the request is treated as refused by contention.
 pub const MAX_CAS_ATTEMPTS: u32 = 16;
 
-/// Bytes of a token-bucket slot: owner tag (u64 LE), then TAT (u128 LE).
-pub const SLOT_BYTES: usize = 24;
-
-/// The value every slot starts with: no owner, a full bucket.
-pub const EMPTY_SLOT: [u8; SLOT_BYTES] = [0; SLOT_BYTES];
+/// Writes tried to release held quota: a release must not be lost, or the count would drift.
+pub const MAX_RELEASE_ATTEMPTS: u32 = 1_000;
 
 /// One rule's part in a request.
 #[derive(Debug, Clone, Copy)]
 pub struct Check<'a> {
-    pub bucket: &'a TokenBucket,
+    pub limit: &'a Limit,
     pub table: &'a SlotTable,
     pub slot: SlotId,
     pub cost: u64,
@@ -33,6 +30,8 @@ pub enum Verdict {
     Allowed {
         remaining: u64,
         reset_ns: u64,
+        /// Hold the request this long before passing it on (leaky bucket).
+        delay_ns: u64,
     },
     /// The rule refuses (or, for a dry-run rule, would refuse).
     Limited {
@@ -46,21 +45,31 @@ pub enum Verdict {
     Unavailable,
 }
 
-/// What the request found in its slot.
+/// What the request found in its slot group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotEvent {
-    /// The slot already held this key, or was never used.
+    /// A slot of its own, or a free one.
     Own,
-    /// The slot held another key whose bucket was full again: it is this key's now (lossless).
+    /// A slot whose key was idle (as good as fresh): it is this key's now, losing nothing.
     TakenOver,
-    /// The slot holds another key that is still active: both share one bucket (stricter).
+    /// Every slot of the group holds another active key: it shares the least used one (stricter).
     Shared,
+}
+
+/// Quota an admitted request holds until it ends (concurrency rules): give it back with [`release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub group: u32,
+    pub index: usize,
+    pub cost: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CheckOutcome {
     pub verdict: Verdict,
     pub slot: SlotEvent,
+    /// Set when the request was admitted and this rule's quota stays held until it ends.
+    pub hold: Option<Hold>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,78 +81,79 @@ pub struct Outcome {
     pub checks: Vec<CheckOutcome>,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct SlotState {
-    tag: u64,
-    tat: u128,
-}
-
-impl SlotState {
-    fn decode(bytes: &[u8]) -> Self {
-        // Anything that is not a slot of ours (absent, other layout) reads as an empty slot.
-        let tag = bytes
-            .get(0..8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes);
-        let tat = bytes
-            .get(8..24)
-            .and_then(|b| b.try_into().ok())
-            .map(u128::from_le_bytes);
-        match (tag, tat) {
-            (Some(tag), Some(tat)) if bytes.len() == SLOT_BYTES => Self { tag, tat },
-            _ => Self { tag: 0, tat: 0 },
-        }
-    }
-
-    fn encode(&self) -> [u8; SLOT_BYTES] {
-        let mut out = [0; SLOT_BYTES];
-        out[..8].copy_from_slice(&self.tag.to_le_bytes());
-        out[8..].copy_from_slice(&self.tat.to_le_bytes());
-        out
-    }
-}
-
 /// A decision made from one read, with what to write if the request goes ahead.
 struct Plan {
     key: String,
     outcome: CheckOutcome,
-    write: Option<(SlotState, u32)>,
+    /// The slot used and the tag it carries after the write.
+    index: usize,
+    owner: u64,
+    write: Option<(Group, u32)>,
+}
+
+/// Which slot of the group a key uses, what that means, and the state it starts from.
+fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEvent, u64, State) {
+    let slots = &group.slots;
+    if let Some(i) = slots.iter().position(|(t, _)| *t == tag) {
+        return (i, SlotEvent::Own, tag, slots[i].1);
+    }
+    if let Some(i) = slots.iter().position(|(t, _)| *t == 0) {
+        return (i, SlotEvent::Own, tag, slots[i].1);
+    }
+    if let Some(i) = slots.iter().position(|(_, s)| limit.is_idle(s, now_ns)) {
+        return (
+            i,
+            SlotEvent::TakenOver,
+            tag,
+            [0; crate::algorithm::STATE_BYTES],
+        );
+    }
+    let mut best = 0;
+    for i in 1..slots.len() {
+        if limit.load(&slots[i].1, now_ns) < limit.load(&slots[best].1, now_ns) {
+            best = i;
+        }
+    }
+    (best, SlotEvent::Shared, slots[best].0, slots[best].1)
 }
 
 fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64) -> Plan {
-    let (state, cas) = match store.read(&key) {
-        Ok(Some((bytes, cas))) => (SlotState::decode(&bytes), cas),
-        Ok(None) => (SlotState::decode(&[]), 0),
+    let (group, cas) = match store.read(&key) {
+        Ok(Some((bytes, cas))) => (Group::decode(&bytes), cas),
+        Ok(None) => (Group::decode(&[]), 0),
         Err(_) => {
             return Plan {
                 key,
                 outcome: CheckOutcome {
                     verdict: Verdict::Unavailable,
                     slot: SlotEvent::Own,
+                    hold: None,
                 },
+                index: 0,
+                owner: 0,
                 write: None,
             }
         }
     };
-    let (slot, owner, tat) = if state.tag == check.slot.tag || state.tag == 0 {
-        (SlotEvent::Own, check.slot.tag, state.tat)
-    } else if check.bucket.is_full(state.tat, now_ns) {
-        (SlotEvent::TakenOver, check.slot.tag, 0)
-    } else {
-        (SlotEvent::Shared, state.tag, state.tat)
-    };
-    let (verdict, write) = match check.bucket.decide(tat, now_ns, check.cost) {
+    let (index, slot, owner, state) = choose(check.limit, &group, check.slot.tag, now_ns);
+    let (verdict, write) = match check.limit.decide(&state, now_ns, check.cost) {
         Decision::Allow {
-            tat,
+            state,
             remaining,
             reset_ns,
-        } => (
-            Verdict::Allowed {
-                remaining,
-                reset_ns,
-            },
-            Some((SlotState { tag: owner, tat }, cas)),
-        ),
+            delay_ns,
+        } => {
+            let mut next = group;
+            next.slots[index] = (owner, state);
+            (
+                Verdict::Allowed {
+                    remaining,
+                    reset_ns,
+                    delay_ns,
+                },
+                Some((next, cas)),
+            )
+        }
         Decision::Deny {
             retry_after_ns,
             remaining,
@@ -159,7 +169,13 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
     };
     Plan {
         key,
-        outcome: CheckOutcome { verdict, slot },
+        outcome: CheckOutcome {
+            verdict,
+            slot,
+            hold: None,
+        },
+        index,
+        owner,
         write,
     }
 }
@@ -168,22 +184,22 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
 pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
     let mut plans: Vec<Plan> = checks
         .iter()
-        .map(|c| plan(store, c, c.table.store_key(c.slot.index), now_ns))
+        .map(|c| plan(store, c, c.table.store_key(c.slot.group), now_ns))
         .collect();
 
     if let Some(i) = worst_refusal(checks, &plans) {
         return finish(false, Some(i), plans);
     }
 
-    let mut committed: Vec<(usize, u64)> = Vec::with_capacity(checks.len());
+    let mut committed: Vec<usize> = Vec::with_capacity(checks.len());
     for i in 0..checks.len() {
         let check = &checks[i];
         let mut attempts = 0;
-        while let Some((state, cas)) = plans[i].write {
+        while let Some((group, cas)) = plans[i].write {
             attempts += 1;
-            match store.write(&plans[i].key, &state.encode(), cas) {
+            match store.write(&plans[i].key, &group.encode(), cas) {
                 Ok(()) => {
-                    committed.push((i, state.tag));
+                    committed.push(i);
                     break;
                 }
                 Err(StoreError::Unavailable(_)) => {
@@ -205,11 +221,63 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
             Verdict::Limited { .. } | Verdict::Contended
         );
         if refused && check.enforced {
-            refund(store, checks, &plans, &committed);
+            for &j in &committed {
+                let p = &plans[j];
+                // A refund that keeps losing races leaves that rule stricter, never looser.
+                let _ = give_back(
+                    store,
+                    &checks[j],
+                    &p.key,
+                    p.index,
+                    Some(p.owner),
+                    now_ns,
+                    MAX_CAS_ATTEMPTS,
+                );
+            }
             return finish(false, Some(i), plans);
         }
     }
+    for &i in &committed {
+        if checks[i].limit.is_held() {
+            plans[i].outcome.hold = Some(Hold {
+                group: checks[i].slot.group,
+                index: plans[i].index,
+                cost: checks[i].cost,
+            });
+        }
+    }
     finish(true, None, plans)
+}
+
+/// Give back what an admitted request held (the end of a request under a concurrency rule).
+/// `Err` only if the store failed or every attempt lost a race: the count is then too high.
+pub fn release<S: CasStore + ?Sized>(
+    store: &S,
+    limit: &Limit,
+    table: &SlotTable,
+    hold: &Hold,
+    now_ns: u64,
+) -> Result<(), StoreError> {
+    let key = table.store_key(hold.group);
+    let check = Check {
+        limit,
+        table,
+        slot: SlotId {
+            group: hold.group,
+            tag: 0,
+        },
+        cost: hold.cost,
+        enforced: true,
+    };
+    give_back(
+        store,
+        &check,
+        &key,
+        hold.index,
+        None,
+        now_ns,
+        MAX_RELEASE_ATTEMPTS,
+    )
 }
 
 /// The enforced refusal with the longest wait, if any.
@@ -226,28 +294,33 @@ fn worst_refusal(checks: &[Check], plans: &[Plan]) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// Give back the tokens that committed checks took, unless their slot has changed hands since.
-fn refund<S: CasStore + ?Sized>(
+/// Return `check.cost` to slot `index` of the group at `key`, unless (with `owner`) the slot has
+/// changed hands since.
+fn give_back<S: CasStore + ?Sized>(
     store: &S,
-    checks: &[Check],
-    plans: &[Plan],
-    committed: &[(usize, u64)],
-) {
-    for &(i, tag) in committed {
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let Ok(Some((bytes, cas))) = store.read(&plans[i].key) else {
-                break;
-            };
-            let mut state = SlotState::decode(&bytes);
-            if state.tag != tag {
-                break;
-            }
-            state.tat = checks[i].bucket.refund(state.tat, checks[i].cost);
-            if store.write(&plans[i].key, &state.encode(), cas) != Err(StoreError::CasMismatch) {
-                break;
-            }
+    check: &Check,
+    key: &str,
+    index: usize,
+    owner: Option<u64>,
+    now_ns: u64,
+    attempts: u32,
+) -> Result<(), StoreError> {
+    for _ in 0..attempts {
+        let Some((bytes, cas)) = store.read(key)? else {
+            return Ok(());
+        };
+        let mut group = Group::decode(&bytes);
+        let (tag, state) = group.slots[index];
+        if owner.is_some_and(|o| o != tag) {
+            return Ok(());
+        }
+        group.slots[index].1 = check.limit.refund(&state, now_ns, check.cost);
+        match store.write(key, &group.encode(), cas) {
+            Err(StoreError::CasMismatch) => continue,
+            other => return other,
         }
     }
+    Err(StoreError::CasMismatch)
 }
 
 fn finish(admitted: bool, rejected_by: Option<usize>, plans: Vec<Plan>) -> Outcome {
@@ -261,34 +334,46 @@ fn finish(admitted: bool, rejected_by: Option<usize>, plans: Vec<Plan>) -> Outco
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::concurrency::Concurrency;
     use crate::store::MemoryStore;
+    use crate::token_bucket::TokenBucket;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Arc;
 
     const SEC: u64 = 1_000_000_000;
     const NOW: u64 = 1_700_000_000 * SEC;
 
+    #[derive(Clone)]
     struct Rule {
-        bucket: TokenBucket,
+        limit: Limit,
         table: SlotTable,
     }
 
-    fn rule(store: &MemoryStore, name: &str, requests: u64, burst: u64, slots: u32) -> Rule {
+    fn rule_with(store: &MemoryStore, name: &str, limit: Limit, slots: u32) -> Rule {
         let table = SlotTable::new(format!("{name}."), slots);
-        table.initialize(store, &EMPTY_SLOT).unwrap();
-        Rule {
-            bucket: TokenBucket::new(requests, 60 * SEC, burst).unwrap(),
-            table,
-        }
+        table.initialize(store).unwrap();
+        Rule { limit, table }
+    }
+
+    fn rule(store: &MemoryStore, name: &str, requests: u64, burst: u64, slots: u32) -> Rule {
+        let tb = TokenBucket::new(requests, 60 * SEC, burst).unwrap();
+        rule_with(store, name, Limit::TokenBucket(tb), slots)
     }
 
     fn check<'a>(r: &'a Rule, key: &str, enforced: bool) -> Check<'a> {
         Check {
-            bucket: &r.bucket,
+            limit: &r.limit,
             table: &r.table,
             slot: r.table.locate(key.as_bytes()),
             cost: 1,
             enforced,
+        }
+    }
+
+    fn remaining(out: &Outcome) -> u64 {
+        match out.checks[0].verdict {
+            Verdict::Allowed { remaining, .. } => remaining,
+            v => panic!("{v:?}"),
         }
     }
 
@@ -310,22 +395,22 @@ mod tests {
             }
         }
         assert_eq!(admitted, 2);
-        // wide was charged exactly twice: 98 remain.
-        match admit(&store, &[check(&wide, "k", true)], NOW).checks[0].verdict {
-            Verdict::Allowed { remaining, .. } => assert_eq!(remaining, 97),
-            v => panic!("{v:?}"),
-        }
+        // wide was charged exactly twice: 98 remain, 97 after this one.
+        assert_eq!(
+            remaining(&admit(&store, &[check(&wide, "k", true)], NOW)),
+            97
+        );
     }
 
     #[test]
     fn dry_run_rules_count_but_never_refuse() {
         let store = MemoryStore::new();
         let r = rule(&store, "dry", 1, 3, 16);
-        let verdicts: Vec<_> = (0..5)
+        let outcomes: Vec<_> = (0..5)
             .map(|_| admit(&store, &[check(&r, "k", false)], NOW))
             .collect();
-        assert!(verdicts.iter().all(|o| o.admitted));
-        let limited = verdicts
+        assert!(outcomes.iter().all(|o| o.admitted));
+        let limited = outcomes
             .iter()
             .filter(|o| matches!(o.checks[0].verdict, Verdict::Limited { .. }))
             .count();
@@ -333,32 +418,41 @@ mod tests {
     }
 
     #[test]
-    fn keys_in_different_slots_are_isolated_and_a_full_slot_is_taken_over() {
+    fn a_group_holds_four_keys_then_idle_slots_are_taken_over_then_busy_ones_shared() {
         let store = MemoryStore::new();
-        let r = rule(&store, "iso", 1, 1, 1); // one slot: every key lands on it
+        let r = rule(&store, "iso", 1, 2, 1); // one group: every key lands in it
+        for key in ["a", "b", "c", "d"] {
+            let out = admit(&store, &[check(&r, key, true)], NOW);
+            assert!(out.admitted);
+            assert_eq!(out.checks[0].slot, SlotEvent::Own);
+        }
+        // "a" spends its second token: the least used slots are now b, c, d (one token each).
         assert!(admit(&store, &[check(&r, "a", true)], NOW).admitted);
-        // "b" finds "a" active: they share (stricter), so "b" is refused.
-        let out = admit(&store, &[check(&r, "b", true)], NOW);
-        assert!(!out.admitted);
+        // "e" finds no free or idle slot: it shares one of b/c/d (never a, the busiest).
+        let out = admit(&store, &[check(&r, "e", true)], NOW);
         assert_eq!(out.checks[0].slot, SlotEvent::Shared);
-        // Once "a"'s bucket is full again, "b" takes the slot over with a fresh bucket.
-        let later = NOW + 60 * SEC;
-        let out = admit(&store, &[check(&r, "b", true)], later);
         assert!(out.admitted);
+        assert!(
+            !admit(&store, &[check(&r, "a", true)], NOW).admitted,
+            "a is exact"
+        );
+        // Once every bucket is full again, "e" takes a slot over with a fresh bucket.
+        let later = NOW + 120 * SEC;
+        let out = admit(&store, &[check(&r, "e", true)], later);
         assert_eq!(out.checks[0].slot, SlotEvent::TakenOver);
+        assert_eq!(remaining(&out), 1);
         assert_eq!(
-            admit(&store, &[check(&r, "b", true)], later).checks[0].slot,
+            admit(&store, &[check(&r, "e", true)], later).checks[0].slot,
             SlotEvent::Own
         );
     }
 
-    /// A store that makes the next `losses` writes to slots of one rule (`prefix`) lose a race to
-    /// another writer who spends a token of that rule's `bucket` first.
+    /// A store in which the next `losses` writes to one rule's groups lose a race to another
+    /// request of key "k" that spends its quota first.
     struct RacingStore {
         inner: MemoryStore,
         losses: AtomicU32,
-        prefix: &'static str,
-        bucket: TokenBucket,
+        racer: std::sync::Mutex<Rule>,
     }
 
     impl CasStore for RacingStore {
@@ -366,50 +460,50 @@ mod tests {
             self.inner.read(key)
         }
         fn write(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-            if key.starts_with(self.prefix) && self.losses.load(Ordering::SeqCst) > 0 {
+            let racer = self.racer.lock().unwrap().clone();
+            if key.starts_with(racer.table.prefix()) && self.losses.load(Ordering::SeqCst) > 0 {
                 self.losses.fetch_sub(1, Ordering::SeqCst);
                 let (bytes, c) = self.inner.read(key)?.unwrap_or_default();
-                let mut s = SlotState::decode(&bytes);
-                if let Decision::Allow { tat, .. } = self.bucket.decide(s.tat, NOW, 1) {
-                    s.tat = tat;
+                let mut group = Group::decode(&bytes);
+                let (i, _, owner, state) =
+                    choose(&racer.limit, &group, check(&racer, "k", true).slot.tag, NOW);
+                if let Decision::Allow { state, .. } = racer.limit.decide(&state, NOW, 1) {
+                    group.slots[i] = (owner, state);
                 }
-                self.inner.write(key, &s.encode(), c)?;
+                self.inner.write(key, &group.encode(), c)?;
             }
             self.inner.write(key, value, cas)
         }
     }
 
     #[test]
-    fn a_lost_race_is_retried_and_exhaustion_refuses_with_refund() {
+    fn a_lost_race_is_retried_and_a_refusal_found_then_refunds_the_others() {
         let inner = MemoryStore::new();
         let a = rule(&inner, "a", 1, 10, 4);
         let b = rule(&inner, "b", 1, 3, 4);
-        let mut store = RacingStore {
+        let store = RacingStore {
             inner,
             losses: AtomicU32::new(2),
-            prefix: "a.",
-            bucket: a.bucket,
+            racer: std::sync::Mutex::new(a.clone()),
         };
-        // Two lost races on "a", then success: admitted, and the racer's 2 tokens + ours are gone.
-        let out = admit(&store, &[check(&a, "k", true)], NOW);
-        assert!(out.admitted);
-        match admit(&store, &[check(&a, "k", true)], NOW).checks[0].verdict {
-            Verdict::Allowed { remaining, .. } => assert_eq!(remaining, 10 - 4),
-            v => panic!("{v:?}"),
-        }
+        // Two lost races on "a", then success: the racers' 2 tokens and ours are gone.
+        assert!(admit(&store, &[check(&a, "k", true)], NOW).admitted);
+        assert_eq!(
+            remaining(&admit(&store, &[check(&a, "k", true)], NOW)),
+            10 - 4
+        );
         // "b" has 3 tokens; our write loses to racers until they are gone: re-decided as limited,
-        // and "a", already committed, is refunded.
-        store.prefix = "b.";
-        store.bucket = b.bucket;
+        // and "a", already charged, is refunded.
+        *store.racer.lock().unwrap() = b.clone();
         store.losses.store(100, Ordering::SeqCst);
         let out = admit(&store, &[check(&a, "k", true), check(&b, "k", true)], NOW);
         assert!(!out.admitted);
         assert_eq!(out.rejected_by, Some(1));
         store.losses.store(0, Ordering::SeqCst);
-        match admit(&store, &[check(&a, "k", true)], NOW).checks[0].verdict {
-            Verdict::Allowed { remaining, .. } => assert_eq!(remaining, 10 - 5),
-            v => panic!("{v:?}"),
-        }
+        assert_eq!(
+            remaining(&admit(&store, &[check(&a, "k", true)], NOW)),
+            10 - 5
+        );
     }
 
     #[test]
@@ -419,8 +513,7 @@ mod tests {
         let store = RacingStore {
             inner,
             losses: AtomicU32::new(1_000),
-            prefix: "a.",
-            bucket: a.bucket,
+            racer: std::sync::Mutex::new(a.clone()),
         };
         let out = admit(&store, &[check(&a, "k", true)], NOW);
         assert!(!out.admitted);
@@ -448,5 +541,41 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(admitted.load(Ordering::SeqCst), 100);
+    }
+
+    #[test]
+    fn concurrency_holds_until_released_and_counts_return_to_zero_under_contention() {
+        let store = Arc::new(MemoryStore::new());
+        let c = Limit::Concurrency(Concurrency::new(3).unwrap());
+        let r = Arc::new(rule_with(&store, "c", c, 4));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (store, r) = (store.clone(), r.clone());
+                std::thread::spawn(move || {
+                    let mut admitted = 0;
+                    for _ in 0..200 {
+                        let out = admit(&*store, &[check(&r, "k", true)], NOW);
+                        if out.admitted {
+                            admitted += 1;
+                            let hold = out.checks[0].hold.expect("held");
+                            release(&*store, &r.limit, &r.table, &hold, NOW).unwrap();
+                        }
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        let admitted: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert!(admitted > 0);
+        let group = Group::decode(&store.read("c.0").unwrap().unwrap().0);
+        assert!(group
+            .slots
+            .iter()
+            .all(|(_, s)| Concurrency::in_flight(s) == 0));
+        // And while held, the limit is exact.
+        let holds: Vec<_> = (0..5)
+            .filter_map(|_| admit(&*store, &[check(&r, "k", true)], NOW).checks[0].hold)
+            .collect();
+        assert_eq!(holds.len(), 3);
     }
 }

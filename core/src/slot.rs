@@ -1,11 +1,23 @@
-//! A fixed table of state slots in a CAS store: keys map to slots by hash, so memory never grows
-//! with the number of distinct client keys.
+//! A fixed table of slots in a CAS store: keys map to slots by hash, so memory never grows with
+//! the number of distinct client keys.
 //!
-//! Every slot is written once at start-up, which also gives every later write a real CAS (hosts
-//! such as Envoy have no atomic create-if-absent).
+//! Slots come in groups of [`WAYS`] stored under one store key: one read finds a key's own slot,
+//! a free or idle one to take, or failing that the least used one to share. Every group is written
+//! once at start-up, which also gives every later write a real CAS (hosts such as Envoy have no
+//! atomic create-if-absent).
 
+use crate::algorithm::{State, STATE_BYTES};
 use crate::store::{CasStore, StoreError};
 use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+/// Slots per group.
+pub const WAYS: usize = 4;
+/// One slot: the owner's tag (u64 LE), then the algorithm state.
+pub const SLOT_BYTES: usize = 8 + STATE_BYTES;
+/// One group as stored.
+pub const GROUP_BYTES: usize = WAYS * SLOT_BYTES;
+/// The value every group starts with: every slot free.
+pub const EMPTY_GROUP: [u8; GROUP_BYTES] = [0; GROUP_BYTES];
 
 /// Seed for the key hash: fixed, so every worker VM (and every process) agrees on slots.
 const KEY_SEED: u64 = 0x746f_6c6c_6761_7465; // "tollgate"
@@ -15,70 +27,99 @@ pub fn fingerprint(bytes: &[u8]) -> u64 {
     xxh3_128_with_seed(bytes, KEY_SEED) as u64
 }
 
-/// Where a client key lives: the slot index and the tag that says whether the slot is its own.
+/// Where a client key lives: its group and the tag that marks a slot as its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotId {
-    pub index: u32,
-    /// Never 0: 0 marks an empty slot.
+    pub group: u32,
+    /// Never 0: 0 marks a free slot.
     pub tag: u64,
 }
 
-/// `len` slots named `<prefix><index>` in the store.
+/// A group's slots, decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    pub slots: [(u64, State); WAYS],
+}
+
+impl Group {
+    /// Anything that is not a group of ours (absent, another layout) reads as all free.
+    pub fn decode(bytes: &[u8]) -> Self {
+        let mut slots = [(0, [0; STATE_BYTES]); WAYS];
+        if bytes.len() == GROUP_BYTES {
+            for (i, slot) in slots.iter_mut().enumerate() {
+                let at = i * SLOT_BYTES;
+                let mut tag = [0; 8];
+                tag.copy_from_slice(&bytes[at..at + 8]);
+                slot.0 = u64::from_le_bytes(tag);
+                slot.1.copy_from_slice(&bytes[at + 8..at + SLOT_BYTES]);
+            }
+        }
+        Self { slots }
+    }
+
+    pub fn encode(&self) -> [u8; GROUP_BYTES] {
+        let mut out = [0; GROUP_BYTES];
+        for (i, (tag, state)) in self.slots.iter().enumerate() {
+            let at = i * SLOT_BYTES;
+            out[at..at + 8].copy_from_slice(&tag.to_le_bytes());
+            out[at + 8..at + SLOT_BYTES].copy_from_slice(state);
+        }
+        out
+    }
+}
+
+/// Groups named `<prefix><index>` in the store, `WAYS` slots each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotTable {
     prefix: String,
-    len: u32,
+    groups: u32,
 }
 
 impl SlotTable {
-    /// `prefix` must not contain `/` (nginx-like hosts read it as a zone name); `len >= 1`.
-    pub fn new(prefix: String, len: u32) -> Self {
+    /// Room for at least `max_keys` keys. `prefix` must not contain `/` (nginx-like hosts read it
+    /// as a zone name).
+    pub fn new(prefix: String, max_keys: u32) -> Self {
         Self {
             prefix,
-            len: len.max(1),
+            groups: max_keys.div_ceil(WAYS as u32).max(1),
         }
     }
 
-    pub fn len(&self) -> u32 {
-        self.len
+    pub fn groups(&self) -> u32 {
+        self.groups
     }
 
-    pub fn is_empty(&self) -> bool {
-        false
+    /// Slots in the table.
+    pub fn capacity(&self) -> u64 {
+        u64::from(self.groups) * WAYS as u64
     }
 
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
 
-    /// The slot for a client key (any bytes, already made unambiguous by the caller).
+    /// The slot group for a client key (any bytes, already made unambiguous by the caller).
     pub fn locate(&self, key: &[u8]) -> SlotId {
         let h = xxh3_128_with_seed(key, KEY_SEED);
-        let low = h as u64;
-        let high = (h >> 64) as u64;
         SlotId {
-            index: (low % u64::from(self.len)) as u32,
-            tag: high.max(1),
+            group: ((h as u64) % u64::from(self.groups)) as u32,
+            tag: ((h >> 64) as u64).max(1),
         }
     }
 
-    /// The store key of slot `index`.
+    /// The store key of group `index`.
     pub fn store_key(&self, index: u32) -> String {
         format!("{}{}", self.prefix, index)
     }
 
-    /// Create every slot that does not exist yet with `empty`; returns how many were created.
-    /// Existing slots keep their state (a configuration reload of an unchanged rule).
-    pub fn initialize<S: CasStore + ?Sized>(
-        &self,
-        store: &S,
-        empty: &[u8],
-    ) -> Result<u32, StoreError> {
+    /// Create every group that does not exist yet; returns how many were created. Existing groups
+    /// keep their state (a configuration reload of an unchanged rule).
+    pub fn initialize<S: CasStore + ?Sized>(&self, store: &S) -> Result<u32, StoreError> {
         let mut created = 0;
-        for index in 0..self.len {
+        for index in 0..self.groups {
             let key = self.store_key(index);
             if store.read(&key)?.is_none() {
-                match store.write(&key, empty, 0) {
+                match store.write(&key, &EMPTY_GROUP, 0) {
                     // Another worker created it between our read and write: that is fine.
                     Ok(()) | Err(StoreError::CasMismatch) => created += 1,
                     Err(e) => return Err(e),
@@ -97,22 +138,30 @@ mod tests {
     #[test]
     fn locate_is_stable_and_in_range() {
         let table = SlotTable::new("t.".into(), 100);
+        assert_eq!(table.groups(), 25);
         let a = table.locate(b"10.0.0.1");
         assert_eq!(a, table.locate(b"10.0.0.1"));
-        assert!(a.index < 100);
+        assert!(a.group < 25);
         assert_ne!(a.tag, 0);
         assert_ne!(a.tag, table.locate(b"10.0.0.2").tag);
     }
 
     #[test]
+    fn groups_round_trip() {
+        let mut g = Group::decode(&EMPTY_GROUP);
+        g.slots[2] = (7, [9; STATE_BYTES]);
+        assert_eq!(Group::decode(&g.encode()), g);
+        assert_eq!(Group::decode(b"short"), Group::decode(&EMPTY_GROUP));
+    }
+
+    #[test]
     fn initialize_creates_once_and_keeps_existing_state() {
         let store = MemoryStore::new();
-        let table = SlotTable::new("t.".into(), 8);
-        assert_eq!(table.initialize(&store, b"e"), Ok(8));
-        store
-            .write("t.3", b"x", store.read("t.3").unwrap().unwrap().1)
-            .unwrap();
-        assert_eq!(table.initialize(&store, b"e"), Ok(0));
+        let table = SlotTable::new("t.".into(), 30);
+        assert_eq!(table.initialize(&store), Ok(8));
+        let (_, cas) = store.read("t.3").unwrap().unwrap();
+        store.write("t.3", b"x", cas).unwrap();
+        assert_eq!(table.initialize(&store), Ok(0));
         assert_eq!(store.read("t.3").unwrap().unwrap().0, b"x");
         assert_eq!(store.len(), 8);
     }

@@ -3,6 +3,8 @@
 //! Time is scaled by `requests` so that the emission interval `period / requests` is an exact
 //! integer (`period_ns` in scaled units): no rounding drift, whatever the rate.
 
+use crate::algorithm::{read_u128, write_u128, Decision, State, STATE_BYTES};
+
 /// A token bucket of capacity `burst`, refilled with `requests` tokens per `period_ns`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TokenBucket {
@@ -11,9 +13,9 @@ pub struct TokenBucket {
     burst: u64,
 }
 
-/// The outcome of one decision. `tat` is the new theoretical arrival time to store, in scaled units.
+/// The outcome of one GCRA decision. `tat` is the new theoretical arrival time, in scaled units.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
+pub enum GcraDecision {
     Allow {
         tat: u128,
         /// Requests of cost 1 that would still be admitted right now.
@@ -71,24 +73,53 @@ impl TokenBucket {
     }
 
     /// Decide a request of `cost` tokens at `now_ns` against stored `tat` (0 for a fresh bucket).
-    pub fn decide(&self, tat: u128, now_ns: u64, cost: u64) -> Decision {
+    pub fn decide(&self, tat: u128, now_ns: u64, cost: u64) -> GcraDecision {
         let now = self.scaled(now_ns);
         let base = tat.max(now);
         let period = u128::from(self.period_ns);
         let new_tat = base.saturating_add(period.saturating_mul(u128::from(cost)));
         let horizon = now.saturating_add(self.capacity());
         if new_tat <= horizon {
-            Decision::Allow {
+            GcraDecision::Allow {
                 tat: new_tat,
                 remaining: tokens(horizon - new_tat, period),
                 reset_ns: self.unscale_up(new_tat - now),
             }
         } else {
-            Decision::Deny {
+            GcraDecision::Deny {
                 retry_after_ns: self.unscale_up(new_tat - horizon),
                 remaining: tokens(horizon.saturating_sub(base), period),
                 reset_ns: self.unscale_up(base - now),
             }
+        }
+    }
+
+    /// The GCRA decision over a slot's state (the TAT in its first 16 bytes).
+    pub fn decide_state(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
+        match self.decide(read_u128(state, 0), now_ns, cost) {
+            GcraDecision::Allow {
+                tat,
+                remaining,
+                reset_ns,
+            } => {
+                let mut next = [0; STATE_BYTES];
+                write_u128(&mut next, 0, tat);
+                Decision::Allow {
+                    state: next,
+                    remaining,
+                    reset_ns,
+                    delay_ns: 0,
+                }
+            }
+            GcraDecision::Deny {
+                retry_after_ns,
+                remaining,
+                reset_ns,
+            } => Decision::Deny {
+                retry_after_ns,
+                remaining,
+                reset_ns,
+            },
         }
     }
 
@@ -109,10 +140,10 @@ mod tests {
 
     const SEC: u64 = 1_000_000_000;
 
-    fn allowed(d: Decision) -> Option<u128> {
+    fn allowed(d: GcraDecision) -> Option<u128> {
         match d {
-            Decision::Allow { tat, .. } => Some(tat),
-            Decision::Deny { .. } => None,
+            GcraDecision::Allow { tat, .. } => Some(tat),
+            GcraDecision::Deny { .. } => None,
         }
     }
 
@@ -123,7 +154,7 @@ mod tests {
         let mut tat = 0;
         for i in 0..5 {
             match tb.decide(tat, now, 1) {
-                Decision::Allow {
+                GcraDecision::Allow {
                     tat: t,
                     remaining,
                     reset_ns,
@@ -137,7 +168,7 @@ mod tests {
         }
         assert_eq!(
             tb.decide(tat, now, 1),
-            Decision::Deny {
+            GcraDecision::Deny {
                 retry_after_ns: SEC / 10,
                 remaining: 0,
                 reset_ns: SEC / 2

@@ -46,8 +46,25 @@ fn invalid_configurations_are_refused_with_the_field_named() {
             r#"rules[0].name: invalid rule name "Per IP""#,
         ),
         (
-            json!({"rules": [rule(json!({"algorithm": "sliding_window"}))]}),
-            r#"rules[0].algorithm: unsupported algorithm "sliding_window""#,
+            json!({"rules": [rule(json!({"algorithm": "gcra2"}))]}),
+            "rules[0].algorithm: unknown variant `gcra2`",
+        ),
+        (
+            json!({"rules": [rule(json!({"algorithm": "fixed_window", "burst": 3}))]}),
+            "rules[0].burst: does not apply to window algorithms",
+        ),
+        (
+            json!({"rules": [rule(json!({"algorithm": "leaky_bucket", "delay": "soon"}))]}),
+            r#"rules[0].delay: invalid delay "soon""#,
+        ),
+        (
+            json!({"rules": [rule(json!({"algorithm": "concurrency"}))]}),
+            "rules[0].limit: a concurrency limit is",
+        ),
+        (
+            json!({"rules": [rule(json!({"key": ["client_ip"],
+                                          "overrides": [{"values": ["x"], "block": true}]}))]}),
+            r#"rules[0].overrides[0].values[0]: "x" is not an IP address"#,
         ),
         (
             json!({"rules": [rule(json!({"key": ["cookie:session"]}))]}),
