@@ -52,23 +52,43 @@ fn scratch_dir() -> PathBuf {
 /// What a test can vary around the plugin configuration.
 pub struct Options {
     pub concurrency: u32,
-    /// The HTTP filters around tollgate, e.g. none by default.
-    pub extra_filters_before: Vec<Value>,
+    /// HTTP filters between tollgate and the router (e.g. a fault filter to slow requests down).
+    pub filters_after: Vec<Value>,
+    /// 0: any free port.
+    pub port: u16,
+    /// Serve the listener through file-based LDS, so that `Envoy::reconfigure` can replace it.
+    pub lds: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Self {
             concurrency: 2,
-            extra_filters_before: Vec::new(),
+            filters_after: Vec::new(),
+            port: 0,
+            lds: false,
         }
     }
 }
 
-/// The Envoy bootstrap: one listener on a free port with tollgate then a direct 200 response.
-pub fn bootstrap(plugin: &Value, opts: &Options) -> Value {
-    let mut filters = opts.extra_filters_before.clone();
-    filters.push(json!({
+/// Envoy's fault filter, delaying (`x-envoy-fault-delay-request: <ms>`) or aborting
+/// (`x-envoy-fault-abort-request: <status>`) the requests that ask for it.
+pub fn fault_filter() -> Value {
+    json!({
+        "name": "envoy.filters.http.fault",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+            "delay": {"header_delay": {}, "percentage": {"numerator": 100, "denominator": "HUNDRED"}},
+            "abort": {"header_abort": {}, "percentage": {"numerator": 100, "denominator": "HUNDRED"}},
+            "max_active_faults": 100000
+        }
+    })
+}
+
+/// The one listener: tollgate, then `opts.filters_after`, then the router, which answers 200
+/// itself except on `/dead` (a cluster whose only endpoint refuses connections).
+pub fn listener(plugin: &Value, opts: &Options) -> Value {
+    let mut filters = vec![json!({
         "name": "envoy.filters.http.wasm",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
@@ -91,39 +111,80 @@ pub fn bootstrap(plugin: &Value, opts: &Options) -> Value {
                 }
             }
         }
-    }));
+    })];
+    filters.extend(opts.filters_after.iter().cloned());
     filters.push(json!({
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
     }));
     json!({
-        "static_resources": {"listeners": [{
-            "name": "main",
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
-            "filter_chains": [{"filters": [{
-                "name": "envoy.filters.network.http_connection_manager",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                    "stat_prefix": "main",
-                    // source.address is then the TCP peer, and the filter reads x-forwarded-for
-                    // as the client sent it (see README, "Client addresses").
-                    "use_remote_address": true,
-                    "skip_xff_append": true,
-                    "route_config": {"virtual_hosts": [{
-                        "name": "all", "domains": ["*"],
-                        "routes": [{"match": {"prefix": "/"},
-                                    "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}]
-                    }]},
-                    "http_filters": filters
-                }
-            }]}]
+        "name": "main",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": opts.port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "main",
+                // source.address is then the TCP peer, and the filter reads x-forwarded-for
+                // as the client sent it (see README, "Client addresses").
+                "use_remote_address": true,
+                "skip_xff_append": true,
+                "route_config": {"virtual_hosts": [{
+                    "name": "all", "domains": ["*"],
+                    "routes": [
+                        {"match": {"prefix": "/dead"}, "route": {"cluster": "dead"}},
+                        {"match": {"prefix": "/"},
+                         "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}
+                    ]
+                }]},
+                "http_filters": filters
+            }
+        }]}]
+    })
+}
+
+/// The Envoy bootstrap around [`listener`]; with `opts.lds` the listener is written to
+/// `dir/lds/listeners.json` and watched.
+pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
+    let mut boot = json!({
+        "static_resources": {"clusters": [{
+            "name": "dead",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": "dead", "endpoints": [{"lb_endpoints": [{
+                "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 1}}}
+            }]}]}
         }]},
         "stats_config": {"stats_tags": [{
             "tag_name": "tollgate_rule",
             "regex": "^wasmcustom\\.tollgate\\.rule\\.((.+?)\\.)\\w+$"
         }]},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
-    })
+    });
+    if opts.lds {
+        fs::create_dir_all(dir.join("lds")).unwrap();
+        write_lds(dir, plugin, opts);
+        boot["dynamic_resources"] = json!({"lds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {
+                "path": dir.join("lds/listeners.json"),
+                "watched_directory": {"path": dir.join("lds")}
+            }
+        }});
+    } else {
+        boot["static_resources"]["listeners"] = json!([listener(plugin, opts)]);
+    }
+    boot
+}
+
+/// Replace the LDS file atomically (Envoy reloads on the move into the watched directory).
+fn write_lds(dir: &Path, plugin: &Value, opts: &Options) {
+    let tmp = dir.join("listeners.json.tmp");
+    let mut resource = listener(plugin, opts);
+    resource["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
+    let body = json!({"resources": [resource]});
+    fs::write(&tmp, serde_json::to_vec_pretty(&body).unwrap()).unwrap();
+    fs::rename(&tmp, dir.join("lds/listeners.json")).unwrap();
 }
 
 pub struct Envoy {
@@ -173,7 +234,7 @@ impl Envoy {
 
     pub fn start_with(plugin: &Value, opts: &Options) -> Self {
         let dir = scratch_dir();
-        let child = spawn(&dir, &bootstrap(plugin, opts), opts.concurrency);
+        let child = spawn(&dir, &bootstrap(plugin, opts, &dir), opts.concurrency);
         let mut envoy = Envoy {
             child: Some(child),
             dir,
@@ -187,7 +248,7 @@ impl Envoy {
     /// Start Envoy with a configuration it must refuse; returns its exit status and log.
     pub fn expect_refusal(plugin: &Value) -> Refused {
         let dir = scratch_dir();
-        let mut child = spawn(&dir, &bootstrap(plugin, &Options::default()), 1);
+        let mut child = spawn(&dir, &bootstrap(plugin, &Options::default(), &dir), 1);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Some(status) = child.try_wait().unwrap() {
@@ -235,6 +296,42 @@ impl Envoy {
             .expect("listener port") as u16;
     }
 
+    /// Serve a new plugin configuration (the Envoy must have been started with `opts.lds`, and
+    /// `opts` must be the same but for the plugin). Returns once LDS has applied it.
+    pub fn reconfigure(&self, plugin: &Value, opts: &Options) {
+        let before = self.stat("listener_manager.lds.update_success");
+        write_lds(&self.dir, plugin, opts);
+        let deadline = Instant::now() + START_TIMEOUT;
+        while self.stat("listener_manager.lds.update_success") <= before {
+            assert!(
+                Instant::now() < deadline,
+                "LDS update not applied:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A plain Envoy stat, 0 if absent.
+    pub fn stat(&self, name: &str) -> i64 {
+        let text = self.admin_get("/stats");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Envoy's resident memory (VmRSS) in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let pid = self.child.as_ref().unwrap().id();
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+
     pub fn log(&self) -> String {
         fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
     }
@@ -263,16 +360,33 @@ impl Envoy {
             .unwrap()
     }
 
-    /// A tollgate counter as Envoy exposes it at /stats/prometheus.
+    /// A tollgate counter of a rule as Envoy exposes it at /stats/prometheus.
     pub fn counter(&self, rule: &str, name: &str) -> u64 {
+        self.prometheus(&format!("tollgate_rule_{name}{{tollgate_rule=\"{rule}\"}}")) as u64
+    }
+
+    /// A metric line's value at /stats/prometheus (`name{labels}` exactly as shown).
+    pub fn prometheus(&self, series: &str) -> i64 {
         let text = self.admin_get("/stats/prometheus");
-        let line = format!("tollgate_rule_{name}{{tollgate_rule=\"{rule}\"}} ");
+        let line = format!("{series} ");
         text.lines()
             .find_map(|l| l.strip_prefix(&line))
-            .unwrap_or_else(|| panic!("no {line} in /stats/prometheus"))
+            .unwrap_or_else(|| panic!("no {line} in /stats/prometheus:\n{text}"))
             .trim()
             .parse()
             .unwrap()
+    }
+
+    /// Wait (up to 10 s) for a metric to reach `want`; returns its last value.
+    pub fn await_prometheus(&self, series: &str, want: i64) -> i64 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = self.prometheus(series);
+            if v == want || Instant::now() >= deadline {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Connections each worker accepted (`listener.<addr>.worker_N.downstream_cx_total`).
@@ -353,15 +467,31 @@ impl Default for Client {
 
 impl Client {
     pub fn new() -> Self {
+        Self::with_timeout(Duration::from_secs(10))
+    }
+
+    /// A client that gives up (and closes its connection) after `timeout`.
+    pub fn with_timeout(timeout: Duration) -> Self {
         Self {
             agent: ureq::AgentBuilder::new()
-                .timeout(Duration::from_secs(10))
+                .timeout(timeout)
                 .max_idle_connections_per_host(1)
                 .build(),
         }
     }
 
     pub fn send(&self, method: &str, url: &str, headers: &[(&str, &str)]) -> Reply {
+        self.try_send(method, url, headers)
+            .unwrap_or_else(|e| panic!("{method} {url}: {e}"))
+    }
+
+    /// Like `send`, but a transport failure (e.g. the client's own timeout) is an `Err`.
+    pub fn try_send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<Reply, ureq::Error> {
         let mut req = self.agent.request(method, url);
         for (n, v) in headers {
             req = req.set(n, v);
@@ -369,7 +499,7 @@ impl Client {
         let resp = match req.call() {
             Ok(r) => r,
             Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{method} {url}: {e}"),
+            Err(e) => return Err(e),
         };
         let status = resp.status();
         let headers = resp
@@ -382,11 +512,11 @@ impl Client {
             .collect();
         let mut body = String::new();
         resp.into_reader().read_to_string(&mut body).unwrap();
-        Reply {
+        Ok(Reply {
             status,
             headers,
             body,
-        }
+        })
     }
 
     pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
@@ -412,4 +542,38 @@ pub fn statuses(url: &str, headers: &[(&str, &str)], n: usize) -> (usize, usize)
 /// A plugin configuration with one rule.
 pub fn one_rule(rule: Value) -> Value {
     json!({"rules": [rule]})
+}
+
+/// Run `f(i)` for `i` in `0..n` on `n` threads released together; results in order of `i`.
+pub fn parallel<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let barrier = std::sync::Barrier::new(n);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|i| {
+                let (barrier, f) = (&barrier, &f);
+                s.spawn(move || {
+                    barrier.wait();
+                    f(i)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Nanoseconds since the Unix epoch: the clock Envoy gives the filter.
+pub fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+/// Sleep until the Unix time `at_ns` (to place requests around a window edge, not to wait for
+/// anything to happen).
+pub fn sleep_until_unix(at_ns: u64) {
+    let now = unix_ns();
+    if at_ns > now {
+        std::thread::sleep(Duration::from_nanos(at_ns - now));
+    }
 }

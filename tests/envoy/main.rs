@@ -6,6 +6,7 @@
 
 mod harness;
 
+mod algorithms;
 mod config;
 mod examples;
 mod headers;
