@@ -69,19 +69,6 @@ impl Limit {
         }
     }
 
-    /// How much of the quota a state has in use, comparable between states of this limit: when a
-    /// key must share a slot, it shares the least used one.
-    pub fn load(&self, state: &State, now_ns: u64) -> u128 {
-        match self {
-            Self::TokenBucket(_) => read_u128(state, 0).saturating_sub(u128::from(now_ns)),
-            Self::WarmUp(a) => a.load(state, now_ns),
-            Self::FixedWindow(a) => a.load(state, now_ns),
-            Self::SlidingWindow(a) => a.load(state, now_ns),
-            Self::LeakyBucket(a) => a.load(state, now_ns),
-            Self::Concurrency(_) => u128::from(read_u64(state, 0)),
-        }
-    }
-
     /// The state after giving back `cost` taken by an earlier `Allow` (all-or-nothing accounting,
     /// and the end of a request for `Concurrency`).
     pub fn refund(&self, state: &State, now_ns: u64, cost: u64) -> State {

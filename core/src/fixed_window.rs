@@ -67,10 +67,6 @@ impl FixedWindow {
         self.current(state, now_ns).1 == 0
     }
 
-    pub fn load(&self, state: &State, now_ns: u64) -> u128 {
-        u128::from(self.current(state, now_ns).1)
-    }
-
     pub fn refund(&self, state: &State, now_ns: u64, cost: u64) -> State {
         let (window, count) = self.current(state, now_ns);
         let mut next = *state;
@@ -123,6 +119,6 @@ mod tests {
         assert!(!w.is_idle(&s, edge + SEC));
         assert!(w.is_idle(&s, edge + 10 * SEC));
         let refunded = w.refund(&s, edge + SEC, 1);
-        assert_eq!(w.load(&refunded, edge + SEC), 2);
+        assert_eq!(w.current(&refunded, edge + SEC).1, 2);
     }
 }

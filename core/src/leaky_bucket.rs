@@ -116,10 +116,6 @@ impl LeakyBucket {
         self.next_excess(state, now_ns) == 0
     }
 
-    pub fn load(&self, state: &State, now_ns: u64) -> u128 {
-        self.next_excess(state, now_ns)
-    }
-
     pub fn refund(&self, state: &State, cost: u64) -> State {
         let mut next = *state;
         let excess = read_u128(state, 0).saturating_sub(u128::from(cost) * self.unit());

@@ -4,8 +4,8 @@
 //! (a 429 storm costs reads only). Phase two writes each decision with CAS; a lost race re-reads and
 //! re-decides, and a refusal found then gives back what earlier rules already took.
 
-use crate::algorithm::{Decision, Limit, State};
-use crate::slot::{Group, SlotId, SlotTable};
+use crate::algorithm::{Decision, Limit};
+use crate::slot::{Group, Slot, SlotId, SlotTable};
 use crate::store::{CasStore, StoreError};
 
 /// Writes tried per group before the request is treated as refused by contention.
@@ -52,7 +52,8 @@ pub enum SlotEvent {
     Own,
     /// A slot whose key was idle (as good as fresh): it is this key's now, losing nothing.
     TakenOver,
-    /// Every slot of the group holds another active key: it shares the least used one (stricter).
+    /// Every slot of the group holds another active key: it shares the one whose owner has made
+    /// the fewest requests (stricter for both, never looser).
     Shared,
 }
 
@@ -85,36 +86,35 @@ pub struct Outcome {
 struct Plan {
     key: String,
     outcome: CheckOutcome,
-    /// The slot used and the tag it carries after the write.
+    /// The slot used and the owner tag it carries after the write.
     index: usize,
     owner: u64,
     write: Option<(Group, u32)>,
 }
 
-/// Which slot of the group a key uses, what that means, and the state it starts from.
-fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEvent, u64, State) {
+/// Which slot of the group a key uses, what that means, and the slot as the decision starts from.
+fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEvent, Slot) {
     let slots = &group.slots;
-    if let Some(i) = slots.iter().position(|(t, _)| *t == tag) {
-        return (i, SlotEvent::Own, tag, slots[i].1);
+    if let Some(i) = slots.iter().position(|s| s.tag == tag) {
+        return (i, SlotEvent::Own, slots[i]);
     }
-    if let Some(i) = slots.iter().position(|(t, _)| *t == 0) {
-        return (i, SlotEvent::Own, tag, slots[i].1);
+    let fresh = Slot {
+        tag,
+        ..Slot::default()
+    };
+    if let Some(i) = slots.iter().position(|s| s.tag == 0) {
+        return (i, SlotEvent::Own, fresh);
     }
-    if let Some(i) = slots.iter().position(|(_, s)| limit.is_idle(s, now_ns)) {
-        return (
-            i,
-            SlotEvent::TakenOver,
-            tag,
-            [0; crate::algorithm::STATE_BYTES],
-        );
+    if let Some(i) = slots.iter().position(|s| limit.is_idle(&s.state, now_ns)) {
+        return (i, SlotEvent::TakenOver, fresh);
     }
-    let mut best = 0;
+    let mut least = 0;
     for i in 1..slots.len() {
-        if limit.load(&slots[i].1, now_ns) < limit.load(&slots[best].1, now_ns) {
-            best = i;
+        if slots[i].hits < slots[least].hits {
+            least = i;
         }
     }
-    (best, SlotEvent::Shared, slots[best].0, slots[best].1)
+    (least, SlotEvent::Shared, slots[least])
 }
 
 fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64) -> Plan {
@@ -135,8 +135,9 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
             }
         }
     };
-    let (index, slot, owner, state) = choose(check.limit, &group, check.slot.tag, now_ns);
-    let (verdict, write) = match check.limit.decide(&state, now_ns, check.cost) {
+    let (index, slot, current) = choose(check.limit, &group, check.slot.tag, now_ns);
+    let owner = current.tag;
+    let (verdict, write) = match check.limit.decide(&current.state, now_ns, check.cost) {
         Decision::Allow {
             state,
             remaining,
@@ -144,7 +145,13 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
             delay_ns,
         } => {
             let mut next = group;
-            next.slots[index] = (owner, state);
+            // Only the owner's own requests count as its hits.
+            let own = u64::from(slot != SlotEvent::Shared);
+            next.slots[index] = Slot {
+                tag: owner,
+                hits: current.hits.saturating_add(own),
+                state,
+            };
             (
                 Verdict::Allowed {
                     remaining,
@@ -310,11 +317,11 @@ fn give_back<S: CasStore + ?Sized>(
             return Ok(());
         };
         let mut group = Group::decode(&bytes);
-        let (tag, state) = group.slots[index];
-        if owner.is_some_and(|o| o != tag) {
+        let slot = &mut group.slots[index];
+        if owner.is_some_and(|o| o != slot.tag) {
             return Ok(());
         }
-        group.slots[index].1 = check.limit.refund(&state, now_ns, check.cost);
+        slot.state = check.limit.refund(&slot.state, now_ns, check.cost);
         match store.write(key, &group.encode(), cas) {
             Err(StoreError::CasMismatch) => continue,
             other => return other,
@@ -426,9 +433,9 @@ mod tests {
             assert!(out.admitted);
             assert_eq!(out.checks[0].slot, SlotEvent::Own);
         }
-        // "a" spends its second token: the least used slots are now b, c, d (one token each).
+        // "a" makes a second request: the slots with the fewest requests are now b, c, d.
         assert!(admit(&store, &[check(&r, "a", true)], NOW).admitted);
-        // "e" finds no free or idle slot: it shares one of b/c/d (never a, the busiest).
+        // "e" finds no free or idle slot: it shares one of b/c/d (never a, the established key).
         let out = admit(&store, &[check(&r, "e", true)], NOW);
         assert_eq!(out.checks[0].slot, SlotEvent::Shared);
         assert!(out.admitted);
@@ -465,10 +472,10 @@ mod tests {
                 self.losses.fetch_sub(1, Ordering::SeqCst);
                 let (bytes, c) = self.inner.read(key)?.unwrap_or_default();
                 let mut group = Group::decode(&bytes);
-                let (i, _, owner, state) =
-                    choose(&racer.limit, &group, check(&racer, "k", true).slot.tag, NOW);
-                if let Decision::Allow { state, .. } = racer.limit.decide(&state, NOW, 1) {
-                    group.slots[i] = (owner, state);
+                let tag = check(&racer, "k", true).slot.tag;
+                let (i, _, slot) = choose(&racer.limit, &group, tag, NOW);
+                if let Decision::Allow { state, .. } = racer.limit.decide(&slot.state, NOW, 1) {
+                    group.slots[i] = Slot { state, ..slot };
                 }
                 self.inner.write(key, &group.encode(), c)?;
             }
@@ -571,7 +578,7 @@ mod tests {
         assert!(group
             .slots
             .iter()
-            .all(|(_, s)| Concurrency::in_flight(s) == 0));
+            .all(|s| Concurrency::in_flight(&s.state) == 0));
         // And while held, the limit is exact.
         let holds: Vec<_> = (0..5)
             .filter_map(|_| admit(&*store, &[check(&r, "k", true)], NOW).checks[0].hold)

@@ -97,11 +97,6 @@ impl SlidingWindow {
         current == 0 && previous == 0
     }
 
-    pub fn load(&self, state: &State, now_ns: u64) -> u128 {
-        let (_, current, previous) = self.counts(state, now_ns);
-        self.estimate(current, previous, now_ns).0
-    }
-
     pub fn refund(&self, state: &State, now_ns: u64, cost: u64) -> State {
         let (window, current, _) = self.counts(state, now_ns);
         let mut next = *state;

@@ -2,7 +2,8 @@
 //! the number of distinct client keys.
 //!
 //! Slots come in groups of [`WAYS`] stored under one store key: one read finds a key's own slot,
-//! a free or idle one to take, or failing that the least used one to share. Every group is written
+//! a free or idle one to take, or failing that the one whose key has made the fewest requests, to
+//! share (so a flood of new keys piles onto itself, not onto established keys). Every group is written
 //! once at start-up, which also gives every later write a real CAS (hosts such as Envoy have no
 //! atomic create-if-absent).
 
@@ -12,8 +13,8 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 /// Slots per group.
 pub const WAYS: usize = 4;
-/// One slot: the owner's tag (u64 LE), then the algorithm state.
-pub const SLOT_BYTES: usize = 8 + STATE_BYTES;
+/// One slot: the owner's tag (u64 LE), its admitted requests (u64 LE), then the algorithm state.
+pub const SLOT_BYTES: usize = 16 + STATE_BYTES;
 /// One group as stored.
 pub const GROUP_BYTES: usize = WAYS * SLOT_BYTES;
 /// The value every group starts with: every slot free.
@@ -35,23 +36,32 @@ pub struct SlotId {
     pub tag: u64,
 }
 
+/// One slot, decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Slot {
+    /// The owning key's tag; 0 = free.
+    pub tag: u64,
+    /// Requests the owner had admitted here (not counting keys sharing the slot).
+    pub hits: u64,
+    pub state: State,
+}
+
 /// A group's slots, decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Group {
-    pub slots: [(u64, State); WAYS],
+    pub slots: [Slot; WAYS],
 }
 
 impl Group {
     /// Anything that is not a group of ours (absent, another layout) reads as all free.
     pub fn decode(bytes: &[u8]) -> Self {
-        let mut slots = [(0, [0; STATE_BYTES]); WAYS];
+        let mut slots = [Slot::default(); WAYS];
         if bytes.len() == GROUP_BYTES {
             for (i, slot) in slots.iter_mut().enumerate() {
                 let at = i * SLOT_BYTES;
-                let mut tag = [0; 8];
-                tag.copy_from_slice(&bytes[at..at + 8]);
-                slot.0 = u64::from_le_bytes(tag);
-                slot.1.copy_from_slice(&bytes[at + 8..at + SLOT_BYTES]);
+                slot.tag = le_u64(&bytes[at..at + 8]);
+                slot.hits = le_u64(&bytes[at + 8..at + 16]);
+                slot.state.copy_from_slice(&bytes[at + 16..at + SLOT_BYTES]);
             }
         }
         Self { slots }
@@ -59,13 +69,20 @@ impl Group {
 
     pub fn encode(&self) -> [u8; GROUP_BYTES] {
         let mut out = [0; GROUP_BYTES];
-        for (i, (tag, state)) in self.slots.iter().enumerate() {
+        for (i, slot) in self.slots.iter().enumerate() {
             let at = i * SLOT_BYTES;
-            out[at..at + 8].copy_from_slice(&tag.to_le_bytes());
-            out[at + 8..at + SLOT_BYTES].copy_from_slice(state);
+            out[at..at + 8].copy_from_slice(&slot.tag.to_le_bytes());
+            out[at + 8..at + 16].copy_from_slice(&slot.hits.to_le_bytes());
+            out[at + 16..at + SLOT_BYTES].copy_from_slice(&slot.state);
         }
         out
     }
+}
+
+fn le_u64(bytes: &[u8]) -> u64 {
+    let mut b = [0; 8];
+    b.copy_from_slice(bytes);
+    u64::from_le_bytes(b)
 }
 
 /// Groups named `<prefix><index>` in the store, `WAYS` slots each.
@@ -149,7 +166,11 @@ mod tests {
     #[test]
     fn groups_round_trip() {
         let mut g = Group::decode(&EMPTY_GROUP);
-        g.slots[2] = (7, [9; STATE_BYTES]);
+        g.slots[2] = Slot {
+            tag: 7,
+            hits: 3,
+            state: [9; STATE_BYTES],
+        };
         assert_eq!(Group::decode(&g.encode()), g);
         assert_eq!(Group::decode(b"short"), Group::decode(&EMPTY_GROUP));
     }

@@ -111,11 +111,6 @@ impl WarmUp {
         next_free <= now_ns && stored >= self.max_permits
     }
 
-    pub fn load(&self, state: &State, now_ns: u64) -> u128 {
-        let (stored, _) = self.resync(state, now_ns);
-        ((self.max_permits - stored).max(0.0) * 1e6) as u128
-    }
-
     /// Approximate: gives back `cost` stable intervals of the next free time.
     pub fn refund(&self, state: &State, cost: u64) -> State {
         let mut next = *state;

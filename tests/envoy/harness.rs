@@ -147,6 +147,7 @@ pub fn listener(plugin: &Value, opts: &Options) -> Value {
 /// `dir/lds/listeners.json` and watched.
 pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
     let mut boot = json!({
+        "node": {"id": "tollgate-test", "cluster": "tollgate-test"},
         "static_resources": {"clusters": [{
             "name": "dead",
             "type": "STATIC",
@@ -491,7 +492,7 @@ impl Client {
         method: &str,
         url: &str,
         headers: &[(&str, &str)],
-    ) -> Result<Reply, ureq::Error> {
+    ) -> Result<Reply, Box<ureq::Error>> {
         let mut req = self.agent.request(method, url);
         for (n, v) in headers {
             req = req.set(n, v);
@@ -499,7 +500,7 @@ impl Client {
         let resp = match req.call() {
             Ok(r) => r,
             Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => return Err(e),
+            Err(e) => return Err(Box::new(e)),
         };
         let status = resp.status();
         let headers = resp

@@ -7,8 +7,10 @@
 mod harness;
 
 mod algorithms;
+mod concurrency;
 mod config;
 mod examples;
 mod headers;
 mod limits;
 mod matching;
+mod state;
