@@ -58,6 +58,8 @@ pub struct Options {
     pub port: u16,
     /// Serve the listener through file-based LDS, so that `Envoy::reconfigure` can replace it.
     pub lds: bool,
+    /// Log Wasm (filter) messages at debug level.
+    pub debug_log: bool,
 }
 
 impl Default for Options {
@@ -67,6 +69,7 @@ impl Default for Options {
             filters_after: Vec::new(),
             port: 0,
             lds: false,
+            debug_log: false,
         }
     }
 }
@@ -201,16 +204,21 @@ pub struct Refused {
     pub log: String,
 }
 
-fn spawn(dir: &Path, bootstrap: &Value, concurrency: u32) -> Child {
+fn spawn(dir: &Path, bootstrap: &Value, opts: &Options) -> Child {
     let config = dir.join("envoy.json");
     fs::write(&config, serde_json::to_vec_pretty(bootstrap).unwrap()).unwrap();
     let mut cmd = Command::new(envoy_bin());
     cmd.arg("-c")
         .arg(&config)
-        .args(["--concurrency", &concurrency.to_string()])
+        .args(["--concurrency", &opts.concurrency.to_string()])
         .arg("--disable-hot-restart")
         .args(["-l", "info"])
         .args(["--file-flush-interval-msec", "100"])
+        .args(if opts.debug_log {
+            &["--component-log-level", "wasm:debug"][..]
+        } else {
+            &[]
+        })
         .arg("--admin-address-path")
         .arg(dir.join("admin"))
         .arg("--log-path")
@@ -235,7 +243,7 @@ impl Envoy {
 
     pub fn start_with(plugin: &Value, opts: &Options) -> Self {
         let dir = scratch_dir();
-        let child = spawn(&dir, &bootstrap(plugin, opts, &dir), opts.concurrency);
+        let child = spawn(&dir, &bootstrap(plugin, opts, &dir), opts);
         let mut envoy = Envoy {
             child: Some(child),
             dir,
@@ -249,7 +257,11 @@ impl Envoy {
     /// Start Envoy with a configuration it must refuse; returns its exit status and log.
     pub fn expect_refusal(plugin: &Value) -> Refused {
         let dir = scratch_dir();
-        let mut child = spawn(&dir, &bootstrap(plugin, &Options::default(), &dir), 1);
+        let opts = Options {
+            concurrency: 1,
+            ..Options::default()
+        };
+        let mut child = spawn(&dir, &bootstrap(plugin, &opts, &dir), &opts);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Some(status) = child.try_wait().unwrap() {

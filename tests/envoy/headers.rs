@@ -1,6 +1,6 @@
 //! What clients and operators see: quota headers, Retry-After, the rejection, dry run, metrics.
 
-use crate::harness::{one_rule, statuses, Client, Envoy, Reply};
+use crate::harness::{one_rule, statuses, Client, Envoy, Options, Reply};
 use serde_json::json;
 
 fn rule_with_format(format: &str) -> serde_json::Value {
@@ -173,4 +173,25 @@ fn metrics_are_exposed_per_rule_in_prometheus_format() {
         stats.contains("# TYPE tollgate_rule_allowed counter"),
         "{stats}"
     );
+}
+
+#[test]
+fn logs_a_summary_per_load_and_a_debug_line_per_decision() {
+    let envoy = Envoy::start_with(
+        &json!({"rules": [
+            {"name": "a", "algorithm": "sliding_window", "limit": {"requests": 5, "per": "1m"}},
+            {"name": "b", "algorithm": "concurrency", "limit": {"concurrent": 2}, "dry_run": true}
+        ]}),
+        &Options {
+            debug_log: true,
+            ..Options::default()
+        },
+    );
+    assert!(envoy.log_shows(
+        "configuration loaded: 2 rule(s): a (sliding_window 5 per 1m, 10000 slots); \
+         b (concurrency 2 in flight, 10000 slots, dry run)"
+    ));
+    statuses(&envoy.url("/"), &[], 1);
+    assert!(envoy.log_shows("rule a key "));
+    assert!(envoy.log_shows("Allowed { remaining: 4"));
 }
