@@ -121,3 +121,15 @@ pub(crate) fn div_ceil_u64(num: u128, den: u128) -> u64 {
 pub(crate) fn div_u64(num: u128, den: u128) -> u64 {
     u64::try_from(num / den.max(1)).unwrap_or(u64::MAX)
 }
+
+/// Tests: decide one request and keep the new state if admitted.
+#[cfg(test)]
+pub(crate) fn apply(limit: Limit, state: &mut State, now_ns: u64, cost: u64) -> bool {
+    match limit.decide(state, now_ns, cost) {
+        Decision::Allow { state: next, .. } => {
+            *state = next;
+            true
+        }
+        Decision::Deny { .. } => false,
+    }
+}

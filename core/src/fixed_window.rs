@@ -89,13 +89,7 @@ mod tests {
     const SEC: u64 = 1_000_000_000;
 
     fn run(w: &FixedWindow, state: &mut State, now: u64) -> bool {
-        match w.decide(state, now, 1) {
-            Decision::Allow { state: s, .. } => {
-                *state = s;
-                true
-            }
-            Decision::Deny { .. } => false,
-        }
+        crate::algorithm::apply(crate::Limit::FixedWindow(*w), state, now, 1)
     }
 
     #[test]

@@ -115,13 +115,7 @@ mod tests {
     const SEC: u64 = 1_000_000_000;
 
     fn run(w: &SlidingWindow, state: &mut State, now: u64, cost: u64) -> bool {
-        match w.decide(state, now, cost) {
-            Decision::Allow { state: s, .. } => {
-                *state = s;
-                true
-            }
-            Decision::Deny { .. } => false,
-        }
+        crate::algorithm::apply(crate::Limit::SlidingWindow(*w), state, now, cost)
     }
 
     #[test]
