@@ -1,6 +1,7 @@
 //! The algorithms behind one interface: a decision is a pure function of a slot's state bytes, the
 //! time and the request's cost, returning the state to write.
 
+use crate::allowance::LeaseAllowance;
 use crate::concurrency::Concurrency;
 use crate::fixed_window::FixedWindow;
 use crate::leaky_bucket::LeakyBucket;
@@ -32,6 +33,11 @@ pub enum Decision {
         remaining: u64,
         reset_ns: u64,
     },
+    /// No decision possible yet: quota is on its way (global rules). With `claim`, write it: this
+    /// request asks for the refill.
+    Wait { claim: Option<State> },
+    /// The source of quota failed (global rules): the rule's failure mode decides.
+    Fallback,
 }
 
 /// A rule's limit: which algorithm, with its parameters.
@@ -43,6 +49,8 @@ pub enum Limit {
     SlidingWindow(SlidingWindow),
     LeakyBucket(LeakyBucket),
     Concurrency(Concurrency),
+    /// A global rule's allowance leased from the quota service.
+    Lease(LeaseAllowance),
 }
 
 impl Limit {
@@ -54,6 +62,15 @@ impl Limit {
             Self::SlidingWindow(a) => a.decide(state, now_ns, cost),
             Self::LeakyBucket(a) => a.decide(state, now_ns, cost),
             Self::Concurrency(a) => a.decide(state, cost),
+            Self::Lease(a) => a.decide(state, now_ns, cost),
+        }
+    }
+
+    /// True if writing `after` over `before` claims a refill that the writer must send.
+    pub fn claims_refill(&self, before: &State, after: &State) -> bool {
+        match self {
+            Self::Lease(a) => a.claimed(before, after),
+            _ => false,
         }
     }
 
@@ -66,6 +83,7 @@ impl Limit {
             Self::SlidingWindow(a) => a.is_idle(state, now_ns),
             Self::LeakyBucket(a) => a.is_idle(state, now_ns),
             Self::Concurrency(_) => Concurrency::is_idle(state),
+            Self::Lease(_) => LeaseAllowance::is_idle(state, now_ns / 1_000_000),
         }
     }
 
@@ -83,6 +101,7 @@ impl Limit {
             Self::SlidingWindow(a) => a.refund(state, now_ns, cost),
             Self::LeakyBucket(a) => a.refund(state, cost),
             Self::Concurrency(_) => Concurrency::release(state, cost),
+            Self::Lease(_) => LeaseAllowance::refund(state, cost),
         }
     }
 
@@ -130,6 +149,6 @@ pub(crate) fn apply(limit: Limit, state: &mut State, now_ns: u64, cost: u64) -> 
             *state = next;
             true
         }
-        Decision::Deny { .. } => false,
+        _ => false,
     }
 }

@@ -142,7 +142,7 @@ mod tests {
                     s = state;
                     Some(delay_ns)
                 }
-                Decision::Deny { .. } => None,
+                _ => None,
             })
             .collect()
     }

@@ -4,6 +4,7 @@
 //! tests and the quota service use [`MemoryStore`].
 
 pub mod algorithm;
+pub mod allowance;
 pub mod concurrency;
 pub mod fair_share;
 pub mod fixed_window;
@@ -17,6 +18,7 @@ pub mod token_bucket;
 pub mod warm_up;
 
 pub use algorithm::{Decision, Limit};
+pub use allowance::LeaseAllowance;
 pub use concurrency::Concurrency;
 pub use fixed_window::FixedWindow;
 pub use leaky_bucket::LeakyBucket;

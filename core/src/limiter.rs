@@ -43,6 +43,10 @@ pub enum Verdict {
     Contended,
     /// The store failed: the rule does not apply to this request.
     Unavailable,
+    /// Quota is on its way (global rules): try again shortly.
+    Waiting,
+    /// The source of quota failed (global rules): the rule's failure mode decides.
+    Fallback,
 }
 
 /// What the request found in its slot group.
@@ -71,10 +75,13 @@ pub struct CheckOutcome {
     pub slot: SlotEvent,
     /// Set when the request was admitted and this rule's quota stays held until it ends.
     pub hold: Option<Hold>,
+    /// This request claimed a refill of the rule's allowance for its key: the caller sends it.
+    pub refill: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
+    /// False with no `rejected_by` when an enforced check is `Waiting` or `Fallback`.
     pub admitted: bool,
     /// Index of the enforced check that refused the request (the longest wait if several did).
     pub rejected_by: Option<usize>,
@@ -89,6 +96,8 @@ struct Plan {
     /// The slot used and the owner tag it carries after the write.
     index: usize,
     owner: u64,
+    /// The slot's state as read.
+    before: crate::algorithm::State,
     write: Option<(Group, u32)>,
 }
 
@@ -128,9 +137,11 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
                     verdict: Verdict::Unavailable,
                     slot: SlotEvent::Own,
                     hold: None,
+                    refill: false,
                 },
                 index: 0,
                 owner: 0,
+                before: [0; crate::algorithm::STATE_BYTES],
                 write: None,
             }
         }
@@ -173,6 +184,19 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
             },
             None,
         ),
+        Decision::Wait { claim } => (
+            Verdict::Waiting,
+            claim.map(|state| {
+                let mut next = group;
+                next.slots[index] = Slot {
+                    tag: owner,
+                    hits: current.hits,
+                    state,
+                };
+                (next, cas)
+            }),
+        ),
+        Decision::Fallback => (Verdict::Fallback, None),
     };
     Plan {
         key,
@@ -180,9 +204,11 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
             verdict,
             slot,
             hold: None,
+            refill: false,
         },
         index,
         owner,
+        before: current.state,
         write,
     }
 }
@@ -197,15 +223,39 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
     if let Some(i) = worst_refusal(checks, &plans) {
         return finish(false, Some(i), plans);
     }
+    // Claims of refills go out whatever happens to the request (one attempt: if it loses a race,
+    // someone else changed the slot and a later request claims).
+    for (check, p) in checks.iter().zip(plans.iter_mut()) {
+        if p.outcome.verdict == Verdict::Waiting {
+            if let Some((group, cas)) = p.write.take() {
+                p.outcome.refill = store.write(&p.key, &group.encode(), cas).is_ok()
+                    && check
+                        .limit
+                        .claims_refill(&p.before, &group.slots[p.index].state);
+            }
+        }
+    }
+    let undecided = checks.iter().zip(&plans).any(|(c, p)| {
+        c.enforced && matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback)
+    });
+    if undecided {
+        return finish(false, None, plans);
+    }
 
     let mut committed: Vec<usize> = Vec::with_capacity(checks.len());
     for i in 0..checks.len() {
         let check = &checks[i];
         let mut attempts = 0;
-        while let Some((group, cas)) = plans[i].write {
+        while let (Verdict::Allowed { .. }, Some((group, cas))) =
+            (plans[i].outcome.verdict, plans[i].write)
+        {
             attempts += 1;
             match store.write(&plans[i].key, &group.encode(), cas) {
                 Ok(()) => {
+                    let p = &mut plans[i];
+                    p.outcome.refill = check
+                        .limit
+                        .claims_refill(&p.before, &group.slots[p.index].state);
                     committed.push(i);
                     break;
                 }
@@ -584,5 +634,58 @@ mod tests {
             .filter_map(|_| admit(&*store, &[check(&r, "k", true)], NOW).checks[0].hold)
             .collect();
         assert_eq!(holds.len(), 3);
+    }
+
+    #[test]
+    fn global_rules_wait_for_a_claimed_refill_without_charging_the_others() {
+        use crate::allowance::LeaseAllowance;
+        let store = MemoryStore::new();
+        let local = rule(&store, "local", 1, 100, 4);
+        let lease = LeaseAllowance {
+            lease_size: 4,
+            low_water: 2,
+            claim_ms: 1_000,
+        };
+        let global = rule_with(&store, "global", Limit::Lease(lease), 4);
+        let both = |store: &MemoryStore| {
+            admit(
+                store,
+                &[check(&local, "k", true), check(&global, "k", true)],
+                NOW,
+            )
+        };
+        let first = both(&store);
+        assert!(!first.admitted && first.rejected_by.is_none());
+        assert_eq!(first.checks[1].verdict, Verdict::Waiting);
+        assert!(
+            first.checks[1].refill,
+            "the first request claims the refill"
+        );
+        let second = both(&store);
+        assert_eq!(second.checks[1].verdict, Verdict::Waiting);
+        assert!(!second.checks[1].refill, "one refill in flight per key");
+        // The grant arrives (as the filter applies it).
+        let key = global.table.store_key(check(&global, "k", true).slot.group);
+        let (bytes, cas) = store.read(&key).unwrap().unwrap();
+        let mut group = Group::decode(&bytes);
+        for slot in group.slots.iter_mut().filter(|s| s.tag != 0) {
+            slot.state = LeaseAllowance::grant(&slot.state, NOW / 1_000_000, 4, 60_000, 1);
+        }
+        store.write(&key, &group.encode(), cas).unwrap();
+        let refills: Vec<bool> = (0..4)
+            .map(|_| {
+                let out = both(&store);
+                assert!(out.admitted);
+                out.checks[1].refill
+            })
+            .collect();
+        // 4 tokens: below the low-water mark of 2 after the third, which claims the next refill.
+        assert_eq!(refills, [false, false, true, false]);
+        assert_eq!(both(&store).checks[1].verdict, Verdict::Waiting);
+        // The local rule was charged for the 4 admitted requests only.
+        assert_eq!(
+            remaining(&admit(&store, &[check(&local, "k", true)], NOW)),
+            95
+        );
     }
 }
