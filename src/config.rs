@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::num::{NonZeroU32, NonZeroU64};
 use tollgate_core::{
-    Concurrency, FixedWindow, LeakyBucket, Limit, SlidingWindow, SlotTable, TokenBucket, WarmUp,
+    Concurrency, FixedWindow, LeakyBucket, LeaseAllowance, Limit, SlidingWindow, SlotTable,
+    TokenBucket, WarmUp,
 };
 
 /// Slots per rule when `max_keys` is not given.
@@ -39,6 +40,57 @@ pub struct Config {
     pub response: Response,
     pub rate_limit_headers: HeaderFormat,
     pub trusted_hops: u32,
+    /// Required when a rule has `"scope": "global"`.
+    pub quota_service: Option<QuotaService>,
+}
+
+/// Where global rules get their quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaService {
+    /// An Envoy cluster name (on nginx-like hosts, `host:port`).
+    pub upstream: String,
+    pub authority: String,
+    pub timeout_ms: u64,
+    pub token: Option<String>,
+    pub failure_mode: FailureMode,
+    /// How many proxies share the global limits (for `failure_mode: local` and provisional quota).
+    pub instances_hint: u64,
+    /// A key with no quota yet: wait for its first lease, or spend a provisional local allowance.
+    pub first_lease: FirstLease,
+    /// After a failed call, how long keys apply the failure mode before asking again.
+    pub retry_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Global rules do not apply while the service fails.
+    #[default]
+    Allow,
+    /// Global rules refuse.
+    Deny,
+    /// Global rules are enforced locally at `limit / instances_hint`.
+    Local,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FirstLease {
+    #[default]
+    Wait,
+    Provisional,
+}
+
+/// What a global rule sends the quota service, and its local stand-in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalRule {
+    pub requests: u64,
+    pub per_ms: u64,
+    pub burst: u64,
+    /// Fingerprint of the limit: different configurations never share global state.
+    pub limit_id: String,
+    /// The rule at `limit / instances_hint`, used by `failure_mode: local` and provisional quota.
+    pub fallback: Quota,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +107,8 @@ pub struct Rule {
     pub response: Option<Response>,
     /// The rule's own `dry_run` or the top-level one.
     pub dry_run: bool,
+    /// Set for `"scope": "global"`: `quota.limit` is then the leased allowance.
+    pub global: Option<GlobalRule>,
 }
 
 /// A limit with the slots that hold its state and how headers state it.
@@ -169,7 +223,16 @@ impl Config {
                 format!(
                     "{} ({}, {} slots{}{})",
                     r.name,
-                    describe(&r.quota.limit),
+                    match (&r.global, &r.quota.limit) {
+                        (Some(g), Limit::Lease(l)) => format!(
+                            "global token_bucket {} per {}, burst {}, leases of {}",
+                            g.requests,
+                            duration(g.per_ms * 1_000_000),
+                            g.burst,
+                            l.lease_size
+                        ),
+                        _ => describe(&r.quota.limit),
+                    },
                     r.quota.table.capacity(),
                     match r.overrides.len() {
                         0 => String::new(),
@@ -213,6 +276,41 @@ struct RawConfig {
     client_ip: RawClientIp,
     #[serde(default)]
     dry_run: bool,
+    quota_service: Option<RawQuotaService>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQuotaService {
+    upstream: String,
+    authority: Option<String>,
+    timeout: Option<Period>,
+    token: Option<String>,
+    #[serde(default)]
+    mode: QuotaMode,
+    #[serde(default)]
+    failure_mode: FailureMode,
+    instances_hint: Option<NonZeroU64>,
+    #[serde(default)]
+    first_lease: FirstLease,
+    retry: Option<Period>,
+    lease_size: Option<NonZeroU64>,
+}
+
+#[derive(Deserialize, Default, PartialEq, Eq, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+enum QuotaMode {
+    #[default]
+    Lease,
+    Strict,
+}
+
+#[derive(Deserialize, Default, PartialEq, Eq, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+enum Scope {
+    #[default]
+    Local,
+    Global,
 }
 
 #[derive(Deserialize)]
@@ -239,6 +337,8 @@ struct RawRule {
     #[serde(default)]
     dry_run: bool,
     max_keys: Option<NonZeroU32>,
+    #[serde(default)]
+    scope: Scope,
 }
 
 #[derive(Deserialize)]
@@ -445,6 +545,10 @@ impl RawConfig {
         if self.rules.is_empty() {
             return Err(err("rules", "at least one rule is required"));
         }
+        let quota_service = self
+            .quota_service
+            .map(|q| q.validate("quota_service"))
+            .transpose()?;
         let mut seen = HashSet::new();
         let mut rules = Vec::with_capacity(self.rules.len());
         for (i, raw) in self.rules.into_iter().enumerate() {
@@ -455,7 +559,18 @@ impl RawConfig {
                     format!("duplicate rule name {:?}", raw.name.0),
                 ));
             }
-            rules.push(raw.validate(&path, self.dry_run)?);
+            let global = raw.scope == Scope::Global;
+            let mut rule = raw.validate(&path, self.dry_run)?;
+            if global {
+                let Some((qs, lease_size)) = &quota_service else {
+                    return Err(err(
+                        format!("{path}.scope"),
+                        "\"global\" needs a top-level quota_service",
+                    ));
+                };
+                rule.make_global(&path, qs, *lease_size)?;
+            }
+            rules.push(rule);
         }
         let response = self.response.validate("response")?;
         Ok(Config {
@@ -463,6 +578,7 @@ impl RawConfig {
             response,
             rate_limit_headers: self.rate_limit_headers,
             trusted_hops: self.client_ip.trusted_hops,
+            quota_service: quota_service.map(|(q, _)| q),
         })
     }
 }
@@ -611,7 +727,99 @@ impl RawRule {
             overrides,
             response,
             dry_run: self.dry_run || dry_run_all,
+            global: None,
         })
+    }
+}
+
+impl RawQuotaService {
+    /// The service settings, and the lease size if one was given.
+    fn validate(self, path: &str) -> Result<(QuotaService, Option<u64>), ConfigError> {
+        if self.upstream.is_empty() {
+            return Err(err(format!("{path}.upstream"), "must not be empty"));
+        }
+        if self.mode == QuotaMode::Strict {
+            return Err(err(
+                format!("{path}.mode"),
+                "\"strict\" is not supported yet (use \"lease\")",
+            ));
+        }
+        let service = QuotaService {
+            authority: self.authority.unwrap_or_else(|| self.upstream.clone()),
+            upstream: self.upstream,
+            timeout_ms: self.timeout.map_or(200, |p| (p.ns / 1_000_000).max(1)),
+            token: self.token,
+            failure_mode: self.failure_mode,
+            instances_hint: self.instances_hint.map_or(1, NonZeroU64::get),
+            first_lease: self.first_lease,
+            retry_ms: self.retry.map_or(1_000, |p| (p.ns / 1_000_000).max(1)),
+        };
+        Ok((service, self.lease_size.map(NonZeroU64::get)))
+    }
+}
+
+impl Rule {
+    /// Turn a validated local token-bucket rule into a global one.
+    fn make_global(
+        &mut self,
+        path: &str,
+        qs: &QuotaService,
+        lease_size: Option<u64>,
+    ) -> Result<(), ConfigError> {
+        let Limit::TokenBucket(tb) = self.quota.limit else {
+            return Err(err(
+                format!("{path}.scope"),
+                "\"global\" rules use the token_bucket algorithm, without warmup",
+            ));
+        };
+        if !self.overrides.is_empty() {
+            return Err(err(
+                format!("{path}.overrides"),
+                "not supported on global rules yet",
+            ));
+        }
+        if tb.period_ns() % 1_000_000 != 0 {
+            return Err(err(
+                format!("{path}.limit.per"),
+                "global limits need whole milliseconds",
+            ));
+        }
+        let (requests, per_ms, burst) = (tb.requests(), tb.period_ns() / 1_000_000, tb.burst());
+        // A refill covers a slice of the burst each proxy may hold: small enough to share, large
+        // enough that calls stay rare.
+        let lease_size =
+            lease_size.unwrap_or_else(|| (burst / (4 * qs.instances_hint)).clamp(1, 1_000));
+        let lease = LeaseAllowance {
+            lease_size,
+            low_water: lease_size.div_ceil(2),
+            claim_ms: qs.timeout_ms,
+        };
+        let share = |n: u64| (n / qs.instances_hint).max(1);
+        let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))
+            .map(Limit::TokenBucket)
+            .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
+        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
+        let limit_id = format!(
+            "{:016x}",
+            tollgate_core::slot::fingerprint(
+                format!("{}/{requests}/{per_ms}/{burst}", self.name).as_bytes()
+            )
+        );
+        self.global = Some(GlobalRule {
+            requests,
+            per_ms,
+            burst,
+            limit_id,
+            fallback: Quota::new(fallback_limit, &format!("{}.local", self.name), max_keys),
+        });
+        let mut quota = Quota::new(
+            Limit::Lease(lease),
+            &format!("{}.lease", self.name),
+            max_keys,
+        );
+        quota.policy = self.quota.policy;
+        self.quota = quota;
+        Ok(())
     }
 }
 
@@ -759,6 +967,7 @@ pub fn describe(limit: &Limit) -> String {
             duration(a.max_delay_ns())
         ),
         Limit::Concurrency(a) => format!("concurrency {} in flight", a.limit()),
+        Limit::Lease(a) => format!("global, leases of {}", a.lease_size),
     }
 }
 
@@ -790,6 +999,7 @@ fn policy(limit: &Limit) -> (u64, Option<u64>) {
         Limit::SlidingWindow(a) => (a.limit(), a.period_ns()),
         Limit::LeakyBucket(a) => (a.requests(), a.period_ns()),
         Limit::Concurrency(a) => return (a.limit(), None),
+        Limit::Lease(a) => return (a.lease_size, None),
     };
     if period_ns % NS_PER_SEC == 0 {
         (requests, Some(period_ns / NS_PER_SEC))

@@ -5,7 +5,7 @@
 //! The SDK's trait helpers unwrap host statuses; this module calls `hostcalls` directly and
 //! degrades instead, because a panic kills the VM.
 
-use crate::config::{Config, Cost, OverrideAction, Quota, Response, Rule};
+use crate::config::{Config, Cost, FailureMode, FirstLease, OverrideAction, Quota, Response, Rule};
 use crate::headers::{ceil_secs, quota_headers, retry_after_secs};
 use crate::request::{Request, RequestView};
 use log::{debug, error, info, warn};
@@ -13,10 +13,15 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 use std::cell::RefCell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
-use tollgate_core::{admit, release, CasStore, Check, Hold, Limit, SlotEvent, StoreError, Verdict};
+use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
+use tollgate_core::slot::{key_hash, Group};
+use tollgate_core::{
+    admit, release, CasStore, Check, Hold, LeaseAllowance, Limit, SlotEvent, SlotId, StoreError,
+    Verdict,
+};
 
 /// How often each worker looks for held requests that are due: the spacing's resolution.
 const TICK: Duration = Duration::from_millis(5);
@@ -29,6 +34,56 @@ proxy_wasm::main! {{
 thread_local! {
     /// Requests held by leaky buckets in this VM (one per worker): (due time ns, context id).
     static HELD: RefCell<BTreeSet<(u64, u32)>> = const { RefCell::new(BTreeSet::new()) };
+    /// Requests waiting for a global rule's quota, retried on every tick.
+    static WAITING: RefCell<Vec<Waiting>> = const { RefCell::new(Vec::new()) };
+    /// Decisions made on the tick for paused requests, picked up by their HTTP contexts.
+    static RESUMED: RefCell<HashMap<u32, Admitted>> = RefCell::new(HashMap::new());
+    /// Refills claimed by this VM's requests, sent together on the next tick.
+    static PENDING: RefCell<Vec<Refill>> = const { RefCell::new(Vec::new()) };
+    /// Refills sent and not answered yet, by call token.
+    static IN_FLIGHT: RefCell<HashMap<u32, Vec<Refill>>> = RefCell::new(HashMap::new());
+}
+
+/// One rule's part in a request, kept so that a paused request can be decided again later.
+#[derive(Clone)]
+struct CheckInput {
+    which: QuotaRef,
+    key: Vec<u8>,
+    slot: SlotId,
+    cost: u64,
+    enforced: bool,
+}
+
+/// A key's allowance to refill from the quota service.
+struct Refill {
+    rule: usize,
+    slot: SlotId,
+    key: u128,
+    used: u64,
+}
+
+struct Waiting {
+    context_id: u32,
+    deadline_ms: u64,
+    inputs: Vec<CheckInput>,
+}
+
+/// What an admitted request takes along.
+#[derive(Default)]
+struct Admitted {
+    headers: Vec<(&'static str, String)>,
+    holds: Vec<(QuotaRef, Hold)>,
+    delay_ns: u64,
+}
+
+/// The decision for a request.
+enum Step {
+    Admit(Admitted),
+    Reject {
+        response: usize,
+        headers: Vec<(&'static str, String)>,
+    },
+    Wait,
 }
 
 /// The host's shared data, seen through the core's store trait.
@@ -97,6 +152,10 @@ struct RuleMetrics {
     slot_shared: Metric,
     contended: Metric,
     store_errors: Metric,
+    /// Global rules: requests decided by the failure mode or provisional quota.
+    fallback: Metric,
+    /// Global rules: requests that waited for quota.
+    waited: Metric,
     /// Concurrency rules only: requests in flight, weighted by cost.
     in_flight: Metric,
 }
@@ -125,6 +184,8 @@ impl RuleMetrics {
             slot_shared: counter("slot_shared"),
             contended: counter("contended"),
             store_errors: counter("store_errors"),
+            fallback: counter("fallback"),
+            waited: counter("waited"),
             in_flight: if holds {
                 Metric::define(
                     MetricType::Gauge,
@@ -143,6 +204,13 @@ struct Loaded {
     /// Requests currently held by leaky buckets in this process.
     held: Metric,
     release_errors: Metric,
+    /// This process's name at the quota service.
+    instance: String,
+    quota_calls: Metric,
+    quota_failures: Metric,
+    quota_granted: Metric,
+    /// Requests currently waiting for global quota in this process.
+    quota_waiting: Metric,
 }
 
 #[derive(Default)]
@@ -150,7 +218,63 @@ struct TollgateRoot {
     loaded: Option<Rc<Loaded>>,
 }
 
-impl Context for TollgateRoot {}
+impl Context for TollgateRoot {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let Some(refills) = IN_FLIGHT.with(|f| f.borrow_mut().remove(&token_id)) else {
+            return;
+        };
+        let Some(loaded) = &self.loaded else {
+            return;
+        };
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let grants = match status.as_deref() {
+            Some("200") => serde_json::from_slice::<LeaseResponse>(&body)
+                .ok()
+                .filter(|r| r.items.len() == refills.len()),
+            _ => None,
+        };
+        let now_ms = now_ns().unwrap_or(0) / 1_000_000;
+        let Some(grants) = grants else {
+            warn!(
+                "quota service call failed (status {}): global rules apply their failure mode",
+                status.as_deref().unwrap_or("none")
+            );
+            loaded.quota_failures.bump();
+            fail_refills(loaded, &refills, now_ms);
+            return;
+        };
+        for (refill, grant) in refills.iter().zip(&grants.items) {
+            let Some(global) = loaded
+                .config
+                .rules
+                .get(refill.rule)
+                .and_then(|r| r.global.as_ref())
+            else {
+                continue;
+            };
+            loaded
+                .quota_granted
+                .add(i64::try_from(grant.granted).unwrap_or(i64::MAX));
+            // Nothing granted: ask again once a token may have come back.
+            let retry_ms = (global.per_ms / global.requests).clamp(1, grant.reset_ms.max(1));
+            update_allowance(loaded, refill, |state| {
+                LeaseAllowance::grant(state, now_ms, grant.granted, grant.ttl_ms, retry_ms)
+            });
+        }
+    }
+}
 
 impl RootContext for TollgateRoot {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -179,9 +303,17 @@ impl RootContext for TollgateRoot {
                 return false;
             }
         }
+        for rule in &config.rules {
+            if let Some(g) = &rule.global {
+                if let Err(e) = g.fallback.table.initialize(&SharedData) {
+                    error!("cannot create the slots of rule {}: {e:?}", rule.name);
+                    return false;
+                }
+            }
+        }
         let holds_requests = config
             .quotas()
-            .any(|(_, q)| matches!(q.limit, Limit::LeakyBucket(_)));
+            .any(|(_, q)| matches!(q.limit, Limit::LeakyBucket(_) | Limit::Lease(_)));
         if holds_requests {
             if let Err(s) = hostcalls::set_tick_period(TICK) {
                 error!("cannot set the tick period that releases held requests: {s:?}");
@@ -195,6 +327,11 @@ impl RootContext for TollgateRoot {
             metrics,
             held: Metric::define(MetricType::Gauge, "tollgate.queue.held"),
             release_errors: Metric::define(MetricType::Counter, "tollgate.release_errors"),
+            instance: instance_id(),
+            quota_calls: Metric::define(MetricType::Counter, "tollgate.quota.calls"),
+            quota_failures: Metric::define(MetricType::Counter, "tollgate.quota.failures"),
+            quota_granted: Metric::define(MetricType::Counter, "tollgate.quota.granted"),
+            quota_waiting: Metric::define(MetricType::Gauge, "tollgate.quota.waiting"),
         }));
         true
     }
@@ -203,6 +340,10 @@ impl RootContext for TollgateRoot {
         let Some(now) = now_ns() else {
             return;
         };
+        if let Some(loaded) = self.loaded.clone() {
+            send_refills(&loaded);
+            retry_waiting(&loaded, now);
+        }
         let due: Vec<u32> = HELD.with(|held| {
             let mut held = held.borrow_mut();
             let mut due = Vec::new();
@@ -270,18 +411,445 @@ fn cost_of(cost: &Cost, view: &impl RequestView) -> u64 {
     }
 }
 
-/// Which quota of rule `rule` applies: its own (`None`) or an override's.
-type QuotaRef = (usize, Option<usize>);
+/// Which quota a check runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QuotaRef {
+    /// The rule's own.
+    Rule(usize),
+    /// An override's own limit.
+    Override(usize, usize),
+    /// A global rule's local stand-in (failure mode `local`, provisional quota).
+    Fallback(usize),
+}
 
-fn quota_of(config: &Config, (rule, o): QuotaRef) -> Option<&Quota> {
-    let rule = config.rules.get(rule)?;
-    match o {
-        None => Some(&rule.quota),
-        Some(j) => match &rule.overrides.get(j)?.action {
+impl QuotaRef {
+    fn rule(self) -> usize {
+        match self {
+            Self::Rule(i) | Self::Override(i, _) | Self::Fallback(i) => i,
+        }
+    }
+}
+
+fn quota_of(config: &Config, which: QuotaRef) -> Option<&Quota> {
+    let rule = config.rules.get(which.rule())?;
+    match which {
+        QuotaRef::Rule(_) => Some(&rule.quota),
+        QuotaRef::Override(_, j) => match &rule.overrides.get(j)?.action {
             OverrideAction::Limit(q) => Some(q),
             _ => None,
         },
+        QuotaRef::Fallback(_) => rule.global.as_ref().map(|g| &g.fallback),
     }
+}
+
+/// This process's name at the quota service: made once per process (shared by its workers).
+fn instance_id() -> String {
+    const KEY: &str = "tollgate.instance";
+    if let Ok(Some((id, _))) = SharedData.read(KEY) {
+        return String::from_utf8_lossy(&id).into_owned();
+    }
+    let id = format!("envoy-{:x}", now_ns().unwrap_or(0));
+    // Whoever writes first wins; everyone then reads the winner's.
+    let _ = SharedData.write(KEY, id.as_bytes(), 0);
+    match SharedData.read(KEY) {
+        Ok(Some((id, _))) => String::from_utf8_lossy(&id).into_owned(),
+        _ => id,
+    }
+}
+
+/// Send this VM's claimed refills in one call.
+fn send_refills(loaded: &Loaded) {
+    let refills = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if refills.is_empty() {
+        return;
+    }
+    let Some(service) = &loaded.config.quota_service else {
+        return;
+    };
+    let items: Vec<LeaseItem> = refills
+        .iter()
+        .filter_map(|r| {
+            let rule = loaded.config.rules.get(r.rule)?;
+            let global = rule.global.as_ref()?;
+            let Limit::Lease(lease) = rule.quota.limit else {
+                return None;
+            };
+            Some(LeaseItem {
+                rule: rule.name.clone(),
+                limit_id: global.limit_id.clone(),
+                key: format!("{:032x}", r.key),
+                requests: global.requests,
+                per_ms: global.per_ms,
+                burst: global.burst,
+                wanted: lease.lease_size,
+                used: r.used,
+            })
+        })
+        .collect();
+    let body = match serde_json::to_vec(&LeaseRequest {
+        instance: loaded.instance.clone(),
+        items,
+    }) {
+        Ok(body) => body,
+        Err(e) => {
+            error!("cannot encode a lease request: {e}");
+            return;
+        }
+    };
+    let auth = service.token.as_ref().map(|t| format!("Bearer {t}"));
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", "/v1/lease"),
+        (":authority", service.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    if let Some(auth) = &auth {
+        headers.push(("authorization", auth.as_str()));
+    }
+    let timeout = Duration::from_millis(service.timeout_ms);
+    loaded.quota_calls.bump();
+    match hostcalls::dispatch_http_call(&service.upstream, headers, Some(&body), vec![], timeout) {
+        Ok(token) => IN_FLIGHT.with(|f| {
+            f.borrow_mut().insert(token, refills);
+        }),
+        Err(s) => {
+            warn!(
+                "cannot call the quota service ({}): {s:?}",
+                service.upstream
+            );
+            loaded.quota_failures.bump();
+            fail_refills(loaded, &refills, now_ns().unwrap_or(0) / 1_000_000);
+        }
+    }
+}
+
+fn fail_refills(loaded: &Loaded, refills: &[Refill], now_ms: u64) {
+    let retry_ms = loaded
+        .config
+        .quota_service
+        .as_ref()
+        .map_or(1_000, |q| q.retry_ms);
+    for refill in refills {
+        update_allowance(loaded, refill, |state| {
+            LeaseAllowance::fail(state, now_ms, retry_ms)
+        });
+    }
+}
+
+/// Rewrite the allowance of the refilled key's slot (if it still holds that key).
+fn update_allowance(
+    loaded: &Loaded,
+    refill: &Refill,
+    f: impl Fn(&tollgate_core::algorithm::State) -> tollgate_core::algorithm::State,
+) {
+    let Some(rule) = loaded.config.rules.get(refill.rule) else {
+        return;
+    };
+    let key = rule.quota.table.store_key(refill.slot.group);
+    for _ in 0..tollgate_core::limiter::MAX_RELEASE_ATTEMPTS {
+        let Ok(Some((bytes, cas))) = SharedData.read(&key) else {
+            return;
+        };
+        let mut group = Group::decode(&bytes);
+        let Some(slot) = group.slots.iter_mut().find(|s| s.tag == refill.slot.tag) else {
+            // The slot went to another key meanwhile: its grant is lost (stricter, never looser).
+            debug!("rule {}: refilled key no longer has a slot", rule.name);
+            return;
+        };
+        slot.state = f(&slot.state);
+        if SharedData.write(&key, &group.encode(), cas) != Err(StoreError::CasMismatch) {
+            return;
+        }
+    }
+}
+
+/// Decide again the requests waiting for global quota; past their deadline, the failure mode.
+fn retry_waiting(loaded: &Loaded, now: u64) {
+    let waiting = WAITING.with(|w| std::mem::take(&mut *w.borrow_mut()));
+    if waiting.is_empty() {
+        return;
+    }
+    let mut still = Vec::new();
+    for mut w in waiting {
+        let timed_out = now / 1_000_000 >= w.deadline_ms;
+        match evaluate(loaded, &mut w.inputs, now, timed_out) {
+            Step::Wait => still.push(w),
+            step => {
+                loaded.quota_waiting.add(-1);
+                finish_paused(loaded, w.context_id, step, now);
+            }
+        }
+    }
+    WAITING.with(|w| w.borrow_mut().extend(still));
+}
+
+/// Carry out a decision for a paused request from the root context.
+fn finish_paused(loaded: &Loaded, context_id: u32, step: Step, now: u64) {
+    if hostcalls::set_effective_context(context_id).is_err() {
+        // The stream is gone; give back what the decision took.
+        if let Step::Admit(a) = step {
+            release_holds(loaded, a.holds, now);
+        }
+        return;
+    }
+    match step {
+        Step::Admit(a) => {
+            let delay = a.delay_ns;
+            RESUMED.with(|r| r.borrow_mut().insert(context_id, a));
+            if delay > 0 {
+                HELD.with(|held| {
+                    held.borrow_mut()
+                        .insert((now.saturating_add(delay), context_id))
+                });
+                loaded.held.bump();
+            } else if let Err(s) = hostcalls::resume_http_request() {
+                debug!("cannot resume request {context_id}: {s:?}");
+            }
+        }
+        Step::Reject { response, headers } => {
+            reject(response_of(&loaded.config, response), &headers);
+        }
+        Step::Wait => {}
+    }
+}
+
+fn response_of(config: &Config, rule: usize) -> &Response {
+    config
+        .rules
+        .get(rule)
+        .and_then(|r| r.response.as_ref())
+        .unwrap_or(&config.response)
+}
+
+fn release_holds(loaded: &Loaded, holds: Vec<(QuotaRef, Hold)>, now: u64) {
+    for (which, hold) in holds {
+        let Some(quota) = quota_of(&loaded.config, which) else {
+            continue;
+        };
+        loaded.metrics[which.rule()]
+            .in_flight
+            .add(-i64::try_from(hold.cost).unwrap_or(i64::MAX));
+        if let Err(e) = release(&SharedData, &quota.limit, &quota.table, &hold, now) {
+            loaded.release_errors.bump();
+            error!(
+                "rule {}: in-flight count not released: {e:?}",
+                loaded.config.rules[which.rule()].name
+            );
+        }
+    }
+}
+
+/// Decide a request from its checks. Global rules without quota yet wait, or (when their source
+/// failed, or after `timed_out`) follow the failure mode, which may rewrite `inputs`.
+fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: bool) -> Step {
+    let config = &loaded.config;
+    loop {
+        let checks: Vec<Check> = inputs
+            .iter()
+            .filter_map(|i| {
+                let quota = quota_of(config, i.which)?;
+                Some(Check {
+                    limit: &quota.limit,
+                    table: &quota.table,
+                    slot: i.slot,
+                    cost: i.cost,
+                    enforced: i.enforced,
+                })
+            })
+            .collect();
+        if checks.len() != inputs.len() {
+            return Step::Admit(Admitted::default());
+        }
+        let outcome = admit(&SharedData, &checks, now);
+        for (input, result) in inputs.iter().zip(&outcome.checks) {
+            if result.refill {
+                let used = match (&checks.first(), result.verdict) {
+                    (_, Verdict::Allowed { remaining, .. }) => {
+                        match quota_of(config, input.which).map(|q| q.limit) {
+                            Some(Limit::Lease(l)) => l.lease_size.saturating_sub(remaining),
+                            _ => 0,
+                        }
+                    }
+                    _ => 0,
+                };
+                PENDING.with(|p| {
+                    p.borrow_mut().push(Refill {
+                        rule: input.which.rule(),
+                        slot: input.slot,
+                        key: key_hash(&input.key),
+                        used,
+                    })
+                });
+            }
+        }
+        if outcome.admitted || outcome.rejected_by.is_some() {
+            return conclude(loaded, inputs, &checks, &outcome);
+        }
+        // Undecided: some enforced global rule has no quota (yet).
+        let service = config.quota_service.as_ref();
+        let failure = service.map_or(FailureMode::Allow, |q| q.failure_mode);
+        let provisional = service.is_some_and(|q| q.first_lease == FirstLease::Provisional);
+        let mut rewritten = false;
+        let mut drop = Vec::new();
+        for (n, result) in outcome.checks.iter().enumerate() {
+            let input = &mut inputs[n];
+            if !input.enforced {
+                continue;
+            }
+            let fallback = match result.verdict {
+                Verdict::Fallback => true,
+                Verdict::Waiting => timed_out || provisional,
+                _ => continue,
+            };
+            if !fallback {
+                continue;
+            }
+            let rule = input.which.rule();
+            loaded.metrics[rule].fallback.bump();
+            let mode = if result.verdict == Verdict::Waiting && provisional && !timed_out {
+                FailureMode::Local
+            } else {
+                failure
+            };
+            match mode {
+                FailureMode::Allow => drop.push(n),
+                FailureMode::Deny => {
+                    loaded.metrics[rule].limited.bump();
+                    let retry = service.map_or(1_000, |q| q.retry_ms);
+                    return Step::Reject {
+                        response: rule,
+                        headers: vec![
+                            ("retry-after", retry.div_ceil(1_000).max(1).to_string()),
+                            ("x-tollgate-rule", config.rules[rule].name.clone()),
+                        ],
+                    };
+                }
+                FailureMode::Local => {
+                    if let Some(g) = &config.rules[rule].global {
+                        input.which = QuotaRef::Fallback(rule);
+                        input.slot = g.fallback.table.locate(&input.key);
+                    }
+                }
+            }
+            rewritten = true;
+        }
+        for n in drop.into_iter().rev() {
+            inputs.remove(n);
+        }
+        if !rewritten {
+            return Step::Wait;
+        }
+        if inputs.is_empty() {
+            return Step::Admit(Admitted::default());
+        }
+    }
+}
+
+/// Metrics, logs and headers of a decided request.
+fn conclude(
+    loaded: &Loaded,
+    inputs: &[CheckInput],
+    checks: &[Check],
+    outcome: &tollgate_core::Outcome,
+) -> Step {
+    let config = &loaded.config;
+    // The quota to report: the refusing rule, else the one with the least left.
+    let mut report: Option<(QuotaRef, u64, u64)> = None;
+    let mut admitted = Admitted::default();
+    for (n, result) in outcome.checks.iter().enumerate() {
+        let (which, check) = (inputs[n].which, &checks[n]);
+        let (rule, metrics) = (&config.rules[which.rule()], &loaded.metrics[which.rule()]);
+        match result.slot {
+            SlotEvent::Own => {}
+            SlotEvent::TakenOver => metrics.slot_taken_over.bump(),
+            SlotEvent::Shared => metrics.slot_shared.bump(),
+        }
+        let (remaining, reset_secs) = match result.verdict {
+            Verdict::Allowed {
+                remaining,
+                reset_ns,
+                delay_ns: d,
+            } => {
+                if outcome.admitted {
+                    metrics.allowed.bump();
+                    if d > 0 && check.enforced {
+                        metrics.delayed.bump();
+                        admitted.delay_ns = admitted.delay_ns.max(d);
+                    }
+                }
+                (remaining, ceil_secs(reset_ns))
+            }
+            Verdict::Limited {
+                retry_after_ns,
+                remaining,
+                ..
+            } => {
+                if check.enforced {
+                    metrics.limited.bump();
+                } else {
+                    metrics.dry_run_limited.bump();
+                    info!(
+                        "dry run: rule {} would reject (key {:016x})",
+                        rule.name, check.slot.tag
+                    );
+                }
+                (remaining, retry_after_secs(retry_after_ns))
+            }
+            Verdict::Contended => {
+                metrics.contended.bump();
+                if check.enforced {
+                    metrics.limited.bump();
+                }
+                (0, 1)
+            }
+            Verdict::Unavailable => {
+                metrics.store_errors.bump();
+                continue;
+            }
+            // Dry-run global rules without quota yet: no opinion.
+            Verdict::Waiting | Verdict::Fallback => continue,
+        };
+        debug!(
+            "rule {} key {:016x} group {} {:?} {:?}",
+            rule.name, check.slot.tag, check.slot.group, result.verdict, result.slot
+        );
+        if let Some(hold) = result.hold {
+            metrics
+                .in_flight
+                .add(i64::try_from(hold.cost).unwrap_or(i64::MAX));
+            admitted.holds.push((which, hold));
+        }
+        let refusing = outcome.rejected_by == Some(n);
+        let tighter =
+            report.is_none_or(|(_, r, t)| remaining < r || (remaining == r && reset_secs > t));
+        if refusing || (outcome.admitted && tighter) {
+            report = Some((which, remaining, reset_secs));
+        }
+    }
+    let mut headers = Vec::new();
+    if let Some((which, remaining, reset_secs)) = report {
+        let rule = &config.rules[which.rule()];
+        if let Some(quota) = quota_of(config, which) {
+            quota_headers(
+                config.rate_limit_headers,
+                &rule.name,
+                quota.policy,
+                remaining,
+                reset_secs,
+                &mut headers,
+            );
+        }
+        if !outcome.admitted {
+            headers.push(("retry-after", reset_secs.to_string()));
+            headers.push(("x-tollgate-rule", rule.name.clone()));
+            return Step::Reject {
+                response: which.rule(),
+                headers,
+            };
+        }
+    }
+    admitted.headers = headers;
+    Step::Admit(admitted)
 }
 
 struct TollgateHttp {
@@ -304,8 +872,7 @@ impl HttpContext for TollgateHttp {
         };
         let config = &loaded.config;
         let request = Request::new(&HostRequest, config.trusted_hops);
-        let mut applying: Vec<QuotaRef> = Vec::new();
-        let mut checks: Vec<Check> = Vec::new();
+        let mut inputs: Vec<CheckInput> = Vec::new();
         for (i, rule) in config.rules.iter().enumerate() {
             if !request.matches(&rule.matcher) {
                 continue;
@@ -315,7 +882,7 @@ impl HttpContext for TollgateHttp {
             };
             let overridden = rule.overrides.iter().position(|o| o.key == key);
             let (which, quota) = match overridden.map(|j| (j, &rule.overrides[j].action)) {
-                None => ((i, None), &rule.quota),
+                None => (QuotaRef::Rule(i), &rule.quota),
                 Some((_, OverrideAction::Unlimited)) => continue,
                 Some((_, OverrideAction::Block)) => {
                     if rule.dry_run {
@@ -325,137 +892,63 @@ impl HttpContext for TollgateHttp {
                     }
                     loaded.metrics[i].blocked.bump();
                     let headers = vec![("x-tollgate-rule", rule.name.clone())];
-                    reject(rule.response.as_ref().unwrap_or(&config.response), &headers);
+                    reject(response_of(config, i), &headers);
                     return Action::Pause;
                 }
-                Some((j, OverrideAction::Limit(q))) => ((i, Some(j)), q),
+                Some((j, OverrideAction::Limit(q))) => (QuotaRef::Override(i, j), q),
             };
-            applying.push(which);
-            checks.push(Check {
-                limit: &quota.limit,
-                table: &quota.table,
+            inputs.push(CheckInput {
+                which,
                 slot: quota.table.locate(&key),
+                key,
                 cost: cost_of(&rule.cost, &HostRequest),
                 enforced: !rule.dry_run,
             });
         }
-        if checks.is_empty() {
+        if inputs.is_empty() {
             return Action::Continue;
         }
         let Some(now) = now_ns() else {
             warn!("the host gave no usable time; request not limited");
             return Action::Continue;
         };
-        let outcome = admit(&SharedData, &checks, now);
-
-        // The quota to report: the refusing rule, else the one with the least left.
-        let mut report: Option<(QuotaRef, u64, u64)> = None;
-        let mut delay_ns = 0;
-        for (n, result) in outcome.checks.iter().enumerate() {
-            let (which, check) = (applying[n], &checks[n]);
-            let (rule, metrics) = (&config.rules[which.0], &loaded.metrics[which.0]);
-            match result.slot {
-                SlotEvent::Own => {}
-                SlotEvent::TakenOver => metrics.slot_taken_over.bump(),
-                SlotEvent::Shared => metrics.slot_shared.bump(),
+        match evaluate(&loaded, &mut inputs, now, false) {
+            Step::Admit(a) => {
+                self.response_headers = a.headers;
+                self.holds.extend(a.holds);
+                if a.delay_ns > 0 {
+                    let due = now.saturating_add(a.delay_ns);
+                    HELD.with(|held| held.borrow_mut().insert((due, self.context_id)));
+                    self.held_until = Some(due);
+                    loaded.held.bump();
+                    return Action::Pause;
+                }
+                Action::Continue
             }
-            let (remaining, reset_secs) = match result.verdict {
-                Verdict::Allowed {
-                    remaining,
-                    reset_ns,
-                    delay_ns: d,
-                } => {
-                    if outcome.admitted {
-                        metrics.allowed.bump();
-                        if d > 0 && check.enforced {
-                            metrics.delayed.bump();
-                            delay_ns = delay_ns.max(d);
-                        }
-                    }
-                    (remaining, ceil_secs(reset_ns))
-                }
-                Verdict::Limited {
-                    retry_after_ns,
-                    remaining,
-                    ..
-                } => {
-                    if check.enforced {
-                        metrics.limited.bump();
-                    } else {
-                        metrics.dry_run_limited.bump();
-                        info!(
-                            "dry run: rule {} would reject (key {:016x})",
-                            rule.name, check.slot.tag
-                        );
-                    }
-                    (remaining, retry_after_secs(retry_after_ns))
-                }
-                Verdict::Contended => {
-                    metrics.contended.bump();
-                    if check.enforced {
-                        metrics.limited.bump();
-                    }
-                    (0, 1)
-                }
-                Verdict::Unavailable => {
-                    metrics.store_errors.bump();
-                    continue;
-                }
-            };
-            debug!(
-                "rule {} key {:016x} group {} {:?} {:?}",
-                rule.name, check.slot.tag, check.slot.group, result.verdict, result.slot
-            );
-            if let Some(hold) = result.hold {
-                metrics
-                    .in_flight
-                    .add(i64::try_from(hold.cost).unwrap_or(i64::MAX));
-                self.holds.push((which, hold));
+            Step::Reject { response, headers } => {
+                reject(response_of(config, response), &headers);
+                Action::Pause
             }
-            let refusing = outcome.rejected_by == Some(n);
-            let tighter =
-                report.is_none_or(|(_, r, t)| remaining < r || (remaining == r && reset_secs > t));
-            if refusing || (outcome.admitted && tighter) {
-                report = Some((which, remaining, reset_secs));
+            Step::Wait => {
+                for input in &inputs {
+                    loaded.metrics[input.which.rule()].waited.bump();
+                }
+                let timeout = config.quota_service.as_ref().map_or(200, |q| q.timeout_ms);
+                WAITING.with(|w| {
+                    w.borrow_mut().push(Waiting {
+                        context_id: self.context_id,
+                        deadline_ms: now / 1_000_000 + timeout,
+                        inputs,
+                    })
+                });
+                loaded.quota_waiting.bump();
+                Action::Pause
             }
         }
-
-        let mut headers = Vec::new();
-        let mut response = &config.response;
-        if let Some((which, remaining, reset_secs)) = report {
-            let rule = &config.rules[which.0];
-            if let Some(quota) = quota_of(config, which) {
-                quota_headers(
-                    config.rate_limit_headers,
-                    &rule.name,
-                    quota.policy,
-                    remaining,
-                    reset_secs,
-                    &mut headers,
-                );
-            }
-            if !outcome.admitted {
-                headers.push(("retry-after", reset_secs.to_string()));
-                headers.push(("x-tollgate-rule", rule.name.clone()));
-                response = rule.response.as_ref().unwrap_or(response);
-            }
-        }
-        if !outcome.admitted {
-            reject(response, &headers);
-            return Action::Pause;
-        }
-        self.response_headers = headers;
-        if delay_ns > 0 {
-            let due = now.saturating_add(delay_ns);
-            HELD.with(|held| held.borrow_mut().insert((due, self.context_id)));
-            self.held_until = Some(due);
-            loaded.held.bump();
-            return Action::Pause;
-        }
-        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.take_resumed();
         for (name, value) in self.response_headers.drain(..) {
             if let Err(s) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value) {
                 debug!("cannot add response header {name}: {s:?}");
@@ -470,35 +963,48 @@ impl HttpContext for TollgateHttp {
 }
 
 impl TollgateHttp {
-    /// Give back held quota and leave the hold queue: however the stream ended, exactly once.
+    /// Take over what a decision made on the tick left for this request.
+    fn take_resumed(&mut self) {
+        if let Some(a) = RESUMED.with(|r| r.borrow_mut().remove(&self.context_id)) {
+            self.response_headers = a.headers;
+            self.holds.extend(a.holds);
+            if a.delay_ns > 0 {
+                // Its hold was queued by the tick; the queue entry is found by due time.
+                self.held_until = HELD.with(|held| {
+                    held.borrow()
+                        .iter()
+                        .find(|(_, id)| *id == self.context_id)
+                        .map(|(due, _)| *due)
+                });
+            }
+        }
+    }
+
+    /// Give back held quota and leave the queues: however the stream ended, exactly once.
     fn end_of_stream(&mut self) {
-        let Some(loaded) = &self.loaded else {
+        let Some(loaded) = self.loaded.clone() else {
             return;
         };
+        self.take_resumed();
         if let Some(due) = self.held_until.take() {
             // Still queued means the client went away while held.
             if HELD.with(|held| held.borrow_mut().remove(&(due, self.context_id))) {
                 loaded.held.add(-1);
             }
         }
-        if self.holds.is_empty() {
-            return;
+        let id = self.context_id;
+        let left = WAITING.with(|w| {
+            let mut w = w.borrow_mut();
+            let before = w.len();
+            w.retain(|x| x.context_id != id);
+            before != w.len()
+        });
+        if left {
+            loaded.quota_waiting.add(-1);
         }
-        let now = now_ns().unwrap_or(0);
-        for (which, hold) in self.holds.drain(..) {
-            let Some(quota) = quota_of(&loaded.config, which) else {
-                continue;
-            };
-            loaded.metrics[which.0]
-                .in_flight
-                .add(-i64::try_from(hold.cost).unwrap_or(i64::MAX));
-            if let Err(e) = release(&SharedData, &quota.limit, &quota.table, &hold, now) {
-                loaded.release_errors.bump();
-                error!(
-                    "rule {}: in-flight count not released: {e:?}",
-                    loaded.config.rules[which.0].name
-                );
-            }
+        if !self.holds.is_empty() {
+            let now = now_ns().unwrap_or(0);
+            release_holds(&loaded, std::mem::take(&mut self.holds), now);
         }
     }
 }

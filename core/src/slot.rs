@@ -28,6 +28,12 @@ pub fn fingerprint(bytes: &[u8]) -> u64 {
     xxh3_128_with_seed(bytes, KEY_SEED) as u64
 }
 
+/// The 128-bit hash of a client key that slots are derived from (also its name at the quota
+/// service: client values never leave the proxy).
+pub fn key_hash(key: &[u8]) -> u128 {
+    xxh3_128_with_seed(key, KEY_SEED)
+}
+
 /// Where a client key lives: its group and the tag that marks a slot as its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotId {
@@ -117,7 +123,7 @@ impl SlotTable {
 
     /// The slot group for a client key (any bytes, already made unambiguous by the caller).
     pub fn locate(&self, key: &[u8]) -> SlotId {
-        let h = xxh3_128_with_seed(key, KEY_SEED);
+        let h = key_hash(key);
         SlotId {
             group: ((h as u64) % u64::from(self.groups)) as u32,
             tag: ((h >> 64) as u64).max(1),
