@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build test lint unit integration demo clean
+.PHONY: setup build quota test lint demo clean
 
 setup:
 	@scripts/setup.sh
@@ -18,9 +18,13 @@ lint: setup
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
 
+quota:
+	cargo build -p tollgate-quota
+
 # Unit and property tests of the core and the host-independent filter code, then the real-Envoy tests.
-test: build lint
-	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) cargo test --workspace
+test: build lint quota
+	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) \
+	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --workspace
 
 demo: build
 	demo/run.sh

@@ -222,9 +222,9 @@ impl Context for TollgateRoot {
     fn on_http_call_response(
         &mut self,
         token_id: u32,
-        _headers: usize,
+        num_headers: usize,
         body_size: usize,
-        _trailers: usize,
+        _num_trailers: usize,
     ) {
         let Some(refills) = IN_FLIGHT.with(|f| f.borrow_mut().remove(&token_id)) else {
             return;
@@ -232,13 +232,23 @@ impl Context for TollgateRoot {
         let Some(loaded) = &self.loaded else {
             return;
         };
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten();
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        // A failed call (refused, reset, timed out) arrives with no headers at all, and asking
+        // the host for one then is an error the SDK turns into a panic: look only if there are some.
+        let status = if num_headers > 0 {
+            hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+                .ok()
+                .flatten()
+        } else {
+            None
+        };
+        let body = if status.is_some() && body_size > 0 {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         let grants = match status.as_deref() {
             Some("200") => serde_json::from_slice::<LeaseResponse>(&body)
                 .ok()

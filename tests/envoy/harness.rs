@@ -60,6 +60,8 @@ pub struct Options {
     pub lds: bool,
     /// Log Wasm (filter) messages at debug level.
     pub debug_log: bool,
+    /// A cluster `quota` pointing at this port on 127.0.0.1 (the quota service).
+    pub quota_port: Option<u16>,
 }
 
 impl Default for Options {
@@ -70,6 +72,7 @@ impl Default for Options {
             port: 0,
             lds: false,
             debug_log: false,
+            quota_port: None,
         }
     }
 }
@@ -165,6 +168,19 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
         }]},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
     });
+    if let Some(port) = opts.quota_port {
+        boot["static_resources"]["clusters"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({
+                "name": "quota",
+                "type": "STATIC",
+                "connect_timeout": "0.25s",
+                "load_assignment": {"cluster_name": "quota", "endpoints": [{"lb_endpoints": [{
+                    "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}
+                }]}]}
+            }));
+    }
     if opts.lds {
         fs::create_dir_all(dir.join("lds")).unwrap();
         write_lds(dir, plugin, opts);
@@ -588,5 +604,142 @@ pub fn sleep_until_unix(at_ns: u64) {
     let now = unix_ns();
     if at_ns > now {
         std::thread::sleep(Duration::from_nanos(at_ns - now));
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (free when asked; taken by whoever binds it next).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for_port(port: u16, what: &str, child: &mut Child) {
+    let deadline = Instant::now() + START_TIMEOUT;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("{what} exited ({status}) while starting");
+        }
+        assert!(Instant::now() < deadline, "{what} did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn guarded(cmd: &mut Command) -> Child {
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    cmd.spawn().unwrap_or_else(|e| panic!("start {cmd:?}: {e}"))
+}
+
+/// The quota service binary (`make test` builds it), on a port of its own; killed on drop.
+pub struct Quota {
+    child: Option<Child>,
+    pub port: u16,
+    args: Vec<String>,
+}
+
+impl Quota {
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_on(free_port(), args)
+    }
+
+    pub fn start_on(port: u16, args: &[&str]) -> Self {
+        let mut q = Self {
+            child: None,
+            port,
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        q.restart();
+        q
+    }
+
+    /// Start (again) with the same port and arguments.
+    pub fn restart(&mut self) {
+        let bin = built_artifact("TOLLGATE_QUOTA_BIN", "target/debug/tollgate-quota");
+        let mut child = guarded(
+            Command::new(bin)
+                .args(["--listen", &format!("127.0.0.1:{}", self.port)])
+                .args(&self.args)
+                .env("RUST_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null()),
+        );
+        wait_for_port(self.port, "tollgate-quota", &mut child);
+        self.child = Some(child);
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn metrics(&self) -> String {
+        ureq::get(&format!("http://127.0.0.1:{}/metrics", self.port))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap()
+    }
+}
+
+impl Drop for Quota {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A redis-server of its own; killed on drop.
+pub struct Redis {
+    child: Option<Child>,
+    pub port: u16,
+}
+
+impl Redis {
+    pub fn start() -> Self {
+        let port = free_port();
+        let mut child = guarded(
+            Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                ])
+                .args(["--appendonly", "no"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null()),
+        );
+        wait_for_port(port, "redis-server", &mut child);
+        Self {
+            child: Some(child),
+            port,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
     }
 }

@@ -10,6 +10,7 @@ mod algorithms;
 mod concurrency;
 mod config;
 mod examples;
+mod global;
 mod headers;
 mod limits;
 mod matching;
