@@ -59,6 +59,8 @@ pub struct QuotaService {
     pub first_lease: FirstLease,
     /// After a failed call, how long keys apply the failure mode before asking again.
     pub retry_ms: u64,
+    /// One call per request (the request waits for it) instead of leased allowances.
+    pub strict: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -738,12 +740,6 @@ impl RawQuotaService {
         if self.upstream.is_empty() {
             return Err(err(format!("{path}.upstream"), "must not be empty"));
         }
-        if self.mode == QuotaMode::Strict {
-            return Err(err(
-                format!("{path}.mode"),
-                "\"strict\" is not supported yet (use \"lease\")",
-            ));
-        }
         let service = QuotaService {
             authority: self.authority.unwrap_or_else(|| self.upstream.clone()),
             upstream: self.upstream,
@@ -753,6 +749,7 @@ impl RawQuotaService {
             instances_hint: self.instances_hint.map_or(1, NonZeroU64::get),
             first_lease: self.first_lease,
             retry_ms: self.retry.map_or(1_000, |p| (p.ns / 1_000_000).max(1)),
+            strict: self.mode == QuotaMode::Strict,
         };
         Ok((service, self.lease_size.map(NonZeroU64::get)))
     }

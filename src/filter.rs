@@ -232,35 +232,10 @@ impl Context for TollgateRoot {
         let Some(loaded) = &self.loaded else {
             return;
         };
-        // A failed call (refused, reset, timed out) arrives with no headers at all, and asking
-        // the host for one then is an error the SDK turns into a panic: look only if there are some.
-        let status = if num_headers > 0 {
-            hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-                .ok()
-                .flatten()
-        } else {
-            None
-        };
-        let body = if status.is_some() && body_size > 0 {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        let grants = match status.as_deref() {
-            Some("200") => serde_json::from_slice::<LeaseResponse>(&body)
-                .ok()
-                .filter(|r| r.items.len() == refills.len()),
-            _ => None,
-        };
+        let grants = read_lease_response(num_headers, body_size, refills.len());
         let now_ms = now_ns().unwrap_or(0) / 1_000_000;
         let Some(grants) = grants else {
-            warn!(
-                "quota service call failed (status {}): global rules apply their failure mode",
-                status.as_deref().unwrap_or("none")
-            );
+            warn!("quota service call failed: global rules apply their failure mode");
             loaded.quota_failures.bump();
             fail_refills(loaded, &refills, now_ms);
             return;
@@ -387,6 +362,7 @@ impl RootContext for TollgateRoot {
             response_headers: Vec::new(),
             holds: Vec::new(),
             held_until: None,
+            strict: None,
         }))
     }
 
@@ -467,45 +443,49 @@ fn instance_id() -> String {
     }
 }
 
-/// Send this VM's claimed refills in one call.
-fn send_refills(loaded: &Loaded) {
-    let refills = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    if refills.is_empty() {
-        return;
+/// The answer to a lease call, if it is a well-formed one for `items` items.
+fn read_lease_response(
+    num_headers: usize,
+    body_size: usize,
+    items: usize,
+) -> Option<LeaseResponse> {
+    // A failed call (refused, reset, timed out) arrives with no headers at all, and asking the
+    // host for one then is an error the SDK turns into a panic: look only if there are some.
+    if num_headers == 0 {
+        return None;
     }
-    let Some(service) = &loaded.config.quota_service else {
-        return;
+    let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten();
+    if status.as_deref() != Some("200") {
+        warn!(
+            "quota service answered status {}",
+            status.as_deref().unwrap_or("none")
+        );
+        return None;
+    }
+    let body = if body_size > 0 {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()?
+    } else {
+        return None;
     };
-    let items: Vec<LeaseItem> = refills
-        .iter()
-        .filter_map(|r| {
-            let rule = loaded.config.rules.get(r.rule)?;
-            let global = rule.global.as_ref()?;
-            let Limit::Lease(lease) = rule.quota.limit else {
-                return None;
-            };
-            Some(LeaseItem {
-                rule: rule.name.clone(),
-                limit_id: global.limit_id.clone(),
-                key: format!("{:032x}", r.key),
-                requests: global.requests,
-                per_ms: global.per_ms,
-                burst: global.burst,
-                wanted: lease.lease_size,
-                used: r.used,
-            })
-        })
-        .collect();
-    let body = match serde_json::to_vec(&LeaseRequest {
+    serde_json::from_slice::<LeaseResponse>(&body)
+        .map_err(|e| warn!("malformed quota service answer: {e}"))
+        .ok()
+        .filter(|r| r.items.len() == items)
+}
+
+/// Start a lease call; the answer comes to the calling context's `on_http_call_response`.
+fn call_quota_service(loaded: &Loaded, items: Vec<LeaseItem>) -> Option<u32> {
+    let service = loaded.config.quota_service.as_ref()?;
+    let body = serde_json::to_vec(&LeaseRequest {
         instance: loaded.instance.clone(),
         items,
-    }) {
-        Ok(body) => body,
-        Err(e) => {
-            error!("cannot encode a lease request: {e}");
-            return;
-        }
-    };
+    })
+    .map_err(|e| error!("cannot encode a lease request: {e}"))
+    .ok()?;
     let auth = service.token.as_ref().map(|t| format!("Bearer {t}"));
     let mut headers = vec![
         (":method", "POST"),
@@ -519,17 +499,54 @@ fn send_refills(loaded: &Loaded) {
     let timeout = Duration::from_millis(service.timeout_ms);
     loaded.quota_calls.bump();
     match hostcalls::dispatch_http_call(&service.upstream, headers, Some(&body), vec![], timeout) {
-        Ok(token) => IN_FLIGHT.with(|f| {
-            f.borrow_mut().insert(token, refills);
-        }),
+        Ok(token) => Some(token),
         Err(s) => {
             warn!(
                 "cannot call the quota service ({}): {s:?}",
                 service.upstream
             );
             loaded.quota_failures.bump();
-            fail_refills(loaded, &refills, now_ns().unwrap_or(0) / 1_000_000);
+            None
         }
+    }
+}
+
+/// The lease item asking a global rule's quota for `wanted` tokens of `key`.
+fn lease_item(rule: &Rule, key: u128, wanted: u64, used: u64) -> Option<LeaseItem> {
+    let global = rule.global.as_ref()?;
+    Some(LeaseItem {
+        rule: rule.name.clone(),
+        limit_id: global.limit_id.clone(),
+        key: format!("{key:032x}"),
+        requests: global.requests,
+        per_ms: global.per_ms,
+        burst: global.burst,
+        wanted,
+        used,
+    })
+}
+
+/// Send this VM's claimed refills in one call.
+fn send_refills(loaded: &Loaded) {
+    let refills = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if refills.is_empty() {
+        return;
+    }
+    let items: Vec<LeaseItem> = refills
+        .iter()
+        .filter_map(|r| {
+            let rule = loaded.config.rules.get(r.rule)?;
+            let Limit::Lease(lease) = rule.quota.limit else {
+                return None;
+            };
+            lease_item(rule, r.key, lease.lease_size, r.used)
+        })
+        .collect();
+    match call_quota_service(loaded, items) {
+        Some(token) => IN_FLIGHT.with(|f| {
+            f.borrow_mut().insert(token, refills);
+        }),
+        None => fail_refills(loaded, &refills, now_ns().unwrap_or(0) / 1_000_000),
     }
 }
 
@@ -871,9 +888,38 @@ struct TollgateHttp {
     holds: Vec<(QuotaRef, Hold)>,
     /// Set while the request is held by a leaky bucket.
     held_until: Option<u64>,
+    /// Strict mode: the checks waiting for this request's own call to the quota service.
+    strict: Option<Strict>,
 }
 
-impl Context for TollgateHttp {}
+/// A request whose global rules are asked one call per request (strict mode).
+struct Strict {
+    token: Option<u32>,
+    /// Local rules, decided once the global ones have granted.
+    locals: Vec<CheckInput>,
+    globals: Vec<CheckInput>,
+}
+
+impl Context for TollgateHttp {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let ours = self
+            .strict
+            .as_ref()
+            .is_some_and(|s| s.token == Some(token_id));
+        if !ours {
+            return;
+        }
+        let items = self.strict.as_ref().map_or(0, |s| s.globals.len());
+        let grants = read_lease_response(num_headers, body_size, items);
+        self.finish_strict(grants, true);
+    }
+}
 
 impl HttpContext for TollgateHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
@@ -922,6 +968,36 @@ impl HttpContext for TollgateHttp {
             warn!("the host gave no usable time; request not limited");
             return Action::Continue;
         };
+        let strict = config.quota_service.as_ref().is_some_and(|q| q.strict);
+        let has_global = inputs
+            .iter()
+            .any(|i| i.enforced && config.rules[i.which.rule()].global.is_some());
+        if strict && has_global {
+            let (globals, locals): (Vec<CheckInput>, Vec<CheckInput>) = inputs
+                .into_iter()
+                .partition(|i| config.rules[i.which.rule()].global.is_some());
+            let items = globals
+                .iter()
+                .filter_map(|g| {
+                    lease_item(
+                        &config.rules[g.which.rule()],
+                        key_hash(&g.key),
+                        g.cost,
+                        g.cost,
+                    )
+                })
+                .collect();
+            let token = call_quota_service(&loaded, items);
+            self.strict = Some(Strict {
+                token,
+                locals,
+                globals,
+            });
+            if token.is_none() {
+                return self.finish_strict(None, false);
+            }
+            return Action::Pause;
+        }
         match evaluate(&loaded, &mut inputs, now, false) {
             Step::Admit(a) => {
                 self.response_headers = a.headers;
@@ -973,6 +1049,126 @@ impl HttpContext for TollgateHttp {
 }
 
 impl TollgateHttp {
+    /// Strict mode: decide the request once its call answered (`None`: it failed), and carry the
+    /// decision out: resume the request if it was `paused`, else return the action for it.
+    fn finish_strict(&mut self, grants: Option<LeaseResponse>, paused: bool) -> Action {
+        let (Some(loaded), Some(strict)) = (self.loaded.clone(), self.strict.take()) else {
+            return Action::Continue;
+        };
+        let config = &loaded.config;
+        let now = now_ns().unwrap_or(0);
+        let mut inputs = strict.locals;
+        let step = match grants {
+            Some(answer) => {
+                let short = strict
+                    .globals
+                    .iter()
+                    .zip(&answer.items)
+                    .find(|(g, grant)| grant.granted < g.cost);
+                match short {
+                    Some((g, grant)) => {
+                        let rule = &config.rules[g.which.rule()];
+                        loaded.metrics[g.which.rule()].limited.bump();
+                        let global = rule.global.as_ref();
+                        // The time `cost` tokens take to come back.
+                        let wait_ms = global.map_or(1_000, |gl| {
+                            g.cost.max(1).saturating_mul(gl.per_ms) / gl.requests
+                        });
+                        let mut headers = Vec::new();
+                        quota_headers(
+                            config.rate_limit_headers,
+                            &rule.name,
+                            rule.quota.policy,
+                            grant.remaining,
+                            ceil_secs(grant.reset_ms.saturating_mul(1_000_000)),
+                            &mut headers,
+                        );
+                        headers.push((
+                            "retry-after",
+                            retry_after_secs(wait_ms.saturating_mul(1_000_000)).to_string(),
+                        ));
+                        headers.push(("x-tollgate-rule", rule.name.clone()));
+                        Step::Reject {
+                            response: g.which.rule(),
+                            headers,
+                        }
+                    }
+                    None => {
+                        for g in &strict.globals {
+                            loaded.metrics[g.which.rule()].allowed.bump();
+                        }
+                        evaluate(&loaded, &mut inputs, now, false)
+                    }
+                }
+            }
+            None => {
+                loaded.quota_failures.bump();
+                let service = config.quota_service.as_ref();
+                let failure = service.map_or(FailureMode::Allow, |q| q.failure_mode);
+                for g in &strict.globals {
+                    loaded.metrics[g.which.rule()].fallback.bump();
+                }
+                match failure {
+                    FailureMode::Allow => evaluate(&loaded, &mut inputs, now, false),
+                    FailureMode::Deny => {
+                        let rule = strict.globals.first().map_or(0, |g| g.which.rule());
+                        let retry = service.map_or(1_000, |q| q.retry_ms);
+                        Step::Reject {
+                            response: rule,
+                            headers: vec![
+                                ("retry-after", retry.div_ceil(1_000).max(1).to_string()),
+                                ("x-tollgate-rule", config.rules[rule].name.clone()),
+                            ],
+                        }
+                    }
+                    FailureMode::Local => {
+                        for g in strict.globals {
+                            let rule = g.which.rule();
+                            if let Some(gl) = &config.rules[rule].global {
+                                inputs.push(CheckInput {
+                                    which: QuotaRef::Fallback(rule),
+                                    slot: gl.fallback.table.locate(&g.key),
+                                    ..g
+                                });
+                            }
+                        }
+                        evaluate(&loaded, &mut inputs, now, false)
+                    }
+                }
+            }
+        };
+        match step {
+            Step::Admit(a) => {
+                self.response_headers = a.headers;
+                self.holds.extend(a.holds);
+                if a.delay_ns > 0 {
+                    let due = now.saturating_add(a.delay_ns);
+                    HELD.with(|held| held.borrow_mut().insert((due, self.context_id)));
+                    self.held_until = Some(due);
+                    loaded.held.bump();
+                    return Action::Pause;
+                }
+                if paused {
+                    if let Err(s) = hostcalls::resume_http_request() {
+                        debug!("cannot resume after the quota call: {s:?}");
+                    }
+                }
+                Action::Continue
+            }
+            Step::Reject { response, headers } => {
+                reject(response_of(config, response), &headers);
+                Action::Pause
+            }
+            // Strict inputs never wait (they hold no leased allowance).
+            Step::Wait => {
+                if paused {
+                    let _ = hostcalls::resume_http_request();
+                }
+                Action::Continue
+            }
+        }
+    }
+
     /// Take over what a decision made on the tick left for this request.
     fn take_resumed(&mut self) {
         if let Some(a) = RESUMED.with(|r| r.borrow_mut().remove(&self.context_id)) {

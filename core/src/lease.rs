@@ -210,6 +210,30 @@ mod tests {
         assert!(b.is_idle(120, 120, 60_000, 120_000, 1_000));
     }
 
+    proptest::proptest! {
+        /// Whatever a broken or hostile service sends, parsing answers with an error, never a
+        /// panic (the filter then applies its failure mode).
+        #[test]
+        fn any_answer_parses_or_fails_cleanly(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..300)) {
+            let _ = serde_json::from_slice::<LeaseResponse>(&bytes);
+        }
+
+        #[test]
+        fn json_shaped_answers_parse_or_fail_cleanly(
+            granted in proptest::num::i128::ANY,
+            extra in "[a-z_]{0,8}",
+            items in 0usize..4,
+        ) {
+            let item = format!(r#"{{"granted":{granted},"ttl_ms":1,"remaining":0,"reset_ms":0{}}}"#,
+                if extra.is_empty() { String::new() } else { format!(r#","{extra}":1"#) });
+            let body = format!(r#"{{"items":[{}]}}"#, vec![item; items].join(","));
+            let parsed = serde_json::from_slice::<LeaseResponse>(body.as_bytes());
+            if let Ok(r) = parsed {
+                proptest::prop_assert_eq!(r.items.len(), items);
+            }
+        }
+    }
+
     #[test]
     fn wire_format() {
         let req: LeaseRequest = serde_json::from_str(

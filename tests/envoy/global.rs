@@ -102,16 +102,23 @@ fn two_quota_replicas_on_one_redis_serve_one_limit() {
     check_shared_limit(&a, &b, "two replicas on Redis");
 }
 
-/// Statuses of requests sent for `span` on one connection.
-fn load(envoy: &Envoy, span: Duration) -> Vec<u16> {
+/// Statuses of requests sent for `span` on one connection, and the slowest answer.
+fn timed_load(envoy: &Envoy, span: Duration) -> (Vec<u16>, Duration) {
     let c = Client::new();
     let start = Instant::now();
     let mut statuses = Vec::new();
+    let mut slowest = Duration::ZERO;
     while start.elapsed() < span {
+        let sent = Instant::now();
         statuses.push(c.get(&envoy.url("/"), &[]).status);
+        slowest = slowest.max(sent.elapsed());
         std::thread::sleep(Duration::from_millis(2));
     }
-    statuses
+    (statuses, slowest)
+}
+
+fn load(envoy: &Envoy, span: Duration) -> Vec<u16> {
+    timed_load(envoy, span).0
 }
 
 fn assert_no_5xx(statuses: &[u16], phase: &str) {
@@ -137,8 +144,13 @@ fn killing_the_quota_service_falls_back_locally_and_leases_resume_after_restart(
     let granted_up = e.prometheus("tollgate_quota_granted{}");
     assert!(granted_up > 0);
     quota.kill();
-    let down = load(&e, Duration::from_millis(1_000));
+    let (down, slowest) = timed_load(&e, Duration::from_millis(1_000));
     assert_no_5xx(&down, "service down");
+    // Nobody waits longer than the call timeout (100 ms) plus a tick and scheduling.
+    assert!(
+        slowest < Duration::from_millis(400),
+        "slowest answer {slowest:?}"
+    );
     assert!(
         e.counter("api", "fallback") > 0,
         "the failure mode was applied"
@@ -243,4 +255,77 @@ fn malformed_quota_answers_never_break_the_filter() {
         e.counter("local", "allowed") as usize,
         statuses.iter().filter(|s| **s == 200).count()
     );
+}
+
+#[test]
+fn strict_mode_asks_for_every_request_and_counts_exactly() {
+    let quota = Quota::start(&[]);
+    let plugin = config(
+        json!({"name": "exact", "scope": "global", "limit": {"requests": 1, "per": "1d"}, "burst": 300}),
+        json!({"mode": "strict"}),
+    );
+    let (a, b) = (envoy(quota.port, &plugin), envoy(quota.port, &plugin));
+    let (admitted, refused) = drain([&a, &b]);
+    assert_eq!(admitted, 300, "exact");
+    let calls = calls(&a) + calls(&b);
+    assert_eq!(calls as usize, admitted + refused, "one call per request");
+    let r = Client::new().get(&a.url("/"), &[]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-tollgate-rule"), Some("exact"));
+    assert_eq!(r.header("retry-after"), Some("86400"));
+}
+
+#[test]
+fn a_new_key_waits_for_its_first_lease_or_spends_a_provisional_allowance() {
+    // A quota service that takes 400 ms to answer.
+    let slow = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 65536];
+                    let _ = stream.read(&mut buf);
+                    std::thread::sleep(Duration::from_millis(400));
+                    let body = r#"{"items":[{"granted":50,"ttl_ms":10000,"remaining":50,"reset_ms":1000}]}"#;
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                });
+            }
+        });
+        port
+    };
+    let rule = json!({"name": "api", "scope": "global", "key": ["header:x-k"],
+                      "limit": {"requests": 100, "per": "1s"}, "burst": 100});
+    let first_latency = |first_lease: &str| {
+        let e = envoy(
+            slow,
+            &config(
+                rule.clone(),
+                json!({"timeout": "2s", "first_lease": first_lease}),
+            ),
+        );
+        let c = Client::new();
+        let start = Instant::now();
+        assert_eq!(c.get(&e.url("/"), &[("x-k", "new")]).status, 200);
+        let first = start.elapsed();
+        (
+            first,
+            e.counter("api", "waited"),
+            e.counter("api", "fallback"),
+        )
+    };
+    let (waited, w, _) = first_latency("wait");
+    assert!(waited >= Duration::from_millis(380), "waited {waited:?}");
+    assert_eq!(w, 1);
+    let (provisional, _, f) = first_latency("provisional");
+    assert!(
+        provisional < Duration::from_millis(300),
+        "took {provisional:?}"
+    );
+    assert_eq!(f, 1);
 }
