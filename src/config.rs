@@ -1238,6 +1238,37 @@ mod tests {
     }
 
     #[test]
+    fn global_rules() {
+        let c = parse(
+            r#"{"rules":[{"name":"g","scope":"global","key":["client_ip"],
+                          "limit":{"requests":100,"per":"1m"},"burst":80}],
+                "quota_service":{"upstream":"quota","timeout":"50ms","token":"t",
+                                 "failure_mode":"local","instances_hint":4}}"#,
+        )
+        .unwrap();
+        let qs = c.quota_service.clone().unwrap();
+        assert_eq!(
+            (qs.authority.as_str(), qs.timeout_ms, qs.strict),
+            ("quota", 50, false)
+        );
+        let g = &c.rules[0];
+        let global = g.global.as_ref().unwrap();
+        assert_eq!(
+            (global.requests, global.per_ms, global.burst),
+            (100, 60_000, 80)
+        );
+        assert_eq!(
+            describe(&global.fallback.limit),
+            "token_bucket 25 per 1m, burst 20"
+        );
+        assert_eq!(describe(&g.quota.limit), "global, leases of 5");
+        assert_eq!(g.quota.policy, (100, Some(60)));
+        assert!(c
+            .summary()
+            .contains("global token_bucket 100 per 1m, burst 80, leases of 5"));
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(Period::parse("250ms"), Some(Period { ns: 250_000_000 }));
         assert_eq!(
@@ -1419,6 +1450,30 @@ mod tests {
             (
                 r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["::1"],"limit":{"requests":0,"per":"1s"}}],"limit":{"requests":1,"per":"1s"}}]}"#,
                 "rules[0].overrides[0].limit.requests: invalid value: integer `0`",
+            ),
+            (
+                r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].scope: \"global\" needs a top-level quota_service",
+            ),
+            (
+                r#"{"rules":[{"name":"r","scope":"global","algorithm":"fixed_window","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":"q"}}"#,
+                "rules[0].scope: \"global\" rules use the token_bucket algorithm",
+            ),
+            (
+                r#"{"rules":[{"name":"r","scope":"everywhere","limit":{"requests":1,"per":"1s"}}]}"#,
+                "rules[0].scope: unknown variant `everywhere`",
+            ),
+            (
+                r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":"q","failure_mode":"panic"}}"#,
+                "quota_service.failure_mode: unknown variant `panic`",
+            ),
+            (
+                r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":"q","timeout":"soon"}}"#,
+                "quota_service.timeout: invalid duration \"soon\"",
+            ),
+            (
+                r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":""}}"#,
+                "quota_service.upstream: must not be empty",
             ),
             (
                 r#"{"rules":[{"name":"r","response":{"status":42},"limit":{"requests":1,"per":"1s"}}]}"#,

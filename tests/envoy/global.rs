@@ -202,7 +202,7 @@ fn a_dead_redis_makes_the_filter_apply_its_failure_mode_quickly() {
 }
 
 /// A fake quota service answering every call with the next of `answers` (raw HTTP responses;
-/// an empty one closes the connection without answering).
+/// an empty one closes the connection without answering, "HANG" answers nothing for 2 s).
 fn fake_quota(answers: Vec<&'static str>) -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -213,6 +213,13 @@ fn fake_quota(answers: Vec<&'static str>) -> u16 {
             let mut buf = [0u8; 65536];
             let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
             let _ = stream.read(&mut buf);
+            if answer == "HANG" {
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_secs(2));
+                    drop(stream);
+                });
+                continue;
+            }
             let _ = stream.write_all(answer.as_bytes());
         }
     });
@@ -228,6 +235,7 @@ fn malformed_quota_answers_never_break_the_filter() {
         "HTTP/1.1 200 OK\r\ncontent-length: 30\r\nconnection: close\r\n\r\n{\"items\":[{\"granted\":-1,\"ttl",
         "HTTP/1.1 200 OK\r\ncontent-length: 80\r\nconnection: close\r\n\r\n{\"items\":[{\"granted\":18446744073709551615,\"ttl_ms\":1,\"remaining\":0,\"reset_ms\":0}]}",
         "",
+        "HANG",
     ]);
     let plugin = json!({
         "rules": [
