@@ -690,12 +690,13 @@ fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: 
         let outcome = admit(&SharedData, &checks, now);
         for (input, result) in inputs.iter().zip(&outcome.checks) {
             if result.refill {
-                let used = match (&checks.first(), result.verdict) {
-                    (_, Verdict::Allowed { remaining, .. }) => {
-                        match quota_of(config, input.which).map(|q| q.limit) {
-                            Some(Limit::Lease(l)) => l.lease_size.saturating_sub(remaining),
-                            _ => 0,
-                        }
+                // Roughly what the key spent of its last lease: the service's demand signal.
+                let used = match (
+                    result.verdict,
+                    quota_of(config, input.which).map(|q| q.limit),
+                ) {
+                    (Verdict::Allowed { remaining, .. }, Some(Limit::Lease(l))) => {
+                        l.lease_size.saturating_sub(remaining)
                     }
                     _ => 0,
                 };

@@ -78,8 +78,9 @@ fn check_shared_limit(a: &Envoy, b: &Envoy, label: &str) {
 
 #[test]
 fn a_limit_shared_by_two_envoys_admits_its_quota_once() {
-    let quota = Quota::start(&[]);
-    let plugin = config(shared_rule(), json!({}));
+    // With a shared secret: a call without it would be refused, and `allow` would let all pass.
+    let quota = Quota::start(&["--token", "s3cret"]);
+    let plugin = config(shared_rule(), json!({"token": "s3cret"}));
     let (a, b) = (envoy(quota.port, &plugin), envoy(quota.port, &plugin));
     check_shared_limit(&a, &b, "memory store");
     let metrics = quota.metrics();
