@@ -27,6 +27,7 @@ test: build lint quota
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --workspace
 
 demo: build
+	cargo build --release -p tollgate-quota
 	demo/run.sh
 
 clean:

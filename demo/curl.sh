@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# A walk through tollgate with curl, against the demo topology (envoy/envoy.yaml):
-#   per-ip:   5 requests a minute per client address on /api/
-#   per-user: 3 requests per 10 s per x-user header on /api/
+# A walk through tollgate with curl, against the demo topology (native: `make demo`; Docker:
+# `docker compose up`, then this script):
+#   per-ip:   5 requests a minute per client address on /api/        (local to each Envoy)
+#   per-user: 3 requests per 10 s per x-user header on /api/          (local to each Envoy)
+#   search:   6 requests a minute on /search, shared by both Envoys   (global, quota service)
 set -euo pipefail
 URL=${TOLLGATE_URL:-http://127.0.0.1:10000}
 ADMIN=${TOLLGATE_ADMIN:-http://127.0.0.1:9901}
+URL_B=${TOLLGATE_URL_B:-http://127.0.0.1:10001}
+ADMIN_B=${TOLLGATE_ADMIN_B:-http://127.0.0.1:9902}
+QUOTA_METRICS=${QUOTA_METRICS:-http://127.0.0.1:8090/metrics}
 
 bold() { if [ -t 1 ]; then printf '\n\033[1m%s\033[0m\n' "$*"; else printf '\n%s\n' "$*"; fi; }
 
 # One request: the status line and the rate-limit headers.
 show() {
-  local user=$1 path=${2:-/api/hello}
-  printf '$ curl -i %s%s -H "x-user: %s"\n' "$URL" "$path" "$user"
-  curl -s -o /dev/null -D - -H "x-user: $user" "$URL$path" \
+  local user=$1 path=${2:-/api/hello} base=${3:-$URL}
+  printf '$ curl -i %s%s -H "x-user: %s"\n' "$base" "$path" "$user"
+  curl -s -o /dev/null -D - -H "x-user: $user" "$base$path" \
     | tr -d '\r' \
     | grep -iE '^(HTTP/|ratelimit|x-ratelimit|retry-after|x-tollgate-rule)' \
     | sed 's/^/    /'
@@ -37,6 +42,16 @@ show dave
 bold "5. Paths outside /api/ are not limited"
 show dave /health
 
-bold "6. Metrics, per rule, at $ADMIN/stats/prometheus"
-curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)' | sed 's/^/    /'
+bold "6. A global limit: /search allows 6 a minute across BOTH Envoys (A on :10000, B on :10001)"
+for i in 1 2 3 4; do
+  show erin /search "$URL"
+  show erin /search "$URL_B"
+done
+
+bold "7. Metrics, per rule, at $ADMIN/stats/prometheus (and $ADMIN_B for B)"
+curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)' | sed 's/^/    A /'
+curl -s "$ADMIN_B/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)\{tollgate_rule="search"' | sed 's/^/    B /'
+curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_quota_(calls|granted)' | sed 's/^/    A /'
+echo "  and the quota service's at $QUOTA_METRICS:"
+curl -s "$QUOTA_METRICS" | grep -E '^tollgate_quota_(tokens_granted|denials)_total' | sed 's/^/    /'
 echo

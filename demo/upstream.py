@@ -23,4 +23,5 @@ class Echo(http.server.BaseHTTPRequestHandler):
 
 if __name__ == "__main__":
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 8081
-    http.server.ThreadingHTTPServer(("127.0.0.1", port), Echo).serve_forever()
+    host = sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"
+    http.server.ThreadingHTTPServer((host, port), Echo).serve_forever()

@@ -1,6 +1,12 @@
 //! The configuration and demo users start from work as shipped.
 
 use crate::harness::{envoy_bin, wasm_path};
+
+fn built_artifact_path(var: &str) -> std::path::PathBuf {
+    std::env::var_os(var)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/debug/tollgate-quota"))
+}
 use std::path::Path;
 use std::process::Command;
 
@@ -8,27 +14,147 @@ fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Every Envoy configuration in the repository, as (path, YAML).
+fn envoy_configs() -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for dir in ["envoy", "demo/compose", "examples/envoy"] {
+        let Ok(entries) = std::fs::read_dir(repo().join(dir)) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "yaml") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                found.push((
+                    format!("{dir}/{}", entry.file_name().to_string_lossy()),
+                    text,
+                ));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+fn yaml(text: &str) -> serde_json::Value {
+    serde_yaml_ng::from_str(text).unwrap()
+}
+
 #[test]
-fn example_envoy_config_validates() {
-    wasm_path(); // the config mounts dist/tollgate.wasm
-    let out = Command::new(envoy_bin())
-        .current_dir(repo())
-        .args([
-            "--mode",
-            "validate",
-            "-c",
-            "envoy/envoy.yaml",
-            "-l",
-            "error",
-        ])
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "envoy/envoy.yaml does not validate:\n{text}"
-    );
+fn every_envoy_config_in_the_repository_validates() {
+    let wasm = wasm_path();
+    let configs = envoy_configs();
+    let names: Vec<&str> = configs.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.len() >= 4, "{names:?}");
+    let dir = repo().join("target/envoy-tests/validate");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in configs {
+        // Module paths are where each deployment mounts it; check against the one just built.
+        let here = format!("filename: {}", wasm.display());
+        let local = text
+            .replace("filename: /etc/envoy/tollgate.wasm", &here)
+            .replace("filename: dist/tollgate.wasm", &here);
+        let path = dir.join(name.replace('/', "_"));
+        std::fs::write(&path, local).unwrap();
+        let out = Command::new(envoy_bin())
+            .args(["--mode", "validate", "-l", "error", "-c"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains(" OK"),
+            "{name} does not validate:\n{text}"
+        );
+    }
+}
+
+/// The tollgate plugin configuration (parsed JSON) of an Envoy configuration.
+fn plugin_config(envoy: &serde_json::Value) -> serde_json::Value {
+    let filters = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"];
+    let wasm = filters
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == "envoy.filters.http.wasm")
+        .expect("a wasm filter");
+    serde_json::from_str(
+        wasm["typed_config"]["config"]["configuration"]["value"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn the_compose_demo_is_consistent() {
+    let compose = yaml(&std::fs::read_to_string(repo().join("docker-compose.yml")).unwrap());
+    let services = compose["services"].as_object().expect("services");
+    let names: Vec<&str> = services.keys().map(String::as_str).collect();
+    for want in ["envoy-a", "envoy-b", "quota", "redis", "upstream"] {
+        assert!(names.contains(&want), "no service {want}: {names:?}");
+    }
+    // Every mounted file exists (the module once `make build` ran), every build context too.
+    for (name, service) in services {
+        for volume in service["volumes"].as_array().into_iter().flatten() {
+            let host = volume.as_str().unwrap().split(':').next().unwrap();
+            assert!(repo().join(host).exists(), "{name} mounts missing {host}");
+            assert!(
+                volume.as_str().unwrap().ends_with(":ro"),
+                "{name}: {volume} read-only"
+            );
+        }
+        if let Some(build) = service.get("build") {
+            let context = repo().join(build["context"].as_str().unwrap());
+            let file = build["dockerfile"].as_str().unwrap_or("Dockerfile");
+            assert!(
+                context.join(file).exists(),
+                "{name}: no {file} in its build context"
+            );
+        }
+    }
+    // Envoy is the version the tests run.
+    let setup = std::fs::read_to_string(repo().join("scripts/setup.sh")).unwrap();
+    let pinned = setup
+        .lines()
+        .find_map(|l| l.strip_prefix("ENVOY_VERSION=\"${ENVOY_VERSION:-"))
+        .and_then(|l| l.strip_suffix("}\""))
+        .expect("the pinned Envoy version in scripts/setup.sh");
+    for envoy in ["envoy-a", "envoy-b"] {
+        assert_eq!(
+            services[envoy]["image"],
+            format!("envoyproxy/envoy:v{pinned}"),
+            "{envoy}"
+        );
+    }
+    // The Envoy config's clusters point at compose services, on the ports they listen on.
+    let config = yaml(&std::fs::read_to_string(repo().join("demo/compose/envoy.yaml")).unwrap());
+    for cluster in config["static_resources"]["clusters"].as_array().unwrap() {
+        let address = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            ["address"]["socket_address"];
+        let host = address["address"].as_str().unwrap();
+        let port = address["port_value"].as_u64().unwrap().to_string();
+        let service = services
+            .get(host)
+            .unwrap_or_else(|| panic!("cluster address {host} is no compose service"));
+        let command: Vec<&str> = service["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        assert!(
+            command
+                .iter()
+                .any(|c| *c == port || c.ends_with(&format!(":{port}"))),
+            "{host} does not listen on {port}: {command:?}"
+        );
+    }
+    // Docker and native demos run the same rules.
+    let native = yaml(&std::fs::read_to_string(repo().join("envoy/envoy.yaml")).unwrap());
+    assert_eq!(plugin_config(&config), plugin_config(&native));
 }
 
 /// The native demo (`make demo` runs it after building): starts, shows 200s turning into 429s
@@ -39,6 +165,10 @@ fn demo_runs_end_to_end() {
     let out = Command::new("demo/run.sh")
         .current_dir(repo())
         .env("ENVOY_BIN", envoy_bin())
+        .env(
+            "TOLLGATE_QUOTA_BIN",
+            built_artifact_path("TOLLGATE_QUOTA_BIN"),
+        )
         .output()
         .unwrap();
     let text =
@@ -52,6 +182,9 @@ fn demo_runs_end_to_end() {
         "x-tollgate-rule: per-ip",
         "retry-after: ",
         "tollgate_rule_limited{tollgate_rule=\"per-ip\"} 1",
+        // The global rule: 6 a minute across both Envoys.
+        "x-tollgate-rule: search",
+        "tollgate_quota_tokens_granted_total 6",
     ] {
         assert!(
             text.contains(needle),
@@ -59,7 +192,7 @@ fn demo_runs_end_to_end() {
         );
     }
     // Everything it started is gone: the demo ports are free again.
-    for port in [8081, 9901, 10000] {
+    for port in [8081, 8090, 9901, 9902, 10000, 10001] {
         assert!(
             std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
             "port {port} still served after the demo"

@@ -1,0 +1,14 @@
+# The quota service image: built in a Rust image, run from a small distroless one.
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY core core
+COPY quota quota
+COPY src src
+RUN cargo build --release -p tollgate-quota
+
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /src/target/release/tollgate-quota /usr/local/bin/tollgate-quota
+EXPOSE 8090
+ENTRYPOINT ["/usr/local/bin/tollgate-quota"]
+CMD ["--listen", "0.0.0.0:8090"]
