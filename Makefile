@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build quota test lint demo clean
+.PHONY: setup build quota schema test lint demo clean
 
 setup:
 	@scripts/setup.sh
@@ -20,6 +20,10 @@ lint: setup
 
 quota:
 	cargo build -p tollgate-quota
+
+# Regenerate schema/tollgate.schema.json from the configuration types.
+schema:
+	UPDATE_SCHEMA=1 cargo test --lib the_committed_schema_is_current
 
 # Unit and property tests of the core and the host-independent filter code, then the real-Envoy tests.
 test: build lint quota

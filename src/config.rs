@@ -63,6 +63,7 @@ pub struct QuotaService {
     pub strict: bool,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureMode {
@@ -75,6 +76,7 @@ pub enum FailureMode {
     Local,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FirstLease {
@@ -177,6 +179,7 @@ pub enum KeyPart {
     Host,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MissingKey {
@@ -185,6 +188,7 @@ pub enum MissingKey {
     Limit,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HeaderFormat {
@@ -266,23 +270,30 @@ impl Config {
 
 // ---- the JSON shape ----
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "TollgateConfig"))]
 struct RawConfig {
+    /// Evaluated for every request; a request is refused if any matching rule refuses.
     rules: Vec<RawRule>,
     #[serde(default)]
     response: RawResponse,
     #[serde(default)]
+    /// Quota headers on responses: draft (IETF RateLimit), legacy (X-RateLimit-*), both or none.
     rate_limit_headers: HeaderFormat,
     #[serde(default)]
     client_ip: RawClientIp,
     #[serde(default)]
     dry_run: bool,
+    /// Where rules with "scope": "global" get their quota (tollgate-quota).
     quota_service: Option<RawQuotaService>,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "QuotaService"))]
 struct RawQuotaService {
     upstream: String,
     authority: Option<String>,
@@ -299,6 +310,7 @@ struct RawQuotaService {
     lease_size: Option<NonZeroU64>,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default, PartialEq, Eq, Clone, Copy)]
 #[serde(rename_all = "snake_case")]
 enum QuotaMode {
@@ -307,6 +319,7 @@ enum QuotaMode {
     Strict,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default, PartialEq, Eq, Clone, Copy)]
 #[serde(rename_all = "snake_case")]
 enum Scope {
@@ -315,15 +328,21 @@ enum Scope {
     Global,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Rule"))]
 struct RawRule {
     name: RuleName,
+    /// Conditions that must all hold for the rule to apply; none = every request.
     #[serde(rename = "match", default)]
     matcher: RawMatch,
     #[serde(default)]
+    /// Parts joined into the bucket key; none = one bucket for the whole rule.
     key: Vec<KeyPart>,
+    /// requests per per, or {"concurrent": N} for the concurrency algorithm.
     limit: RawLimit,
+    /// Token bucket: capacity (default limit.requests). Leaky bucket: excess accepted (default 0).
     burst: Option<u64>,
     #[serde(default)]
     algorithm: Algorithm,
@@ -338,20 +357,25 @@ struct RawRule {
     missing_key: MissingKey,
     #[serde(default)]
     dry_run: bool,
+    /// Slots in the rule's table (default 10000): memory is bounded by it, not by clients.
     max_keys: Option<NonZeroU32>,
     #[serde(default)]
     scope: Scope,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(untagged)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Cost"))]
 enum RawCost {
     Fixed(u64),
     Header(RawHeaderCost),
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "HeaderCost"))]
 struct RawHeaderCost {
     header: String,
     #[serde(default = "one")]
@@ -363,8 +387,10 @@ fn one() -> u64 {
     1
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Override"))]
 struct RawOverride {
     values: Vec<String>,
     limit: Option<RawLimit>,
@@ -400,8 +426,10 @@ impl<'de> Deserialize<'de> for Delay {
     }
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Match"))]
 struct RawMatch {
     path_prefix: Option<String>,
     path: Option<String>,
@@ -411,16 +439,20 @@ struct RawMatch {
     headers: BTreeMap<String, String>,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Limit"))]
 struct RawLimit {
     requests: Option<NonZeroU64>,
     per: Option<Period>,
     concurrent: Option<NonZeroU64>,
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Response"))]
 struct RawResponse {
     status: u32,
     body: String,
@@ -437,8 +469,10 @@ impl Default for RawResponse {
     }
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "ClientIp"))]
 struct RawClientIp {
     #[serde(default)]
     trusted_hops: u32,
@@ -464,6 +498,7 @@ impl<'de> Deserialize<'de> for RuleName {
     }
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Default, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum Algorithm {
@@ -1268,6 +1303,24 @@ mod tests {
             .contains("global token_bucket 100 per 1m, burst 80, leases of 5"));
     }
 
+    /// The committed JSON Schema (schema/tollgate.schema.json) is what the config types say.
+    /// `make schema` rewrites it.
+    #[test]
+    fn the_committed_schema_is_current() {
+        let schema = schemars::schema_for!(RawConfig);
+        let text = serde_json::to_string_pretty(&schema).unwrap() + "\n";
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/schema/tollgate.schema.json");
+        if std::env::var_os("UPDATE_SCHEMA").is_some() {
+            std::fs::create_dir_all(concat!(env!("CARGO_MANIFEST_DIR"), "/schema")).unwrap();
+            std::fs::write(path, &text).unwrap();
+        }
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == text,
+            "schema/tollgate.schema.json is stale: run `make schema`"
+        );
+    }
+
     #[test]
     fn durations() {
         assert_eq!(Period::parse("250ms"), Some(Period { ns: 250_000_000 }));
@@ -1486,6 +1539,69 @@ mod tests {
                 got.starts_with(want),
                 "for {input}\n got: {got}\nwant: {want}…"
             );
+        }
+    }
+}
+
+/// JSON Schema of the forms the configuration's custom-parsed strings take.
+#[cfg(not(target_arch = "wasm32"))]
+mod schema {
+    use super::{Delay, KeyPart, Period, RuleName};
+    use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
+    use std::borrow::Cow;
+
+    impl JsonSchema for RuleName {
+        fn schema_name() -> Cow<'static, str> {
+            "RuleName".into()
+        }
+        fn json_schema(_: &mut SchemaGenerator) -> Schema {
+            json_schema!({
+                "type": "string",
+                "pattern": "^[a-z0-9_-]{1,64}$",
+                "description": "Unique rule name: names metrics and the x-tollgate-rule header."
+            })
+        }
+    }
+
+    impl JsonSchema for Period {
+        fn schema_name() -> Cow<'static, str> {
+            "Duration".into()
+        }
+        fn json_schema(_: &mut SchemaGenerator) -> Schema {
+            json_schema!({
+                "type": "string",
+                "pattern": "^[0-9]+(ms|s|m|h|d)$",
+                "description": "A positive whole number and a unit (ms, s, m, h, d), at most 366d: \"250ms\", \"1m\".",
+                "examples": ["250ms", "1s", "1m", "1h", "1d"]
+            })
+        }
+    }
+
+    impl JsonSchema for KeyPart {
+        fn schema_name() -> Cow<'static, str> {
+            "KeyPart".into()
+        }
+        fn json_schema(_: &mut SchemaGenerator) -> Schema {
+            json_schema!({
+                "type": "string",
+                "pattern": "^(client_ip|path|method|host|header:.+|query:.+)$",
+                "description": "A part of the bucket key: client_ip, path, method, host, header:NAME or query:NAME."
+            })
+        }
+    }
+
+    impl JsonSchema for Delay {
+        fn schema_name() -> Cow<'static, str> {
+            "Delay".into()
+        }
+        fn json_schema(_: &mut SchemaGenerator) -> Schema {
+            json_schema!({
+                "description": "Leaky bucket: excess requests passed on undelayed (nginx delay=N), or \"nodelay\".",
+                "oneOf": [
+                    {"type": "integer", "minimum": 0},
+                    {"const": "nodelay"}
+                ]
+            })
         }
     }
 }

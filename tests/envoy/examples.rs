@@ -89,6 +89,26 @@ fn plugin_config(envoy: &serde_json::Value) -> serde_json::Value {
 }
 
 #[test]
+fn every_plugin_configuration_in_the_repository_matches_the_schema() {
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("schema/tollgate.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    for (name, text) in envoy_configs() {
+        let config = plugin_config(&yaml(&text));
+        let errors: Vec<String> = validator
+            .iter_errors(&config)
+            .map(|e| e.to_string())
+            .collect();
+        assert!(errors.is_empty(), "{name}: {errors:?}");
+    }
+    // And it does reject what the filter rejects.
+    let bad = serde_json::json!({"rules": [{"name": "Bad Name", "limit": {"requests": 0, "per": "5x"}}], "x": 1});
+    assert!(validator.iter_errors(&bad).count() >= 3);
+}
+
+#[test]
 fn the_compose_demo_is_consistent() {
     let compose = yaml(&std::fs::read_to_string(repo().join("docker-compose.yml")).unwrap());
     let services = compose["services"].as_object().expect("services");
