@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build quota schema test lint demo clean
+.PHONY: setup build quota schema test lint dist demo clean
 
 setup:
 	@scripts/setup.sh
@@ -29,6 +29,19 @@ schema:
 test: build lint quota
 	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) \
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --workspace
+
+# The release artifacts: the module optimised by binaryen's wasm-opt -O (about 15% smaller, no
+# measurable speed change; docs/release.md) and its sha256, in dist/release/.
+WASM_FEATURES := --enable-bulk-memory --enable-sign-ext --enable-nontrapping-float-to-int \
+	--enable-mutable-globals --enable-multivalue --enable-reference-types
+dist: build
+	@command -v wasm-opt >/dev/null || { apt_get=apt-get; [ "$$(id -u)" -eq 0 ] || apt_get="sudo apt-get"; \
+		$$apt_get update -qq && $$apt_get install -y -qq binaryen >/dev/null; }
+	@mkdir -p dist/release
+	wasm-opt $(WASM_FEATURES) -O $(WASM) -o dist/release/tollgate.wasm
+	cd dist/release && sha256sum tollgate.wasm > tollgate.wasm.sha256
+	@echo "dist/release/tollgate.wasm: $$(wc -c < dist/release/tollgate.wasm) bytes (plain release: $$(wc -c < $(WASM)))"
+	@cat dist/release/tollgate.wasm.sha256
 
 demo: build
 	cargo build --release -p tollgate-quota

@@ -1321,6 +1321,24 @@ mod tests {
         );
     }
 
+    /// Every JSON example in the README and the configuration reference is a valid configuration.
+    #[test]
+    fn documented_examples_parse() {
+        let mut seen = 0;
+        for doc in ["README.md", "docs/configuration.md"] {
+            let path = format!("{}/{doc}", env!("CARGO_MANIFEST_DIR"));
+            let text = std::fs::read_to_string(&path).unwrap();
+            for block in text.split("```json").skip(1) {
+                let json = block.split("```").next().unwrap();
+                if let Err(e) = Config::parse(json.as_bytes()) {
+                    panic!("{doc}: {e} in\n{json}");
+                }
+                seen += 1;
+            }
+        }
+        assert!(seen >= 10, "{seen} examples");
+    }
+
     #[test]
     fn durations() {
         assert_eq!(Period::parse("250ms"), Some(Period { ns: 250_000_000 }));
