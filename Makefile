@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build quota schema test lint dist demo clean
+.PHONY: setup build quota schema test lint dist demo demo-keep clean
 
 setup:
 	@scripts/setup.sh
@@ -46,6 +46,11 @@ dist: build
 demo: build
 	cargo build --release -p tollgate-quota
 	demo/run.sh
+
+# The same, left running for your own requests until Ctrl-C.
+demo-keep: build
+	cargo build --release -p tollgate-quota
+	DEMO_KEEP=1 demo/run.sh
 
 clean:
 	cargo clean

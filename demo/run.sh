@@ -2,7 +2,7 @@
 # Native demo, the docker-compose topology without Docker: a trivial upstream, the quota service
 # (on a redis-server of its own if one is installed, else in memory), two Envoy replicas with the
 # tollgate module, then the curl walk-through (demo/curl.sh). Stops everything it started, also on
-# Ctrl-C.
+# Ctrl-C. With DEMO_KEEP=1 it keeps everything running after the walk-through until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -73,3 +73,8 @@ echo "in front of the upstream on :8081; quota service on :8090. Logs: .tmp/demo
 
 TOLLGATE_URL_B=http://127.0.0.1:10001 TOLLGATE_ADMIN_B=http://127.0.0.1:9902 \
   QUOTA_METRICS=http://127.0.0.1:8090/metrics demo/curl.sh
+
+if [ -n "${DEMO_KEEP:-}" ]; then
+  echo "Still running, try your own curl requests. Press Ctrl-C to stop everything."
+  while true; do sleep 0.2; done
+fi

@@ -181,6 +181,7 @@ fn the_compose_demo_is_consistent() {
 /// with headers and metrics, and stops what it started. It uses the fixed demo ports.
 #[test]
 fn demo_runs_end_to_end() {
+    let _demo_ports = DEMO.lock().unwrap_or_else(|e| e.into_inner());
     wasm_path();
     let out = Command::new("demo/run.sh")
         .current_dir(repo())
@@ -211,7 +212,11 @@ fn demo_runs_end_to_end() {
             "demo output lacks {needle:?}:\n{text}"
         );
     }
-    // Everything it started is gone: the demo ports are free again.
+    assert_demo_ports_free();
+}
+
+/// Everything the demo started is gone: its ports are free again.
+fn assert_demo_ports_free() {
     for port in [8081, 8090, 9901, 9902, 10000, 10001] {
         assert!(
             std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
@@ -219,3 +224,54 @@ fn demo_runs_end_to_end() {
         );
     }
 }
+
+/// Ctrl-C (SIGINT) on the demo left running stops every process it started.
+#[test]
+fn ctrl_c_stops_the_demo_and_all_it_started() {
+    use std::io::BufRead;
+    let _demo_ports = DEMO.lock().unwrap_or_else(|e| e.into_inner());
+    wasm_path();
+    let mut child = Command::new("demo/run.sh")
+        .current_dir(repo())
+        .env("ENVOY_BIN", envoy_bin())
+        .env(
+            "TOLLGATE_QUOTA_BIN",
+            built_artifact_path("TOLLGATE_QUOTA_BIN"),
+        )
+        .env("DEMO_KEEP", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let lines = std::io::BufReader::new(stdout).lines();
+    let mut seen = Vec::new();
+    for line in lines {
+        let line = line.unwrap();
+        let ready = line.contains("Press Ctrl-C");
+        seen.push(line);
+        if ready {
+            break;
+        }
+    }
+    assert!(
+        seen.last().is_some_and(|l| l.contains("Press Ctrl-C")),
+        "{seen:#?}"
+    );
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the demo ignored Ctrl-C"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_demo_ports_free();
+}
+
+/// The demo uses fixed ports: one demo at a time.
+static DEMO: std::sync::Mutex<()> = std::sync::Mutex::new(());
