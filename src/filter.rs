@@ -999,39 +999,23 @@ impl HttpContext for TollgateHttp {
             }
             return Action::Pause;
         }
-        match evaluate(&loaded, &mut inputs, now, false) {
-            Step::Admit(a) => {
-                self.response_headers = a.headers;
-                self.holds.extend(a.holds);
-                if a.delay_ns > 0 {
-                    let due = now.saturating_add(a.delay_ns);
-                    HELD.with(|held| held.borrow_mut().insert((due, self.context_id)));
-                    self.held_until = Some(due);
-                    loaded.held.bump();
-                    return Action::Pause;
-                }
-                Action::Continue
+        let step = evaluate(&loaded, &mut inputs, now, false);
+        if let Step::Wait = step {
+            for input in &inputs {
+                loaded.metrics[input.which.rule()].waited.bump();
             }
-            Step::Reject { response, headers } => {
-                reject(response_of(config, response), &headers);
-                Action::Pause
-            }
-            Step::Wait => {
-                for input in &inputs {
-                    loaded.metrics[input.which.rule()].waited.bump();
-                }
-                let timeout = config.quota_service.as_ref().map_or(200, |q| q.timeout_ms);
-                WAITING.with(|w| {
-                    w.borrow_mut().push(Waiting {
-                        context_id: self.context_id,
-                        deadline_ms: now / 1_000_000 + timeout,
-                        inputs,
-                    })
-                });
-                loaded.quota_waiting.bump();
-                Action::Pause
-            }
+            let timeout = config.quota_service.as_ref().map_or(200, |q| q.timeout_ms);
+            WAITING.with(|w| {
+                w.borrow_mut().push(Waiting {
+                    context_id: self.context_id,
+                    deadline_ms: now / 1_000_000 + timeout,
+                    inputs,
+                })
+            });
+            loaded.quota_waiting.bump();
+            return Action::Pause;
         }
+        self.carry_out(&loaded, step, now, false)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
@@ -1138,6 +1122,19 @@ impl TollgateHttp {
                 }
             }
         };
+        if let Step::Wait = step {
+            // Strict inputs never wait (they hold no leased allowance): nothing to decide.
+            if paused {
+                let _ = hostcalls::resume_http_request();
+            }
+            return Action::Continue;
+        }
+        self.carry_out(&loaded, step, now, paused)
+    }
+
+    /// Admit (with its headers, holds and any leaky-bucket hold) or reject the request; resume it
+    /// if it was `paused` and may go on. `Step::Wait` is the callers' business.
+    fn carry_out(&mut self, loaded: &Loaded, step: Step, now: u64, paused: bool) -> Action {
         match step {
             Step::Admit(a) => {
                 self.response_headers = a.headers;
@@ -1151,22 +1148,16 @@ impl TollgateHttp {
                 }
                 if paused {
                     if let Err(s) = hostcalls::resume_http_request() {
-                        debug!("cannot resume after the quota call: {s:?}");
+                        debug!("cannot resume request {}: {s:?}", self.context_id);
                     }
                 }
                 Action::Continue
             }
             Step::Reject { response, headers } => {
-                reject(response_of(config, response), &headers);
+                reject(response_of(&loaded.config, response), &headers);
                 Action::Pause
             }
-            // Strict inputs never wait (they hold no leased allowance).
-            Step::Wait => {
-                if paused {
-                    let _ = hostcalls::resume_http_request();
-                }
-                Action::Continue
-            }
+            Step::Wait => Action::Pause,
         }
     }
 
