@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build quota schema test lint dist demo demo-keep clean
+.PHONY: setup build quota schema test lint dist bench demo demo-keep clean
 
 setup:
 	@scripts/setup.sh
@@ -46,6 +46,15 @@ dist: build
 demo: build
 	cargo build --release -p tollgate-quota
 	demo/run.sh
+
+# Benchmarks (not part of `make test`): writes docs/benchmarks.md and docs/benchmarks.png.
+bench: dist
+	@for pkg in wrk nginx-light; do dpkg -s $$pkg >/dev/null 2>&1 || { apt_get=apt-get; \
+		[ "$$(id -u)" -eq 0 ] || apt_get="sudo apt-get"; $$apt_get install -y -qq $$pkg >/dev/null; }; done
+	.venv/bin/pip install --quiet --disable-pip-version-check matplotlib
+	cargo build --release -p tollgate-quota
+	cd bench/noop && cargo build --release --target wasm32-wasip1
+	.venv/bin/python bench/run.py
 
 # The same, left running for your own requests until Ctrl-C.
 demo-keep: build
