@@ -14,6 +14,10 @@ use tollgate_core::{
 pub const DEFAULT_MAX_KEYS: u32 = 10_000;
 /// Upper bound of `max_keys`: every slot is created when the configuration loads.
 pub const MAX_MAX_KEYS: u32 = 1_000_000;
+/// Tokens a worker may stash per key when `worker_batch` is not given (token buckets).
+pub const DEFAULT_WORKER_BATCH: u64 = 8;
+/// Upper bound of `worker_batch`: what may sit in stashes is part of the accuracy bound.
+pub const MAX_WORKER_BATCH: u64 = 64;
 /// How long a leaky bucket may hold a request when `max_delay` is not given.
 pub const DEFAULT_MAX_DELAY_NS: u64 = 10_000_000_000;
 
@@ -113,6 +117,8 @@ pub struct Rule {
     pub dry_run: bool,
     /// Set for `"scope": "global"`: `quota.limit` is then the leased allowance.
     pub global: Option<GlobalRule>,
+    /// Token buckets: most tokens a worker stashes at once per key (0: none).
+    pub worker_batch: u64,
 }
 
 /// A limit with the slots that hold its state and how headers state it.
@@ -361,6 +367,9 @@ struct RawRule {
     max_keys: Option<NonZeroU32>,
     #[serde(default)]
     scope: Scope,
+    /// Token buckets: tokens a worker may take at once from a busy key's shared bucket and spend
+    /// without touching shared data (default 8; 0 turns batches off).
+    worker_batch: Option<u64>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
@@ -656,6 +665,27 @@ impl RawRule {
             "warmup",
             "algorithm \"token_bucket\"",
         )?;
+        only(
+            self.worker_batch.is_some()
+                && (algorithm != Algorithm::TokenBucket
+                    || self.warmup.is_some()
+                    || self.scope == Scope::Global),
+            "worker_batch",
+            "local rules with algorithm \"token_bucket\" (no warmup)",
+        )?;
+        let worker_batch = match self.worker_batch {
+            Some(n) if n > MAX_WORKER_BATCH => {
+                return Err(err(
+                    format!("{path}.worker_batch"),
+                    format!("{n} is more than the maximum of {MAX_WORKER_BATCH}"),
+                ))
+            }
+            Some(n) => n,
+            None if algorithm == Algorithm::TokenBucket && self.warmup.is_none() => {
+                DEFAULT_WORKER_BATCH
+            }
+            None => 0,
+        };
         if self.warmup.is_some() && self.burst.is_some() {
             return Err(err(
                 format!("{path}.burst"),
@@ -765,6 +795,7 @@ impl RawRule {
             response,
             dry_run: self.dry_run || dry_run_all,
             global: None,
+            worker_batch,
         })
     }
 }
@@ -837,6 +868,7 @@ impl Rule {
                 format!("{}/{requests}/{per_ms}/{burst}", self.name).as_bytes()
             )
         );
+        self.worker_batch = 0;
         self.global = Some(GlobalRule {
             requests,
             per_ms,

@@ -12,19 +12,21 @@ use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::slot::{key_hash, Group};
 use tollgate_core::{
-    admit, release, CasStore, Check, Hold, LeaseAllowance, Limit, SlotEvent, SlotId, StoreError,
-    Verdict,
+    admit, release, return_stash, CasStore, Check, CheckOutcome, Hold, LeaseAllowance, Limit,
+    Lookup, Outcome, SlotEvent, SlotId, StashTable, StoreError, Verdict,
 };
 
 /// How often each worker looks for held requests that are due: the spacing's resolution.
 const TICK: Duration = Duration::from_millis(5);
+/// The tick when only worker stashes need it (to return tokens that went unspent).
+const STASH_TICK: Duration = Duration::from_millis(10);
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -42,6 +44,53 @@ thread_local! {
     static PENDING: RefCell<Vec<Refill>> = const { RefCell::new(Vec::new()) };
     /// Refills sent and not answered yet, by call token.
     static IN_FLIGHT: RefCell<HashMap<u32, Vec<Refill>>> = RefCell::new(HashMap::new());
+}
+
+/// Profiling builds (`--features probe`): nanoseconds spent in each callback, flushed to Envoy
+/// counters `tollgate.probe.<callback>.ns` and `.calls` every 1000 calls.
+#[cfg(feature = "probe")]
+mod probe {
+    use proxy_wasm::hostcalls;
+    use proxy_wasm::types::MetricType;
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    thread_local! {
+        static SUMS: RefCell<HashMap<&'static str, (u64, u64, u32, u32)>> = RefCell::new(HashMap::new());
+    }
+
+    pub struct Timer(&'static str, u64);
+
+    pub fn start(name: &'static str) -> Timer {
+        Timer(name, super::now_ns().unwrap_or(0))
+    }
+
+    impl Drop for Timer {
+        fn drop(&mut self) {
+            let spent = super::now_ns().unwrap_or(0).saturating_sub(self.1);
+            SUMS.with(|s| {
+                let mut s = s.borrow_mut();
+                let e = s.entry(self.0).or_insert_with(|| {
+                    let ns = hostcalls::define_metric(
+                        MetricType::Counter,
+                        &format!("tollgate.probe.{}.ns", self.0),
+                    );
+                    let calls = hostcalls::define_metric(
+                        MetricType::Counter,
+                        &format!("tollgate.probe.{}.calls", self.0),
+                    );
+                    (0, 0, ns.unwrap_or(0), calls.unwrap_or(0))
+                });
+                e.0 += spent;
+                e.1 += 1;
+                if e.1 == 1000 {
+                    let _ = hostcalls::increment_metric(e.2, e.0 as i64);
+                    let _ = hostcalls::increment_metric(e.3, e.1 as i64);
+                    (e.0, e.1) = (0, 0);
+                }
+            });
+        }
+    }
 }
 
 /// One rule's part in a request, kept so that a paused request can be decided again later.
@@ -158,6 +207,8 @@ struct RuleMetrics {
     waited: Metric,
     /// Concurrency rules only: requests in flight, weighted by cost.
     in_flight: Metric,
+    /// Token buckets: stashed tokens a worker did not spend in time and gave back.
+    stash_returned: Metric,
 }
 
 impl RuleMetrics {
@@ -186,6 +237,7 @@ impl RuleMetrics {
             store_errors: counter("store_errors"),
             fallback: counter("fallback"),
             waited: counter("waited"),
+            stash_returned: counter("stash_returned"),
             in_flight: if holds {
                 Metric::define(
                     MetricType::Gauge,
@@ -211,6 +263,19 @@ struct Loaded {
     quota_granted: Metric,
     /// Requests currently waiting for global quota in this process.
     quota_waiting: Metric,
+    /// This worker's token stashes (token buckets with `worker_batch`).
+    stash: RefCell<StashTable>,
+    /// Tokens in this process's stashes, as of the last tick (summed over workers).
+    stash_held: Metric,
+    /// What this worker last added to `stash_held`.
+    stash_reported: Cell<i64>,
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        // A new configuration replaced this one: stashed tokens go back rather than being lost.
+        return_stashes(self, u64::MAX);
+    }
 }
 
 #[derive(Default)]
@@ -299,8 +364,14 @@ impl RootContext for TollgateRoot {
         let holds_requests = config
             .quotas()
             .any(|(_, q)| matches!(q.limit, Limit::LeakyBucket(_) | Limit::Lease(_)));
-        if holds_requests {
-            if let Err(s) = hostcalls::set_tick_period(TICK) {
+        let stashes = config.rules.iter().any(|r| r.worker_batch > 0);
+        let tick = if holds_requests {
+            Some(TICK)
+        } else {
+            stashes.then_some(STASH_TICK)
+        };
+        if let Some(tick) = tick {
+            if let Err(s) = hostcalls::set_tick_period(tick) {
                 error!("cannot set the tick period that releases held requests: {s:?}");
                 return false;
             }
@@ -317,6 +388,9 @@ impl RootContext for TollgateRoot {
             quota_failures: Metric::define(MetricType::Counter, "tollgate.quota.failures"),
             quota_granted: Metric::define(MetricType::Counter, "tollgate.quota.granted"),
             quota_waiting: Metric::define(MetricType::Gauge, "tollgate.quota.waiting"),
+            stash: RefCell::new(StashTable::default()),
+            stash_held: Metric::define(MetricType::Gauge, "tollgate.stash.held"),
+            stash_reported: Cell::new(0),
         }));
         true
     }
@@ -326,6 +400,7 @@ impl RootContext for TollgateRoot {
             return;
         };
         if let Some(loaded) = self.loaded.clone() {
+            return_stashes(&loaded, now);
             send_refills(&loaded);
             retry_waiting(&loaded, now);
         }
@@ -355,6 +430,8 @@ impl RootContext for TollgateRoot {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        #[cfg(feature = "probe")]
+        let _t = probe::start("create");
         // Always a context (the SDK panics on None); without a configuration it passes requests.
         Some(Box::new(TollgateHttp {
             context_id,
@@ -382,6 +459,8 @@ impl RequestView for HostRequest {
     }
 
     fn source_address(&self) -> Option<String> {
+        #[cfg(feature = "probe")]
+        let _t = probe::start("client_address");
         let bytes = hostcalls::get_property(vec!["source", "address"]).ok()??;
         String::from_utf8(bytes).ok()
     }
@@ -413,6 +492,61 @@ impl QuotaRef {
         match self {
             Self::Rule(i) | Self::Override(i, _) | Self::Fallback(i) => i,
         }
+    }
+
+    /// The quota's name in worker stashes (fallback quotas take no batches).
+    fn stash_id(self) -> Option<u32> {
+        let (rule, sub) = match self {
+            Self::Rule(i) => (i, 0),
+            Self::Override(i, j) => (i, j.checked_add(1)?),
+            Self::Fallback(_) => return None,
+        };
+        let (rule, sub) = (u16::try_from(rule).ok()?, u16::try_from(sub).ok()?);
+        Some(u32::from(rule) << 16 | u32::from(sub))
+    }
+
+    fn from_stash_id(id: u32) -> Self {
+        let (rule, sub) = ((id >> 16) as usize, (id & 0xffff) as usize);
+        match sub {
+            0 => Self::Rule(rule),
+            j => Self::Override(rule, j - 1),
+        }
+    }
+}
+
+/// Give back to their buckets the tokens this worker stashed and did not spend in time (all of
+/// them with `u64::MAX`).
+fn return_stashes(loaded: &Loaded, now: u64) {
+    let (leftovers, held) = {
+        let mut stash = loaded.stash.borrow_mut();
+        let leftovers = stash.expired(now);
+        (leftovers, i64::try_from(stash.held()).unwrap_or(i64::MAX))
+    };
+    let reported = loaded.stash_reported.replace(held);
+    if held != reported {
+        loaded.stash_held.add(held - reported);
+    }
+    for l in leftovers {
+        return_leftover(
+            loaded,
+            QuotaRef::from_stash_id(l.quota),
+            l.slot,
+            l.tokens,
+            now,
+        );
+    }
+}
+
+fn return_leftover(loaded: &Loaded, which: QuotaRef, slot: SlotId, tokens: u64, now: u64) {
+    let Some(quota) = quota_of(&loaded.config, which) else {
+        return;
+    };
+    match return_stash(&SharedData, &quota.limit, &quota.table, slot, tokens, now) {
+        Ok(()) => loaded.metrics[which.rule()]
+            .stash_returned
+            .add(i64::try_from(tokens).unwrap_or(i64::MAX)),
+        // Lost tokens only make the key stricter until its bucket refills.
+        Err(e) => debug!("stashed tokens not returned: {e:?}"),
     }
 }
 
@@ -671,23 +805,9 @@ fn release_holds(loaded: &Loaded, holds: Vec<(QuotaRef, Hold)>, now: u64) {
 fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: bool) -> Step {
     let config = &loaded.config;
     loop {
-        let checks: Vec<Check> = inputs
-            .iter()
-            .filter_map(|i| {
-                let quota = quota_of(config, i.which)?;
-                Some(Check {
-                    limit: &quota.limit,
-                    table: &quota.table,
-                    slot: i.slot,
-                    cost: i.cost,
-                    enforced: i.enforced,
-                })
-            })
-            .collect();
-        if checks.len() != inputs.len() {
+        let Some(outcome) = decide(loaded, inputs, now) else {
             return Step::Admit(Admitted::default());
-        }
-        let outcome = admit(&SharedData, &checks, now);
+        };
         for (input, result) in inputs.iter().zip(&outcome.checks) {
             if result.refill {
                 // Roughly what the key spent of its last lease: the service's demand signal.
@@ -711,7 +831,7 @@ fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: 
             }
         }
         if outcome.admitted || outcome.rejected_by.is_some() {
-            return conclude(loaded, inputs, &checks, &outcome);
+            return conclude(loaded, inputs, &outcome);
         }
         // Undecided: some enforced global rule has no quota (yet).
         let service = config.quota_service.as_ref();
@@ -773,19 +893,126 @@ fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: 
     }
 }
 
+/// Decide `inputs` as one all-or-nothing outcome aligned with them: from this worker's stashes
+/// where they can (no shared data), from the shared slots otherwise. `None` if a quota is gone.
+fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
+    let config = &loaded.config;
+    let mut stash = loaded.stash.borrow_mut();
+    let mut results: Vec<CheckOutcome> = Vec::with_capacity(inputs.len());
+    let mut checks = Vec::with_capacity(inputs.len());
+    let mut asked = Vec::with_capacity(inputs.len());
+    let mut refused = None;
+    // Dry-run rules count would-be refusals of every request: a remembered refusal would hide them.
+    let any_dry_run = inputs.iter().any(|i| !i.enforced);
+    for (n, input) in inputs.iter().enumerate() {
+        let quota = quota_of(config, input.which)?;
+        let max_batch = config.rules[input.which.rule()].worker_batch;
+        let lookup = match input.which.stash_id() {
+            Some(id) if max_batch > 0 && input.enforced => {
+                stash.lookup(id, input.slot, input.cost, max_batch, now)
+            }
+            _ => Lookup::Ask { batch: 0 },
+        };
+        let lookup = match lookup {
+            Lookup::Refused { .. } if any_dry_run => Lookup::Ask { batch: 0 },
+            other => other,
+        };
+        let verdict = match lookup {
+            Lookup::Spent {
+                remaining,
+                reset_ns,
+            } => Verdict::Allowed {
+                remaining,
+                reset_ns,
+                delay_ns: 0,
+            },
+            Lookup::Refused {
+                retry_after_ns,
+                reset_ns,
+            } => {
+                refused.get_or_insert(n);
+                Verdict::Limited {
+                    retry_after_ns,
+                    remaining: 0,
+                    reset_ns,
+                }
+            }
+            Lookup::Ask { batch } => {
+                asked.push(n);
+                checks.push(Check {
+                    limit: &quota.limit,
+                    table: &quota.table,
+                    slot: input.slot,
+                    cost: input.cost,
+                    enforced: input.enforced,
+                    batch,
+                });
+                Verdict::Skipped
+            }
+        };
+        results.push(CheckOutcome {
+            verdict,
+            slot: SlotEvent::Own,
+            hold: None,
+            refill: false,
+            stashed: 0,
+        });
+    }
+    let mut outcome = Outcome {
+        admitted: refused.is_none(),
+        rejected_by: refused,
+        checks: results,
+    };
+    if refused.is_none() && !checks.is_empty() {
+        let shared = admit(&SharedData, &checks, now);
+        outcome.admitted = shared.admitted;
+        outcome.rejected_by = shared.rejected_by.map(|i| asked[i]);
+        for (&n, result) in asked.iter().zip(shared.checks) {
+            outcome.checks[n] = result;
+        }
+    }
+    for (n, (input, result)) in inputs.iter().zip(&outcome.checks).enumerate() {
+        let Some(id) = input.which.stash_id() else {
+            continue;
+        };
+        let was_asked = asked.contains(&n);
+        match result.verdict {
+            Verdict::Allowed {
+                remaining,
+                reset_ns,
+                ..
+            } if outcome.admitted && was_asked => {
+                if result.stashed > 0 && stash.stash_would_drop(id, input.slot) {
+                    return_leftover(loaded, input.which, input.slot, result.stashed, now);
+                } else {
+                    stash.stash(id, input.slot, result.stashed, remaining, reset_ns, now);
+                }
+            }
+            // Spent from the stash, but the request goes no further: back into the stash.
+            Verdict::Allowed { .. } if !outcome.admitted && !was_asked => {
+                stash.put_back(id, input.slot, input.cost)
+            }
+            Verdict::Limited {
+                retry_after_ns,
+                reset_ns,
+                ..
+            } if input.enforced && was_asked => {
+                stash.refused(id, input.slot, input.cost, retry_after_ns, reset_ns, now)
+            }
+            _ => {}
+        }
+    }
+    Some(outcome)
+}
+
 /// Metrics, logs and headers of a decided request.
-fn conclude(
-    loaded: &Loaded,
-    inputs: &[CheckInput],
-    checks: &[Check],
-    outcome: &tollgate_core::Outcome,
-) -> Step {
+fn conclude(loaded: &Loaded, inputs: &[CheckInput], outcome: &Outcome) -> Step {
     let config = &loaded.config;
     // The quota to report: the refusing rule, else the one with the least left.
     let mut report: Option<(QuotaRef, u64, u64)> = None;
     let mut admitted = Admitted::default();
     for (n, result) in outcome.checks.iter().enumerate() {
-        let (which, check) = (inputs[n].which, &checks[n]);
+        let (which, check) = (inputs[n].which, &inputs[n]);
         let (rule, metrics) = (&config.rules[which.rule()], &loaded.metrics[which.rule()]);
         match result.slot {
             SlotEvent::Own => {}
@@ -834,8 +1061,8 @@ fn conclude(
                 metrics.store_errors.bump();
                 continue;
             }
-            // Dry-run global rules without quota yet: no opinion.
-            Verdict::Waiting | Verdict::Fallback => continue,
+            // Dry-run global rules without quota yet: no opinion; or not asked.
+            Verdict::Waiting | Verdict::Fallback | Verdict::Skipped => continue,
         };
         debug!(
             "rule {} key {:016x} group {} {:?} {:?}",
@@ -924,6 +1151,8 @@ impl Context for TollgateHttp {
 
 impl HttpContext for TollgateHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        #[cfg(feature = "probe")]
+        let _t = probe::start("request");
         let Some(loaded) = self.loaded.clone() else {
             return Action::Continue;
         };
@@ -1019,6 +1248,8 @@ impl HttpContext for TollgateHttp {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        #[cfg(feature = "probe")]
+        let _t = probe::start("response");
         self.take_resumed();
         for (name, value) in self.response_headers.drain(..) {
             if let Err(s) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value) {
@@ -1029,6 +1260,8 @@ impl HttpContext for TollgateHttp {
     }
 
     fn on_log(&mut self) {
+        #[cfg(feature = "probe")]
+        let _t = probe::start("log");
         self.end_of_stream();
     }
 }

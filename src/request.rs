@@ -90,7 +90,16 @@ impl<'a, V: RequestView> Request<'a, V> {
                         return from_xff;
                     }
                 }
-                let peer = self.view.source_address()?;
+                let mut peer = self.view.source_address()?;
+                // The common case, IPv4 `a.b.c.d:port` as the host writes it: cut, don't reformat.
+                if let Some((ip, port)) = peer.split_once(':') {
+                    let dotted =
+                        !ip.is_empty() && ip.bytes().all(|b| b.is_ascii_digit() || b == b'.');
+                    if dotted && port.parse::<u16>().is_ok() {
+                        peer.truncate(ip.len());
+                        return Some(peer);
+                    }
+                }
                 Some(match peer.parse::<SocketAddr>() {
                     Ok(addr) => addr.ip().to_string(),
                     Err(_) => peer,

@@ -13,6 +13,7 @@ pub mod lease;
 pub mod limiter;
 pub mod sliding_window;
 pub mod slot;
+pub mod stash;
 pub mod store;
 pub mod token_bucket;
 pub mod warm_up;
@@ -22,9 +23,12 @@ pub use allowance::LeaseAllowance;
 pub use concurrency::Concurrency;
 pub use fixed_window::FixedWindow;
 pub use leaky_bucket::LeakyBucket;
-pub use limiter::{admit, release, Check, CheckOutcome, Hold, Outcome, SlotEvent, Verdict};
+pub use limiter::{
+    admit, release, return_stash, Check, CheckOutcome, Hold, Outcome, SlotEvent, Verdict,
+};
 pub use sliding_window::SlidingWindow;
 pub use slot::{SlotId, SlotTable};
+pub use stash::{Leftover, Lookup, StashTable};
 pub use store::{CasStore, MemoryStore, StoreError};
 pub use token_bucket::TokenBucket;
 pub use warm_up::WarmUp;

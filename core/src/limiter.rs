@@ -23,6 +23,9 @@ pub struct Check<'a> {
     pub cost: u64,
     /// False for dry-run rules: they count and report, never refuse.
     pub enforced: bool,
+    /// Token buckets: up to this many tokens more may be taken for the worker's stash, when the
+    /// bucket has plenty (see [`crate::stash`]). 0 takes exactly `cost`.
+    pub batch: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +50,8 @@ pub enum Verdict {
     Waiting,
     /// The source of quota failed (global rules): the rule's failure mode decides.
     Fallback,
+    /// Not asked: the request was already refused by another rule (from a worker's stash).
+    Skipped,
 }
 
 /// What the request found in its slot group.
@@ -77,6 +82,8 @@ pub struct CheckOutcome {
     pub hold: Option<Hold>,
     /// This request claimed a refill of the rule's allowance for its key: the caller sends it.
     pub refill: bool,
+    /// Tokens taken beyond the request's cost, for the worker's stash (admitted requests only).
+    pub stashed: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +145,7 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
                     slot: SlotEvent::Own,
                     hold: None,
                     refill: false,
+                    stashed: 0,
                 },
                 index: 0,
                 owner: 0,
@@ -148,13 +156,17 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
     };
     let (index, slot, current) = choose(check.limit, &group, check.slot.tag, now_ns);
     let owner = current.tag;
+    let mut stashed = 0;
     let (verdict, write) = match check.limit.decide(&current.state, now_ns, check.cost) {
         Decision::Allow {
-            state,
+            mut state,
             remaining,
             reset_ns,
             delay_ns,
         } => {
+            if let Some((more, taken)) = stash_take(check, &current.state, remaining, now_ns) {
+                (state, stashed) = (more, taken);
+            }
             let mut next = group;
             // Only the owner's own requests count as its hits.
             let own = u64::from(slot != SlotEvent::Shared);
@@ -205,11 +217,38 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64
             slot,
             hold: None,
             refill: false,
+            stashed,
         },
         index,
         owner,
         before: current.state,
         write,
+    }
+}
+
+/// Tokens to take for the worker's stash beyond a request that `remaining` would be left after:
+/// a quarter of what is left, at most `check.batch`, so that a bucket near empty is shared one
+/// token at a time (exact) and only a bucket with plenty hands out batches. Returns the state
+/// after taking them too.
+fn stash_take(
+    check: &Check,
+    before: &crate::algorithm::State,
+    remaining: u64,
+    now_ns: u64,
+) -> Option<(crate::algorithm::State, u64)> {
+    if !matches!(check.limit, Limit::TokenBucket(_)) {
+        return None;
+    }
+    let extra = check.batch.min(remaining / 4);
+    if extra == 0 {
+        return None;
+    }
+    match check
+        .limit
+        .decide(before, now_ns, check.cost.saturating_add(extra))
+    {
+        Decision::Allow { state, .. } => Some((state, extra)),
+        _ => None,
     }
 }
 
@@ -280,10 +319,14 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
         if refused && check.enforced {
             for &j in &committed {
                 let p = &plans[j];
+                let taken = Check {
+                    cost: checks[j].cost.saturating_add(p.outcome.stashed),
+                    ..checks[j]
+                };
                 // A refund that keeps losing races leaves that rule stricter, never looser.
                 let _ = give_back(
                     store,
-                    &checks[j],
+                    &taken,
                     &p.key,
                     p.index,
                     Some(p.owner),
@@ -325,6 +368,7 @@ pub fn release<S: CasStore + ?Sized>(
         },
         cost: hold.cost,
         enforced: true,
+        batch: 0,
     };
     give_back(
         store,
@@ -334,6 +378,46 @@ pub fn release<S: CasStore + ?Sized>(
         None,
         now_ns,
         MAX_RELEASE_ATTEMPTS,
+    )
+}
+
+/// Give back `tokens` a worker stashed for the key tagged `slot.tag` and did not spend, unless
+/// its slot has changed hands since. `Err` only if the store failed or every attempt lost a race.
+pub fn return_stash<S: CasStore + ?Sized>(
+    store: &S,
+    limit: &Limit,
+    table: &SlotTable,
+    slot: SlotId,
+    tokens: u64,
+    now_ns: u64,
+) -> Result<(), StoreError> {
+    let key = table.store_key(slot.group);
+    let Some((bytes, _)) = store.read(&key)? else {
+        return Ok(());
+    };
+    let Some(index) = Group::decode(&bytes)
+        .slots
+        .iter()
+        .position(|s| s.tag == slot.tag)
+    else {
+        return Ok(());
+    };
+    let check = Check {
+        limit,
+        table,
+        slot,
+        cost: tokens,
+        enforced: true,
+        batch: 0,
+    };
+    give_back(
+        store,
+        &check,
+        &key,
+        index,
+        Some(slot.tag),
+        now_ns,
+        MAX_CAS_ATTEMPTS,
     )
 }
 
@@ -424,6 +508,7 @@ mod tests {
             slot: r.table.locate(key.as_bytes()),
             cost: 1,
             enforced,
+            batch: 0,
         }
     }
 

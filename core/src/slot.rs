@@ -35,7 +35,7 @@ pub fn key_hash(key: &[u8]) -> u128 {
 }
 
 /// Where a client key lives: its group and the tag that marks a slot as its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct SlotId {
     pub group: u32,
     /// Never 0: 0 marks a free slot.

@@ -341,6 +341,38 @@ impl Envoy {
         }
     }
 
+    /// Wait until a stat the filter updates on its tick reads `value` on two reads more than two
+    /// ticks apart (so a change made just before the first read has been reported by the second).
+    pub fn wait_for_stat(&self, name: &str, value: i64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut since: Option<Instant> = None;
+        loop {
+            if self.stat(name) == value {
+                let first = *since.get_or_insert_with(Instant::now);
+                if first.elapsed() > Duration::from_millis(30) {
+                    return;
+                }
+            } else {
+                since = None;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} stayed at {}, not {value}",
+                self.stat(name)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Wait until a stat is more than `value`.
+    pub fn wait_for_stat_above(&self, name: &str, value: i64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.stat(name) <= value {
+            assert!(Instant::now() < deadline, "{name} stayed at most {value}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// A plain Envoy stat, 0 if absent.
     pub fn stat(&self, name: &str) -> i64 {
         let text = self.admin_get("/stats");

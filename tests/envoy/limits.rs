@@ -1,6 +1,6 @@
 //! Admission: exact bursts, one limit across workers, per-key buckets, client addresses.
 
-use crate::harness::{one_rule, statuses, Client, Envoy};
+use crate::harness::{one_rule, parallel, statuses, Client, Envoy};
 use serde_json::json;
 use std::sync::{Arc, Barrier};
 
@@ -47,6 +47,39 @@ fn two_workers_enforce_one_limit_under_concurrent_connections() {
     );
     assert_eq!(envoy.counter("shared", "allowed"), 100);
     assert_eq!(envoy.counter("shared", "limited"), 300);
+}
+
+#[test]
+fn worker_stashes_are_spent_or_returned_so_no_token_is_lost_or_made() {
+    let envoy = Envoy::start(&one_rule(json!({
+        "name": "stash", "limit": {"requests": 1, "per": "1d"}, "burst": 40
+    })));
+    let url = envoy.url("/");
+    // Quick requests on one connection make the key busy on its worker, which takes a batch.
+    let c = Client::new();
+    for _ in 0..6 {
+        assert_eq!(c.get(&url, &[]).status, 200);
+    }
+    // What the worker did not spend goes back to the shared bucket.
+    envoy.wait_for_stat_above("wasmcustom.tollgate.rule.stash.stash_returned", 0);
+    envoy.wait_for_stat("wasmcustom.tollgate.stash.held", 0);
+    // Both workers take and spend batches under concurrent connections.
+    let all = parallel(20, |_| {
+        let client = Client::new();
+        (0..4)
+            .map(|_| client.get(&url, &[]).status)
+            .collect::<Vec<_>>()
+    });
+    let concurrent = all.iter().flatten().filter(|s| **s == 200).count();
+    envoy.wait_for_stat("wasmcustom.tollgate.stash.held", 0);
+    // Whatever is left, on one connection: in all, exactly the burst.
+    let (rest, _) = statuses(&url, &[], 40);
+    assert_eq!(
+        6 + concurrent + rest,
+        40,
+        "{concurrent} concurrent, then {rest}"
+    );
+    assert_eq!(statuses(&url, &[], 3), (0, 3));
 }
 
 #[test]

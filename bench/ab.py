@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""A/B comparison of Wasm modules (or plugin configurations) under the same load: short interleaved
+rounds, the median of each round's difference against the first variant. For development: deciding
+whether a change to the hot path is worth it needs paired rounds on a noisy machine.
+
+    bench/ab.py --rounds 12 base=dist/release/tollgate.wasm new=/tmp/new.wasm
+    bench/ab.py noop=bench/noop/target/wasm32-wasip1/release/tollgate_bench_noop.wasm tg=dist/release/tollgate.wasm
+
+A variant may add `@plugin.json` to use its own plugin configuration.
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--seconds", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=run.HUGE, help="requests per minute (default: never reached)")
+    ap.add_argument("variants", nargs="+", help="label=module.wasm[@plugin.json]")
+    args = ap.parse_args()
+    variants = []
+    for v in args.variants:
+        label, spec = v.split("=", 1)
+        path, _, plugin = spec.partition("@")
+        cfg = json.loads(Path(plugin).read_text()) if plugin else run.tollgate_plugin(args.limit)
+        variants.append((label, Path(path).resolve(), cfg))
+    cpu = {label: [] for label, _, _ in variants}
+    for r in range(args.rounds):
+        order = variants if r % 2 == 0 else list(reversed(variants))
+        for label, path, cfg in order:
+            server = run.EnvoyServer([run.wasm_filter(path, cfg)])
+            try:
+                m = run.measure(server, args.seconds)
+            finally:
+                server.stop()
+            cpu[label].append(m["cpu_us"])
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in cpu.items()), flush=True)
+    base = variants[0][0]
+    for label, values in cpu.items():
+        diffs = [a - b for a, b in zip(values, cpu[base])]
+        print(f"{label}: median {statistics.median(values):.2f} us/req, vs {base} "
+              f"{statistics.median(diffs):+.2f} us (paired diffs {min(diffs):+.2f}..{max(diffs):+.2f})")
+
+
+if __name__ == "__main__":
+    main()
