@@ -54,6 +54,8 @@ bench: dist
 	.venv/bin/pip install --quiet --disable-pip-version-check matplotlib
 	cargo build --release -p tollgate-quota
 	cd bench/noop && cargo build --release --target wasm32-wasip1
+	cd bench/probe && cargo build --release --target wasm32-wasip1
+	cargo build --release --target wasm32-wasip1 --features probe --target-dir target/probe
 	.venv/bin/python bench/run.py
 
 # The same, left running for your own requests until Ctrl-C.

@@ -25,8 +25,8 @@ use tollgate_core::{
 
 /// How often each worker looks for held requests that are due: the spacing's resolution.
 const TICK: Duration = Duration::from_millis(5);
-/// The tick when only worker stashes need it (to return tokens that went unspent).
-const STASH_TICK: Duration = Duration::from_millis(10);
+/// The tick otherwise: it returns unspent stashed tokens and hands the worker's stats to the host.
+const STATS_TICK: Duration = Duration::from_millis(10);
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -42,6 +42,9 @@ thread_local! {
     static RESUMED: RefCell<HashMap<u32, Admitted>> = RefCell::new(HashMap::new());
     /// Refills claimed by this VM's requests, sent together on the next tick.
     static PENDING: RefCell<Vec<Refill>> = const { RefCell::new(Vec::new()) };
+    /// Stat increments since the last tick, as (host metric id, pending increment): a request
+    /// costs no host call for its stats.
+    static COUNTS: RefCell<Vec<(u32, i64)>> = const { RefCell::new(Vec::new()) };
     /// Refills sent and not answered yet, by call token.
     static IN_FLIGHT: RefCell<HashMap<u32, Vec<Refill>>> = RefCell::new(HashMap::new());
 }
@@ -165,29 +168,54 @@ fn now_ns() -> Option<u64> {
     Some(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// An Envoy stat id, or nothing if the host refused to define it (the count is then lost).
+/// A stat: its place in this worker's [`COUNTS`], or nothing if the host refused to define it
+/// (the count is then lost).
 #[derive(Clone, Copy)]
-struct Metric(Option<u32>);
+struct Metric(Option<usize>);
 
 impl Metric {
     fn define(kind: MetricType, name: &str) -> Self {
-        Self(
-            hostcalls::define_metric(kind, name)
-                .map_err(|s| warn!("cannot define metric {name}: {s:?}"))
-                .ok(),
-        )
+        let Ok(id) = hostcalls::define_metric(kind, name)
+            .map_err(|s| warn!("cannot define metric {name}: {s:?}"))
+        else {
+            return Self(None);
+        };
+        // A reload defines the same stats again: the host gives the same id, keep one entry.
+        Self(Some(COUNTS.with(|c| {
+            let mut c = c.borrow_mut();
+            c.iter()
+                .position(|(known, _)| *known == id)
+                .unwrap_or_else(|| {
+                    c.push((id, 0));
+                    c.len() - 1
+                })
+        })))
     }
 
     fn add(self, n: i64) {
-        if let Some(id) = self.0 {
-            // A failed increment only loses a count; nothing to do about it here.
-            let _ = hostcalls::increment_metric(id, n);
+        if let Some(i) = self.0 {
+            COUNTS.with(|c| {
+                if let Some((_, pending)) = c.borrow_mut().get_mut(i) {
+                    *pending = pending.saturating_add(n);
+                }
+            });
         }
     }
 
     fn bump(self) {
         self.add(1);
     }
+}
+
+/// Hand this worker's pending counts to the host (on every tick).
+fn flush_metrics() {
+    COUNTS.with(|c| {
+        for (id, pending) in c.borrow_mut().iter_mut().filter(|(_, n)| *n != 0) {
+            // A failed increment only loses a count; nothing to do about it here.
+            let _ = hostcalls::increment_metric(*id, *pending);
+            *pending = 0;
+        }
+    });
 }
 
 /// One rule's stats (`tollgate.rule.<name>.<stat>`).
@@ -364,17 +392,10 @@ impl RootContext for TollgateRoot {
         let holds_requests = config
             .quotas()
             .any(|(_, q)| matches!(q.limit, Limit::LeakyBucket(_) | Limit::Lease(_)));
-        let stashes = config.rules.iter().any(|r| r.worker_batch > 0);
-        let tick = if holds_requests {
-            Some(TICK)
-        } else {
-            stashes.then_some(STASH_TICK)
-        };
-        if let Some(tick) = tick {
-            if let Err(s) = hostcalls::set_tick_period(tick) {
-                error!("cannot set the tick period that releases held requests: {s:?}");
-                return false;
-            }
+        let tick = if holds_requests { TICK } else { STATS_TICK };
+        if let Err(s) = hostcalls::set_tick_period(tick) {
+            error!("cannot set the tick period (held requests, stashes, stats): {s:?}");
+            return false;
         }
         let metrics = config.rules.iter().map(RuleMetrics::define).collect();
         info!("configuration loaded: {}", config.summary());
@@ -427,6 +448,7 @@ impl RootContext for TollgateRoot {
                 }
             }
         }
+        flush_metrics();
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -899,8 +921,9 @@ fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
     let config = &loaded.config;
     let mut stash = loaded.stash.borrow_mut();
     let mut results: Vec<CheckOutcome> = Vec::with_capacity(inputs.len());
-    let mut checks = Vec::with_capacity(inputs.len());
-    let mut asked = Vec::with_capacity(inputs.len());
+    // Allocated only if some rule has to ask the shared slots (not for stash hits).
+    let mut checks = Vec::new();
+    let mut asked = Vec::new();
     let mut refused = None;
     // Dry-run rules count would-be refusals of every request: a remembered refusal would hide them.
     let any_dry_run = inputs.iter().any(|i| !i.enforced);

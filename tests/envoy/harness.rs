@@ -426,8 +426,22 @@ impl Envoy {
         self.prometheus(&format!("tollgate_rule_{name}{{tollgate_rule=\"{rule}\"}}")) as u64
     }
 
-    /// A metric line's value at /stats/prometheus (`name{labels}` exactly as shown).
+    /// A metric line's value at /stats/prometheus (`name{labels}` exactly as shown), once settled:
+    /// the filter hands its counts to Envoy on its 10 ms tick, so the value must read the same
+    /// twice, more than two ticks apart.
     pub fn prometheus(&self, series: &str) -> i64 {
+        let mut last = self.prometheus_now(series);
+        loop {
+            std::thread::sleep(Duration::from_millis(25));
+            let now = self.prometheus_now(series);
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
+    }
+
+    fn prometheus_now(&self, series: &str) -> i64 {
         let text = self.admin_get("/stats/prometheus");
         let line = format!("{series} ");
         text.lines()
@@ -442,7 +456,7 @@ impl Envoy {
     pub fn await_prometheus(&self, series: &str, want: i64) -> i64 {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let v = self.prometheus(series);
+            let v = self.prometheus_now(series);
             if v == want || Instant::now() >= deadline {
                 return v;
             }

@@ -1,0 +1,269 @@
+"""The parts of `make bench` beyond cost per request: accuracy at 2 workers and across proxies,
+memory against distinct keys, the quota service's throughput, and where tollgate's time goes.
+Each function returns plain rows for results.json and the report."""
+import asyncio
+import math
+import statistics
+import subprocess
+import threading
+import urllib.request
+
+import run
+from run import (HUGE, QUOTA, TOLLGATE, TOLLGATE_PROBE, HOST_PROBE, EnvoyServer, Proc, free_port,
+                 parse_wrk, quota_cluster, tollgate_plugin, wait_http, wasm_filter, wrk, wrk_args)
+
+
+def wrk_together(urls, seconds, connections=64):
+    """wrk against every url at once (not pinned: proxies with several workers use both cores)."""
+    procs = []
+    for url in urls:
+        args, script = wrk_args(url, seconds, connections, pin=False)
+        procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, text=True), script))
+    out = []
+    for p, script in procs:
+        text, _ = p.communicate(timeout=seconds + 30)
+        if script:
+            run.os.unlink(script.name)
+        out.append(parse_wrk(text))
+    return out
+
+
+def answered_2xx(server):
+    """Requests the proxy answered 200 (Envoy's own count, independent of the filter's)."""
+    return server.stat("http.bench.downstream_rq_2xx")
+
+
+def workers_used(server):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.admin}/stats?filter=worker_.*downstream_cx_total",
+                                  timeout=5).read().decode()
+    return sum(1 for line in text.splitlines() if line.startswith("listener.") and int(line.split(": ")[1]) > 0)
+
+
+# ---------------------------------------------------------------- accuracy
+
+DAY = {"requests": 1000, "per": "1d"}
+BURSTS = [
+    ("token bucket (worker stashes on)", {"limit": DAY}, 1000),
+    ("token bucket, `worker_batch: 0`", {"limit": DAY, "worker_batch": 0}, 1000),
+    ("fixed window", {"algorithm": "fixed_window", "limit": DAY}, 1000),
+    ("sliding window", {"algorithm": "sliding_window", "limit": DAY}, 1000),
+    ("leaky bucket, burst 999, nodelay", {"algorithm": "leaky_bucket", "limit": {"requests": 1, "per": "1d"},
+                                          "burst": 999, "delay": "nodelay"}, 1000),
+]
+RATE = {"requests": 500, "per": "1s"}
+RATES = [
+    ("token bucket 500/s (burst 500)", {"limit": RATE}, lambda t: 500 + 500 * t),
+    ("token bucket 500/s, `worker_batch: 0`", {"limit": RATE, "worker_batch": 0}, lambda t: 500 + 500 * t),
+    ("leaky bucket 500/s, burst 100, nodelay", {"algorithm": "leaky_bucket", "limit": RATE, "burst": 100,
+                                                "delay": "nodelay"}, lambda t: 101 + 500 * t),
+]
+
+
+class SlowUpstream:
+    """An HTTP/1.1 upstream that answers after `delay` seconds and records the most requests it
+    held at once: an independent view of a concurrency limit."""
+
+    def __init__(self, delay=0.05):
+        self.port, self.inflight, self.most = free_port(), 0, 0
+        self.loop = asyncio.new_event_loop()
+
+        async def handle(reader, writer):
+            try:
+                while True:
+                    await reader.readuntil(b"\r\n\r\n")
+                    self.inflight += 1
+                    self.most = max(self.most, self.inflight)
+                    await asyncio.sleep(delay)
+                    self.inflight -= 1
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok\n")
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+                pass
+            finally:
+                writer.close()
+
+        async def start():
+            self.server = await asyncio.start_server(handle, "127.0.0.1", self.port)
+
+        self.loop.run_until_complete(start())
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def accuracy(quota_port, quota_redis_ports, seconds=3):
+    rows = []
+    for name, rule, expected in BURSTS + RATES:
+        plugin = tollgate_plugin(0, rule_extra=rule)
+        server = EnvoyServer([wasm_filter(TOLLGATE, plugin)], concurrency=2, pin=False)
+        try:
+            r = wrk_together([server.url], seconds)[0]
+            ok, workers = answered_2xx(server), workers_used(server)
+        finally:
+            server.stop()
+        want = expected if isinstance(expected, int) else expected(r["seconds"])
+        rows.append({"case": name, "admitted": ok, "expected": round(want), "workers": workers,
+                     "requests": r["requests"], "seconds": r["seconds"]})
+        print(f"accuracy {name}: {ok} admitted, expected {want:.0f}, {workers} workers", flush=True)
+
+    slow = SlowUpstream()
+    cluster = {"name": "slow", "type": "STATIC", "connect_timeout": "1s",
+               "load_assignment": {"cluster_name": "slow", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                   "address": {"socket_address": {"address": "127.0.0.1", "port_value": slow.port}}}}]}]}}
+    plugin = tollgate_plugin(0, rule_extra={"algorithm": "concurrency", "limit": {"concurrent": 10}})
+    server = EnvoyServer([wasm_filter(TOLLGATE, plugin)], [cluster], concurrency=2, pin=False, upstream="slow")
+    try:
+        r = wrk_together([server.url], seconds)[0]
+        workers = workers_used(server)
+    finally:
+        server.stop()
+        slow.stop()
+    rows.append({"case": "concurrency 10 (upstream holds each request 50 ms)", "admitted": slow.most,
+                 "expected": 10, "workers": workers, "requests": r["requests"], "seconds": r["seconds"],
+                 "note": "most requests in flight at the upstream at once"})
+    print(f"accuracy concurrency: {slow.most} at once at the upstream", flush=True)
+
+    for name, ports in (("global, 3 Envoys, quota service in memory", [quota_port] * 3),
+                        ("global, 3 Envoys, 2 quota replicas on one Redis", [quota_redis_ports[0], quota_redis_ports[1],
+                                                                            quota_redis_ports[0]])):
+        rule = "g" + str(abs(hash(name)) % 10000)
+        plugin = tollgate_plugin(1000, scope="global", per="1d", rule_extra={"name": rule})
+        plugin["quota_service"]["instances_hint"] = 3
+        envoys = [EnvoyServer([wasm_filter(TOLLGATE, plugin)], [quota_cluster(p)], pin=False) for p in ports]
+        try:
+            results = wrk_together([e.url for e in envoys], seconds, connections=32)
+            ok = sum(answered_2xx(e) for e in envoys)
+            calls = sum(e.stat("wasmcustom.tollgate.quota.calls") for e in envoys)
+        finally:
+            for e in envoys:
+                e.stop()
+        rows.append({"case": name, "admitted": ok, "expected": 1000, "workers": 3,
+                     "requests": sum(r["requests"] for r in results), "seconds": results[0]["seconds"],
+                     "note": f"{calls} quota calls"})
+        print(f"accuracy {name}: {ok} admitted, {calls} calls", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- memory
+
+def native_keyed(max_keys):
+    """Envoy's local_ratelimit with one bucket per `x-key` value, up to `max_keys` buckets."""
+    bucket = {"max_tokens": HUGE, "tokens_per_fill": HUGE, "fill_interval": "60s"}
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "local",
+            "token_bucket": bucket,
+            "filter_enabled": {"runtime_key": "le", "default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+            "filter_enforced": {"runtime_key": "lf", "default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+            "descriptors": [{"entries": [{"key": "key"}], "token_bucket": bucket}],
+            "max_dynamic_descriptors": max_keys,
+            "rate_limits": [{"actions": [{"request_headers": {"header_name": "x-key", "descriptor_key": "key"}}]}],
+        },
+    }
+
+
+def memory(counts=(1_000, 10_000, 100_000, 1_000_000)):
+    rows = []
+    for n in counts:
+        for system, filters in (
+                ("tollgate", [wasm_filter(TOLLGATE, tollgate_plugin(HUGE, key=("header:x-key",),
+                                                                     rule_extra={"max_keys": n}))]),
+                ("Envoy local_ratelimit", [native_keyed(n)])):
+            server = EnvoyServer(filters)
+            try:
+                start = server.rss_kib()
+                sent = 0
+                while sent < n:  # every key at least once
+                    r = parse_wrk(wrk(server.url, max(2, math.ceil((n - sent) / 12_000)), keys=n))
+                    sent += r["requests"]
+                end = server.rss_kib()
+            finally:
+                server.stop()
+            rows.append({"keys": n, "system": system, "rss_start_kib": start, "rss_end_kib": end,
+                         "requests": sent})
+            print(f"memory {system} {n} keys: {start} -> {end} KiB after {sent} requests", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- the quota service
+
+LEASE_LUA = """
+counter = 0
+request = function()
+  counter = counter + 1
+  local body = string.format('{"instance":"bench","items":[{"rule":"bench","limit_id":"00000000000000aa",' ..
+    '"key":"%032x","requests":1000000000,"per_ms":1000,"burst":1000000000,"wanted":100,"used":100}]}',
+    counter % 10000)
+  return wrk.format("POST", "/v1/lease", {["content-type"] = "application/json"}, body)
+end
+"""
+
+
+def quota_throughput(seconds=5):
+    rows = []
+    redis_port = free_port()
+    redis = Proc(run.PROXY_CPU + ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"])
+    run.wait_port(redis_port)
+    try:
+        for name, extra in (("memory", []), ("Redis", ["--redis", f"redis://127.0.0.1:{redis_port}"])):
+            port = free_port()
+            service = Proc(run.PROXY_CPU + [str(QUOTA), "--listen", f"127.0.0.1:{port}"] + extra,
+                           env={**run.os.environ, "RUST_LOG": "error"})
+            try:
+                wait_http(f"http://127.0.0.1:{port}/healthz")
+                url = f"http://127.0.0.1:{port}/v1/lease"
+                wrk(url, 1, lua=LEASE_LUA)
+                pids = [service.p.pid] + ([redis.p.pid] if extra else [])
+                before = run.cpu_ticks(pids)
+                r = parse_wrk(wrk(url, seconds, lua=LEASE_LUA))
+                cpu = (run.cpu_ticks(pids) - before) / run.CLK_TCK * 1e6 / max(r["requests"], 1)
+            finally:
+                service.stop()
+            rows.append({"store": name, "leases_per_s": r["rps"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+                         "errors": r["rejected"], "cpu_us": cpu})
+            print(f"quota {name}: {r['rps']:.0f} leases/s, p99 {r['p99_ms']:.2f} ms, {cpu:.1f} us CPU/lease",
+                  flush=True)
+    finally:
+        redis.stop()
+    return rows
+
+
+# ---------------------------------------------------------------- where the time goes
+
+CALLBACKS = ("create", "request", "client_address", "response", "log")
+
+
+def profile(seconds=4, rounds=3):
+    """Time inside tollgate's callbacks (the `probe` build), and the cost of each host call."""
+    rows = []
+    for name, plugin in (("token bucket per client IP", tollgate_plugin(HUGE)),
+                         ("the same, `worker_batch: 0`", tollgate_plugin(HUGE, rule_extra={"worker_batch": 0})),
+                         ("the same, 429 storm", tollgate_plugin(1))):
+        per = {cb: [] for cb in CALLBACKS}
+        for _ in range(rounds):
+            server = EnvoyServer([wasm_filter(TOLLGATE_PROBE, plugin)])
+            try:
+                run.measure(server, seconds)
+                for cb in CALLBACKS:
+                    calls = server.stat(f"wasmcustom.tollgate.probe.{cb}.calls")
+                    if calls:
+                        per[cb].append(server.stat(f"wasmcustom.tollgate.probe.{cb}.ns") / calls)
+            finally:
+                server.stop()
+        rows.append({"config": name, **{cb: statistics.median(v) if v else None for cb, v in per.items()}})
+        print(f"profile {name}: {rows[-1]}", flush=True)
+    hostcalls = {}
+    server = EnvoyServer([wasm_filter(HOST_PROBE, {})])
+    try:
+        for _ in range(9):
+            body = urllib.request.urlopen(server.url, timeout=30).read().decode()
+            for line in body.splitlines():
+                op, ns = line.split()
+                hostcalls.setdefault(op, []).append(float(ns))
+    finally:
+        server.stop()
+    return rows, {op: statistics.median(v) for op, v in hostcalls.items()}
