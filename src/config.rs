@@ -117,7 +117,8 @@ pub struct Rule {
     pub dry_run: bool,
     /// Set for `"scope": "global"`: `quota.limit` is then the leased allowance.
     pub global: Option<GlobalRule>,
-    /// Token buckets: most tokens a worker stashes at once per key (0: none).
+    /// Token buckets (and global rules' leased allowance): most tokens a worker stashes at once
+    /// per key (0: none).
     pub worker_batch: u64,
 }
 
@@ -667,11 +668,9 @@ impl RawRule {
         )?;
         only(
             self.worker_batch.is_some()
-                && (algorithm != Algorithm::TokenBucket
-                    || self.warmup.is_some()
-                    || self.scope == Scope::Global),
+                && (algorithm != Algorithm::TokenBucket || self.warmup.is_some()),
             "worker_batch",
-            "local rules with algorithm \"token_bucket\" (no warmup)",
+            "algorithm \"token_bucket\" (no warmup)",
         )?;
         let worker_batch = match self.worker_batch {
             Some(n) if n > MAX_WORKER_BATCH => {
@@ -868,7 +867,6 @@ impl Rule {
                 format!("{}/{requests}/{per_ms}/{burst}", self.name).as_bytes()
             )
         );
-        self.worker_batch = 0;
         self.global = Some(GlobalRule {
             requests,
             per_ms,

@@ -23,8 +23,8 @@ pub struct Check<'a> {
     pub cost: u64,
     /// False for dry-run rules: they count and report, never refuse.
     pub enforced: bool,
-    /// Token buckets: up to this many tokens more may be taken for the worker's stash, when the
-    /// bucket has plenty (see [`crate::stash`]). 0 takes exactly `cost`.
+    /// Token buckets and leased allowances: up to this many tokens more may be taken for the
+    /// worker's stash, when there are plenty (see [`crate::stash`]). 0 takes exactly `cost`.
     pub batch: u64,
 }
 
@@ -236,7 +236,7 @@ fn stash_take(
     remaining: u64,
     now_ns: u64,
 ) -> Option<(crate::algorithm::State, u64)> {
-    if !matches!(check.limit, Limit::TokenBucket(_)) {
+    if !matches!(check.limit, Limit::TokenBucket(_) | Limit::Lease(_)) {
         return None;
     }
     let extra = check.batch.min(remaining / 4);

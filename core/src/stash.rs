@@ -253,7 +253,7 @@ mod tests {
     use crate::algorithm::Limit;
     use crate::limiter::{admit, return_stash, Check, Verdict};
     use crate::slot::SlotTable;
-    use crate::store::MemoryStore;
+    use crate::store::{CasStore, MemoryStore};
     use crate::token_bucket::TokenBucket;
     use proptest::prelude::*;
 
@@ -400,6 +400,8 @@ mod tests {
                             self.workers[worker].refused(0, slot, 1, retry_after_ns, reset_ns, now);
                             false
                         }
+                        // A leased allowance that ran out: no refill in these tests.
+                        Verdict::Waiting => false,
                         v => panic!("{v:?}"),
                     }
                 }
@@ -414,6 +416,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_leased_allowance_is_stashed_and_spent_exactly() {
+        use crate::allowance::LeaseAllowance;
+        let mut w = World::new(1, 1, 2);
+        w.limit = Limit::Lease(LeaseAllowance {
+            lease_size: 100,
+            low_water: 0,
+            claim_ms: 200,
+        });
+        let slot = w.table.locate(b"k");
+        let key = w.table.store_key(slot.group);
+        let mut group = crate::slot::Group::decode(&w.store.read(&key).unwrap().unwrap().0);
+        group.slots[0].tag = slot.tag;
+        group.slots[0].state =
+            LeaseAllowance::grant(&group.slots[0].state, NOW / MS, 100, 60_000, 1_000);
+        let cas = w.store.read(&key).unwrap().unwrap().1;
+        w.store.write(&key, &group.encode(), cas).unwrap();
+        let admitted = (0..400u64)
+            .filter(|&i| w.request((i % 2) as usize, NOW + i))
+            .count();
+        assert_eq!(admitted, 100);
+        assert_eq!(w.workers.iter().map(StashTable::held).sum::<u64>(), 0);
     }
 
     #[test]
