@@ -6,7 +6,7 @@
 //! degrades instead, because a panic kills the VM.
 
 use crate::config::{Config, Cost, FailureMode, FirstLease, OverrideAction, Quota, Response, Rule};
-use crate::headers::{ceil_secs, quota_headers, retry_after_secs};
+use crate::headers::{ceil_secs, number, quota_headers, retry_after_secs};
 use crate::request::{Request, RequestView};
 use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
@@ -889,7 +889,7 @@ fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: 
                     return Step::Reject {
                         response: rule,
                         headers: vec![
-                            ("retry-after", retry.div_ceil(1_000).max(1).to_string()),
+                            ("retry-after", number(retry.div_ceil(1_000).max(1))),
                             ("x-tollgate-rule", config.rules[rule].name.clone()),
                         ],
                     };
@@ -1118,7 +1118,7 @@ fn conclude(loaded: &Loaded, inputs: &[CheckInput], outcome: &Outcome) -> Step {
             );
         }
         if !outcome.admitted {
-            headers.push(("retry-after", reset_secs.to_string()));
+            headers.push(("retry-after", number(reset_secs)));
             headers.push(("x-tollgate-rule", rule.name.clone()));
             return Step::Reject {
                 response: which.rule(),
@@ -1326,7 +1326,7 @@ impl TollgateHttp {
                         );
                         headers.push((
                             "retry-after",
-                            retry_after_secs(wait_ms.saturating_mul(1_000_000)).to_string(),
+                            number(retry_after_secs(wait_ms.saturating_mul(1_000_000))),
                         ));
                         headers.push(("x-tollgate-rule", rule.name.clone()));
                         Step::Reject {
@@ -1357,7 +1357,7 @@ impl TollgateHttp {
                         Step::Reject {
                             response: rule,
                             headers: vec![
-                                ("retry-after", retry.div_ceil(1_000).max(1).to_string()),
+                                ("retry-after", number(retry.div_ceil(1_000).max(1))),
                                 ("x-tollgate-rule", config.rules[rule].name.clone()),
                             ],
                         }
