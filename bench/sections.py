@@ -152,20 +152,8 @@ def accuracy(quota_port, quota_redis_ports, seconds=3):
 
 def native_keyed(max_keys):
     """Envoy's local_ratelimit with one bucket per `x-key` value, up to `max_keys` buckets."""
-    bucket = {"max_tokens": HUGE, "tokens_per_fill": HUGE, "fill_interval": "60s"}
-    return {
-        "name": "envoy.filters.http.local_ratelimit",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
-            "stat_prefix": "local",
-            "token_bucket": bucket,
-            "filter_enabled": {"runtime_key": "le", "default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-            "filter_enforced": {"runtime_key": "lf", "default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-            "descriptors": [{"entries": [{"key": "key"}], "token_bucket": bucket}],
-            "max_dynamic_descriptors": max_keys,
-            "rate_limits": [{"actions": [{"request_headers": {"header_name": "x-key", "descriptor_key": "key"}}]}],
-        },
-    }
+    action = {"request_headers": {"header_name": "x-key", "descriptor_key": "key"}}
+    return run.native_local_ratelimit(HUGE, action, "key", max_keys)
 
 
 def memory(counts=(1_000, 10_000, 100_000, 1_000_000)):

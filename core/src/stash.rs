@@ -87,6 +87,12 @@ impl StashTable {
         }
     }
 
+    /// The entry of this key, if it has one here.
+    fn own(&self, quota: u32, slot: SlotId) -> Option<usize> {
+        let i = self.index(quota, slot);
+        self.entries[i].is(quota, slot).then_some(i)
+    }
+
     fn index(&self, quota: u32, slot: SlotId) -> usize {
         let h = slot.tag
             ^ u64::from(quota).wrapping_mul(0x9e37_79b9_7f4a_7c15)
@@ -155,11 +161,10 @@ impl StashTable {
         reset_ns: u64,
         now_ns: u64,
     ) {
-        let i = self.index(quota, slot);
-        let e = &mut self.entries[i];
-        if !e.is(quota, slot) {
+        let Some(i) = self.own(quota, slot) else {
             return;
-        }
+        };
+        let e = &mut self.entries[i];
         e.remaining = remaining;
         e.reset_at_ns = now_ns.saturating_add(reset_ns);
         e.refused_until_ns = 0;
@@ -177,7 +182,7 @@ impl StashTable {
     /// True if `tokens` could not be recorded because the key has no entry here (the caller then
     /// returns them to the bucket itself).
     pub fn stash_would_drop(&self, quota: u32, slot: SlotId) -> bool {
-        !self.entries[self.index(quota, slot)].is(quota, slot)
+        self.own(quota, slot).is_none()
     }
 
     /// The bucket refused `cost` for this key: remember it for a moment.
@@ -190,11 +195,10 @@ impl StashTable {
         reset_ns: u64,
         now_ns: u64,
     ) {
-        let i = self.index(quota, slot);
-        let e = &mut self.entries[i];
-        if !e.is(quota, slot) {
+        let Some(i) = self.own(quota, slot) else {
             return;
-        }
+        };
+        let e = &mut self.entries[i];
         e.refused_cost = cost;
         e.conform_at_ns = now_ns.saturating_add(retry_after_ns);
         e.refused_until_ns = now_ns.saturating_add(retry_after_ns.min(REFUSAL_TRUST_NS));
@@ -204,11 +208,10 @@ impl StashTable {
 
     /// Undo a [`Lookup::Spent`]: another rule refused the request.
     pub fn put_back(&mut self, quota: u32, slot: SlotId, cost: u64) {
-        let i = self.index(quota, slot);
-        let e = &mut self.entries[i];
-        if !e.is(quota, slot) {
+        let Some(i) = self.own(quota, slot) else {
             return;
-        }
+        };
+        let e = &mut self.entries[i];
         if e.tokens == 0 && cost > 0 {
             self.holding += 1;
         }
