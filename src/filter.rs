@@ -915,6 +915,13 @@ fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: 
     }
 }
 
+/// The stash name of an input's quota if this worker may stash for it: an enforced check of a
+/// rule with `worker_batch`.
+fn stashed_quota(config: &Config, input: &CheckInput) -> Option<u32> {
+    let batches = config.rules[input.which.rule()].worker_batch > 0;
+    input.which.stash_id().filter(|_| batches && input.enforced)
+}
+
 /// Decide `inputs` as one all-or-nothing outcome aligned with them: from this worker's stashes
 /// where they can (no shared data), from the shared slots otherwise. `None` if a quota is gone.
 fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
@@ -930,11 +937,9 @@ fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
     for (n, input) in inputs.iter().enumerate() {
         let quota = quota_of(config, input.which)?;
         let max_batch = config.rules[input.which.rule()].worker_batch;
-        let lookup = match input.which.stash_id() {
-            Some(id) if max_batch > 0 && input.enforced => {
-                stash.lookup(id, input.slot, input.cost, max_batch, now)
-            }
-            _ => Lookup::Ask { batch: 0 },
+        let lookup = match stashed_quota(config, input) {
+            Some(id) => stash.lookup(id, input.slot, input.cost, max_batch, now),
+            None => Lookup::Ask { batch: 0 },
         };
         let lookup = match lookup {
             Lookup::Refused { .. } if any_dry_run => Lookup::Ask { batch: 0 },
@@ -995,7 +1000,7 @@ fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
         }
     }
     for (n, (input, result)) in inputs.iter().zip(&outcome.checks).enumerate() {
-        let Some(id) = input.which.stash_id() else {
+        let Some(id) = stashed_quota(config, input) else {
             continue;
         };
         let was_asked = asked.contains(&n);
@@ -1005,10 +1010,9 @@ fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
                 reset_ns,
                 ..
             } if outcome.admitted && was_asked => {
-                if result.stashed > 0 && stash.stash_would_drop(id, input.slot) {
+                let kept = stash.stash(id, input.slot, result.stashed, remaining, reset_ns, now);
+                if !kept && result.stashed > 0 {
                     return_leftover(loaded, input.which, input.slot, result.stashed, now);
-                } else {
-                    stash.stash(id, input.slot, result.stashed, remaining, reset_ns, now);
                 }
             }
             // Spent from the stash, but the request goes no further: back into the stash.
@@ -1019,7 +1023,7 @@ fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
                 retry_after_ns,
                 reset_ns,
                 ..
-            } if input.enforced && was_asked => {
+            } if was_asked => {
                 stash.refused(id, input.slot, input.cost, retry_after_ns, reset_ns, now)
             }
             _ => {}
@@ -1035,7 +1039,7 @@ fn conclude(loaded: &Loaded, inputs: &[CheckInput], outcome: &Outcome) -> Step {
     let mut report: Option<(QuotaRef, u64, u64)> = None;
     let mut admitted = Admitted::default();
     for (n, result) in outcome.checks.iter().enumerate() {
-        let (which, check) = (inputs[n].which, &inputs[n]);
+        let (input, which) = (&inputs[n], inputs[n].which);
         let (rule, metrics) = (&config.rules[which.rule()], &loaded.metrics[which.rule()]);
         match result.slot {
             SlotEvent::Own => {}
@@ -1050,7 +1054,7 @@ fn conclude(loaded: &Loaded, inputs: &[CheckInput], outcome: &Outcome) -> Step {
             } => {
                 if outcome.admitted {
                     metrics.allowed.bump();
-                    if d > 0 && check.enforced {
+                    if d > 0 && input.enforced {
                         metrics.delayed.bump();
                         admitted.delay_ns = admitted.delay_ns.max(d);
                     }
@@ -1062,20 +1066,20 @@ fn conclude(loaded: &Loaded, inputs: &[CheckInput], outcome: &Outcome) -> Step {
                 remaining,
                 ..
             } => {
-                if check.enforced {
+                if input.enforced {
                     metrics.limited.bump();
                 } else {
                     metrics.dry_run_limited.bump();
                     info!(
                         "dry run: rule {} would reject (key {:016x})",
-                        rule.name, check.slot.tag
+                        rule.name, input.slot.tag
                     );
                 }
                 (remaining, retry_after_secs(retry_after_ns))
             }
             Verdict::Contended => {
                 metrics.contended.bump();
-                if check.enforced {
+                if input.enforced {
                     metrics.limited.bump();
                 }
                 (0, 1)
@@ -1089,7 +1093,7 @@ fn conclude(loaded: &Loaded, inputs: &[CheckInput], outcome: &Outcome) -> Step {
         };
         debug!(
             "rule {} key {:016x} group {} {:?} {:?}",
-            rule.name, check.slot.tag, check.slot.group, result.verdict, result.slot
+            rule.name, input.slot.tag, input.slot.group, result.verdict, result.slot
         );
         if let Some(hold) = result.hold {
             metrics

@@ -328,7 +328,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
                     store,
                     &taken,
                     &p.key,
-                    p.index,
+                    Some(p.index),
                     Some(p.owner),
                     now_ns,
                     MAX_CAS_ATTEMPTS,
@@ -374,7 +374,7 @@ pub fn release<S: CasStore + ?Sized>(
         store,
         &check,
         &key,
-        hold.index,
+        Some(hold.index),
         None,
         now_ns,
         MAX_RELEASE_ATTEMPTS,
@@ -392,16 +392,6 @@ pub fn return_stash<S: CasStore + ?Sized>(
     now_ns: u64,
 ) -> Result<(), StoreError> {
     let key = table.store_key(slot.group);
-    let Some((bytes, _)) = store.read(&key)? else {
-        return Ok(());
-    };
-    let Some(index) = Group::decode(&bytes)
-        .slots
-        .iter()
-        .position(|s| s.tag == slot.tag)
-    else {
-        return Ok(());
-    };
     let check = Check {
         limit,
         table,
@@ -414,7 +404,7 @@ pub fn return_stash<S: CasStore + ?Sized>(
         store,
         &check,
         &key,
-        index,
+        None,
         Some(slot.tag),
         now_ns,
         MAX_CAS_ATTEMPTS,
@@ -435,13 +425,13 @@ fn worst_refusal(checks: &[Check], plans: &[Plan]) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// Return `check.cost` to slot `index` of the group at `key`, unless (with `owner`) the slot has
-/// changed hands since.
+/// Return `check.cost` to slot `index` of the group at `key` (without an index: the slot tagged
+/// `owner`), unless (with `owner`) the slot has changed hands since.
 fn give_back<S: CasStore + ?Sized>(
     store: &S,
     check: &Check,
     key: &str,
-    index: usize,
+    index: Option<usize>,
     owner: Option<u64>,
     now_ns: u64,
     attempts: u32,
@@ -451,7 +441,10 @@ fn give_back<S: CasStore + ?Sized>(
             return Ok(());
         };
         let mut group = Group::decode(&bytes);
-        let slot = &mut group.slots[index];
+        let found = index.or_else(|| group.slots.iter().position(|s| Some(s.tag) == owner));
+        let Some(slot) = found.map(|i| &mut group.slots[i]) else {
+            return Ok(());
+        };
         if owner.is_some_and(|o| o != slot.tag) {
             return Ok(());
         }

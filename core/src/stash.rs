@@ -151,7 +151,8 @@ impl StashTable {
     }
 
     /// The bucket admitted a request and gave `tokens` more for the stash; `remaining` and
-    /// `reset_ns` are what it reported, the stash included.
+    /// `reset_ns` are what it reported, the stash included. False if the key has no entry here:
+    /// the tokens were not kept, and the caller returns them to the bucket itself.
     pub fn stash(
         &mut self,
         quota: u32,
@@ -160,16 +161,16 @@ impl StashTable {
         remaining: u64,
         reset_ns: u64,
         now_ns: u64,
-    ) {
+    ) -> bool {
         let Some(i) = self.own(quota, slot) else {
-            return;
+            return false;
         };
         let e = &mut self.entries[i];
         e.remaining = remaining;
         e.reset_at_ns = now_ns.saturating_add(reset_ns);
         e.refused_until_ns = 0;
         if tokens == 0 {
-            return;
+            return true;
         }
         if e.tokens == 0 {
             self.holding += 1;
@@ -177,12 +178,7 @@ impl StashTable {
         let e = &mut self.entries[i];
         e.tokens = e.tokens.saturating_add(tokens);
         e.expires_ns = now_ns.saturating_add(STASH_LIFETIME_NS);
-    }
-
-    /// True if `tokens` could not be recorded because the key has no entry here (the caller then
-    /// returns them to the bucket itself).
-    pub fn stash_would_drop(&self, quota: u32, slot: SlotId) -> bool {
-        self.own(quota, slot).is_none()
+        true
     }
 
     /// The bucket refused `cost` for this key: remember it for a moment.
@@ -313,7 +309,7 @@ mod tests {
         t.stash(1, SLOT, 3, 10, 0, NOW);
         let other = SlotId { group: 9, tag: 5 };
         assert_eq!(t.lookup(1, other, 1, 8, NOW), Lookup::Ask { batch: 0 });
-        assert!(t.stash_would_drop(1, other));
+        assert!(!t.stash(1, other, 2, 10, 0, NOW));
         assert_eq!(t.held(), 3);
     }
 
