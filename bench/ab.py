@@ -6,7 +6,9 @@ whether a change to the hot path is worth it needs paired rounds on a noisy mach
     bench/ab.py --rounds 12 base=dist/release/tollgate.wasm new=/tmp/new.wasm
     bench/ab.py noop=bench/noop/target/wasm32-wasip1/release/tollgate_bench_noop.wasm tg=dist/release/tollgate.wasm
 
-A variant may add `@plugin.json` to use its own plugin configuration.
+A variant may add `@plugin.json` to use its own plugin configuration. With `--probe` the variants are
+`probe` builds (`cargo build --features probe`) and the figure compared is the time inside their
+callbacks (steadier than CPU measured from outside).
 """
 import argparse
 import json
@@ -23,6 +25,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seconds", type=int, default=2)
     ap.add_argument("--limit", type=int, default=run.HUGE, help="requests per minute (default: never reached)")
+    ap.add_argument("--probe", action="store_true", help="compare time inside the callbacks (probe builds)")
     ap.add_argument("variants", nargs="+", help="label=module.wasm[@plugin.json]")
     args = ap.parse_args()
     variants = []
@@ -32,21 +35,40 @@ def main():
         cfg = json.loads(Path(plugin).read_text()) if plugin else run.tollgate_plugin(args.limit)
         variants.append((label, Path(path).resolve(), cfg))
     cpu = {label: [] for label, _, _ in variants}
+    allocs = {label: [] for label, _, _ in variants}
     for r in range(args.rounds):
         order = variants if r % 2 == 0 else list(reversed(variants))
         for label, path, cfg in order:
             server = run.EnvoyServer([run.wasm_filter(path, cfg)])
             try:
                 m = run.measure(server, args.seconds)
+                if args.probe:
+                    us, n = inside(server)
+                    cpu[label].append(us)
+                    allocs[label].append(n)
+                else:
+                    cpu[label].append(m["cpu_us"])
             finally:
                 server.stop()
-            cpu[label].append(m["cpu_us"])
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in cpu.items()), flush=True)
     base = variants[0][0]
     for label, values in cpu.items():
         diffs = [a - b for a, b in zip(values, cpu[base])]
         print(f"{label}: median {statistics.median(values):.2f} us/req, vs {base} "
-              f"{statistics.median(diffs):+.2f} us (paired diffs {min(diffs):+.2f}..{max(diffs):+.2f})")
+              f"{statistics.median(diffs):+.2f} us (paired diffs {min(diffs):+.2f}..{max(diffs):+.2f})"
+              + (f", {statistics.median(allocs[label]):.2f} allocations/request" if args.probe else ""))
+
+
+def inside(server):
+    """Microseconds and heap allocations per request inside the callbacks of a probe build (the
+    client address is timed inside the request callback, so it is not added again)."""
+    us = allocs = 0.0
+    for cb in ("create", "request", "response", "log"):
+        calls = server.stat(f"wasmcustom.tollgate.probe.{cb}.calls")
+        if calls:
+            us += server.stat(f"wasmcustom.tollgate.probe.{cb}.ns") / calls / 1000
+            allocs += (server.stat(f"wasmcustom.tollgate.probe.{cb}.allocs") or 0) / calls
+    return us, allocs
 
 
 if __name__ == "__main__":

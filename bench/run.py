@@ -157,6 +157,16 @@ def native_local_ratelimit(tokens, action=None, entry="remote_address", max_keys
     }
 
 
+def native_one_bucket(tokens):
+    """Envoy's local_ratelimit with one bucket for everyone (no descriptors)."""
+    cfg = native_local_ratelimit(tokens)
+    tc = cfg["typed_config"]
+    for field in ("descriptors", "max_dynamic_descriptors", "rate_limits"):
+        del tc[field]
+    tc["token_bucket"] = {"max_tokens": tokens, "tokens_per_fill": tokens, "fill_interval": "60s"}
+    return cfg
+
+
 def quota_cluster(port, name="quota"):
     return {
         "name": name, "type": "STATIC", "connect_timeout": "0.25s",
@@ -336,6 +346,11 @@ def setups(quota_port, quota_redis_port):
              tg(tollgate_plugin(limit, extra={"rate_limit_headers": "none"})), None),
             ("tollgate per client IP, worker_batch 0 (no stash)", path,
              tg(tollgate_plugin(limit, rule_extra={"worker_batch": 0})), None),
+            ("Envoy local_ratelimit, one bucket", path, envoy([native_one_bucket(limit)]), None)
+            if path == "allowed" else None,
+            ("tollgate one bucket (no key), no rate-limit headers", path,
+             tg(tollgate_plugin(limit, key=(), extra={"rate_limit_headers": "none"})), None)
+            if path == "allowed" else None,
             ("tollgate, 10 000 active keys", path, tg(tollgate_plugin(limit, key=("header:x-key",))), 10000),
             ("nginx, no limiting", path, lambda: NginxServer(None), None) if path == "allowed" else None,
             ("nginx limit_req per IP", path, lambda path=path: NginxServer(path), None),

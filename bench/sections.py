@@ -225,17 +225,21 @@ def quota_throughput(seconds=5):
 
 # ---------------------------------------------------------------- where the time goes
 
-CALLBACKS = ("create", "request", "client_address", "response", "log")
+CALLBACKS = ("create", "request", "client_address", "evaluate", "timer", "response", "log")
 
 
 def profile(seconds=4, rounds=3):
-    """Time inside tollgate's callbacks (the `probe` build), and the cost of each host call."""
+    """Time and heap allocations inside tollgate's callbacks (the `probe` build), and the cost of
+    each host call."""
     rows = []
     for name, plugin in (("token bucket per client IP", tollgate_plugin(HUGE)),
                          ("no rate-limit headers", tollgate_plugin(HUGE, extra={"rate_limit_headers": "none"})),
+                         ("one bucket (no key), no headers",
+                          tollgate_plugin(HUGE, key=(), extra={"rate_limit_headers": "none"})),
                          ("`worker_batch: 0`", tollgate_plugin(HUGE, rule_extra={"worker_batch": 0})),
                          ("429 storm", tollgate_plugin(1))):
         per = {cb: [] for cb in CALLBACKS}
+        allocs = {cb: [] for cb in CALLBACKS}
         for _ in range(rounds):
             server = EnvoyServer([wasm_filter(TOLLGATE_PROBE, plugin)])
             try:
@@ -244,9 +248,12 @@ def profile(seconds=4, rounds=3):
                     calls = server.stat(f"wasmcustom.tollgate.probe.{cb}.calls")
                     if calls:
                         per[cb].append(server.stat(f"wasmcustom.tollgate.probe.{cb}.ns") / calls)
+                        allocs[cb].append(server.stat(f"wasmcustom.tollgate.probe.{cb}.allocs") / calls)
             finally:
                 server.stop()
-        rows.append({"config": name, **{cb: statistics.median(v) if v else None for cb, v in per.items()}})
+        row = {"config": name, **{cb: statistics.median(v) if v else None for cb, v in per.items()}}
+        row["allocs"] = {cb: statistics.median(v) for cb, v in allocs.items() if v}
+        rows.append(row)
         print(f"profile {name}: {rows[-1]}", flush=True)
     hostcalls = {}
     server = EnvoyServer([wasm_filter(HOST_PROBE, {})])

@@ -6,21 +6,23 @@
 //! degrades instead, because a panic kills the VM.
 
 use crate::config::{Config, Cost, FailureMode, FirstLease, OverrideAction, Quota, Response, Rule};
-use crate::headers::{ceil_secs, number, quota_headers, retry_after_secs};
+use crate::headers::{ceil_secs, retry_after_secs, HeaderSet};
 use crate::request::{Request, RequestView};
 use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
+use tollgate_core::limiter::INLINE_RULES;
 use tollgate_core::slot::{key_hash, Group};
 use tollgate_core::{
-    admit, release, return_stash, CasStore, Check, CheckOutcome, Hold, LeaseAllowance, Limit,
-    Lookup, Outcome, SlotEvent, SlotId, StashTable, StoreError, Verdict,
+    admit, release, return_stash, CasStore, Check, CheckOutcome, CheckOutcomes, Hold,
+    LeaseAllowance, Limit, Lookup, Outcome, SlotEvent, SlotId, StashTable, StoreError, Verdict,
 };
 
 /// How often each worker looks for held requests that are due: the spacing's resolution.
@@ -47,49 +49,93 @@ thread_local! {
     static COUNTS: RefCell<Vec<(u32, i64)>> = const { RefCell::new(Vec::new()) };
     /// Refills sent and not answered yet, by call token.
     static IN_FLIGHT: RefCell<HashMap<u32, Vec<Refill>>> = RefCell::new(HashMap::new());
+    /// Headers being added to a response or a rejection (one at a time per worker).
+    static HEADERS: RefCell<HeaderSet> = RefCell::new(HeaderSet::default());
 }
 
-/// Profiling builds (`--features probe`): nanoseconds spent in each callback, flushed to Envoy
-/// counters `tollgate.probe.<callback>.ns` and `.calls` every 1000 calls.
+/// Profiling builds (`--features probe`): nanoseconds spent and heap allocations made in each
+/// callback, flushed to Envoy counters `tollgate.probe.<callback>.{ns,allocs,calls}` every 1000 calls.
 #[cfg(feature = "probe")]
 mod probe {
     use proxy_wasm::hostcalls;
     use proxy_wasm::types::MetricType;
+    use std::alloc::{GlobalAlloc, Layout, System};
     use std::cell::RefCell;
     use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
-    thread_local! {
-        static SUMS: RefCell<HashMap<&'static str, (u64, u64, u32, u32)>> = RefCell::new(HashMap::new());
+    /// Heap allocations so far, the host's buffers for returned data included (the SDK allocates
+    /// them through the same allocator).
+    static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+    struct Counting;
+
+    // SAFETY: forwards to the system allocator unchanged; only counts calls.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: the caller's contract is passed on as is.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: as above.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: as above.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
     }
 
-    pub struct Timer(&'static str, u64);
+    #[global_allocator]
+    static ALLOCATOR: Counting = Counting;
+
+    /// Sums since the last flush and the metric ids: ns, allocations, calls.
+    struct Sums {
+        ns: u64,
+        allocs: u64,
+        calls: u64,
+        ids: [u32; 3],
+    }
+
+    thread_local! {
+        static SUMS: RefCell<HashMap<&'static str, Sums>> = RefCell::new(HashMap::new());
+    }
+
+    pub struct Timer(&'static str, u64, u64);
 
     pub fn start(name: &'static str) -> Timer {
-        Timer(name, super::now_ns().unwrap_or(0))
+        let allocs = ALLOCS.load(Ordering::Relaxed);
+        Timer(name, super::now_ns().unwrap_or(0), allocs)
     }
 
     impl Drop for Timer {
         fn drop(&mut self) {
             let spent = super::now_ns().unwrap_or(0).saturating_sub(self.1);
+            let allocs = ALLOCS.load(Ordering::Relaxed).saturating_sub(self.2);
             SUMS.with(|s| {
                 let mut s = s.borrow_mut();
                 let e = s.entry(self.0).or_insert_with(|| {
-                    let ns = hostcalls::define_metric(
-                        MetricType::Counter,
-                        &format!("tollgate.probe.{}.ns", self.0),
-                    );
-                    let calls = hostcalls::define_metric(
-                        MetricType::Counter,
-                        &format!("tollgate.probe.{}.calls", self.0),
-                    );
-                    (0, 0, ns.unwrap_or(0), calls.unwrap_or(0))
+                    let id = |stat: &str| {
+                        let name = format!("tollgate.probe.{}.{stat}", self.0);
+                        hostcalls::define_metric(MetricType::Counter, &name).unwrap_or(0)
+                    };
+                    Sums {
+                        ns: 0,
+                        allocs: 0,
+                        calls: 0,
+                        ids: [id("ns"), id("allocs"), id("calls")],
+                    }
                 });
-                e.0 += spent;
-                e.1 += 1;
-                if e.1 == 1000 {
-                    let _ = hostcalls::increment_metric(e.2, e.0 as i64);
-                    let _ = hostcalls::increment_metric(e.3, e.1 as i64);
-                    (e.0, e.1) = (0, 0);
+                e.ns += spent;
+                e.allocs += allocs;
+                e.calls += 1;
+                if e.calls == 1000 {
+                    for (id, n) in e.ids.into_iter().zip([e.ns, e.allocs, e.calls]) {
+                        let _ = hostcalls::increment_metric(id, n as i64);
+                    }
+                    (e.ns, e.allocs, e.calls) = (0, 0, 0);
                 }
             });
         }
@@ -97,14 +143,18 @@ mod probe {
 }
 
 /// One rule's part in a request, kept so that a paused request can be decided again later.
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct CheckInput {
     which: QuotaRef,
-    key: Vec<u8>,
+    /// The client key's hash: its slot in any table, and its name at the quota service.
+    key: u128,
     slot: SlotId,
     cost: u64,
     enforced: bool,
 }
+
+/// A request's checks: on the stack for the usual few rules.
+type Inputs = SmallVec<[CheckInput; INLINE_RULES]>;
 
 /// A key's allowance to refill from the quota service.
 struct Refill {
@@ -117,24 +167,37 @@ struct Refill {
 struct Waiting {
     context_id: u32,
     deadline_ms: u64,
-    inputs: Vec<CheckInput>,
+    inputs: Inputs,
+}
+
+/// The quota a response describes in its rate-limit headers (rendered only when they are added).
+#[derive(Debug, Clone, Copy)]
+struct QuotaReport {
+    which: QuotaRef,
+    remaining: u64,
+    reset_secs: u64,
 }
 
 /// What an admitted request takes along.
 #[derive(Default)]
 struct Admitted {
-    headers: Vec<(&'static str, String)>,
+    report: Option<QuotaReport>,
     holds: Vec<(QuotaRef, Hold)>,
     delay_ns: u64,
+}
+
+/// Why a request is refused, and what its 429 says.
+struct Rejection {
+    /// The refusing rule: its response and its `x-tollgate-rule`.
+    rule: usize,
+    quota: Option<QuotaReport>,
+    retry_after_secs: Option<u64>,
 }
 
 /// The decision for a request.
 enum Step {
     Admit(Admitted),
-    Reject {
-        response: usize,
-        headers: Vec<(&'static str, String)>,
-    },
+    Reject(Rejection),
     Wait,
 }
 
@@ -458,7 +521,7 @@ impl RootContext for TollgateRoot {
         Some(Box::new(TollgateHttp {
             context_id,
             loaded: self.loaded.clone(),
-            response_headers: Vec::new(),
+            report: None,
             holds: Vec::new(),
             held_until: None,
             strict: None,
@@ -483,9 +546,37 @@ impl RequestView for HostRequest {
     fn source_address(&self) -> Option<String> {
         #[cfg(feature = "probe")]
         let _t = probe::start("client_address");
-        let bytes = hostcalls::get_property(vec!["source", "address"]).ok()??;
-        String::from_utf8(bytes).ok()
+        String::from_utf8(source_address()?).ok()
     }
+}
+
+// The ABI's property read, called directly for the client address: the SDK's `get_property`
+// builds the path in two heap vectors on every call (and panics on a status it does not know),
+// while this path is a constant.
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
+}
+
+/// `source.address`, as the host writes it (`ip:port`).
+fn source_address() -> Option<Vec<u8>> {
+    // Path segments are separated by NUL bytes.
+    const PATH: &[u8] = b"source\0address";
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the path is valid for its length; the host writes the two out-pointers only.
+    let status = unsafe { proxy_get_property(PATH.as_ptr(), PATH.len(), &mut data, &mut size) };
+    if status != 0 || data.is_null() {
+        return None;
+    }
+    // SAFETY: on success the host hands over `size` bytes it allocated through the SDK's
+    // `proxy_on_memory_allocate` (a boxed `[u8]` of exactly that length): ours to own and free.
+    Some(unsafe { Vec::from_raw_parts(data, size, size) })
 }
 
 fn cost_of(cost: &Cost, view: &impl RequestView) -> u64 {
@@ -730,7 +821,7 @@ fn update_allowance(
     };
     let key = rule.quota.table.store_key(refill.slot.group);
     for _ in 0..tollgate_core::limiter::MAX_RELEASE_ATTEMPTS {
-        let Ok(Some((bytes, cas))) = SharedData.read(&key) else {
+        let Ok(Some((bytes, cas))) = SharedData.read(key.as_str()) else {
             return;
         };
         let mut group = Group::decode(&bytes);
@@ -740,7 +831,7 @@ fn update_allowance(
             return;
         };
         slot.state = f(&slot.state);
-        if SharedData.write(&key, &group.encode(), cas) != Err(StoreError::CasMismatch) {
+        if SharedData.write(key.as_str(), &group.encode(), cas) != Err(StoreError::CasMismatch) {
             return;
         }
     }
@@ -789,9 +880,7 @@ fn finish_paused(loaded: &Loaded, context_id: u32, step: Step, now: u64) {
                 debug!("cannot resume request {context_id}: {s:?}");
             }
         }
-        Step::Reject { response, headers } => {
-            reject(response_of(&loaded.config, response), &headers);
-        }
+        Step::Reject(r) => reject(&loaded.config, &r),
         Step::Wait => {}
     }
 }
@@ -824,7 +913,7 @@ fn release_holds(loaded: &Loaded, holds: Vec<(QuotaRef, Hold)>, now: u64) {
 
 /// Decide a request from its checks. Global rules without quota yet wait, or (when their source
 /// failed, or after `timed_out`) follow the failure mode, which may rewrite `inputs`.
-fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: bool) -> Step {
+fn evaluate(loaded: &Loaded, inputs: &mut Inputs, now: u64, timed_out: bool) -> Step {
     let config = &loaded.config;
     loop {
         let Some(outcome) = decide(loaded, inputs, now) else {
@@ -846,7 +935,7 @@ fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: 
                     p.borrow_mut().push(Refill {
                         rule: input.which.rule(),
                         slot: input.slot,
-                        key: key_hash(&input.key),
+                        key: input.key,
                         used,
                     })
                 });
@@ -886,18 +975,16 @@ fn evaluate(loaded: &Loaded, inputs: &mut Vec<CheckInput>, now: u64, timed_out: 
                 FailureMode::Deny => {
                     loaded.metrics[rule].limited.bump();
                     let retry = service.map_or(1_000, |q| q.retry_ms);
-                    return Step::Reject {
-                        response: rule,
-                        headers: vec![
-                            ("retry-after", number(retry.div_ceil(1_000).max(1))),
-                            ("x-tollgate-rule", config.rules[rule].name.clone()),
-                        ],
-                    };
+                    return Step::Reject(Rejection {
+                        rule,
+                        quota: None,
+                        retry_after_secs: Some(retry.div_ceil(1_000).max(1)),
+                    });
                 }
                 FailureMode::Local => {
                     if let Some(g) = &config.rules[rule].global {
                         input.which = QuotaRef::Fallback(rule);
-                        input.slot = g.fallback.table.locate(&input.key);
+                        input.slot = g.fallback.table.locate_hash(input.key);
                     }
                 }
             }
@@ -927,10 +1014,9 @@ fn stashed_quota(config: &Config, input: &CheckInput) -> Option<u32> {
 fn decide(loaded: &Loaded, inputs: &[CheckInput], now: u64) -> Option<Outcome> {
     let config = &loaded.config;
     let mut stash = loaded.stash.borrow_mut();
-    let mut results: Vec<CheckOutcome> = Vec::with_capacity(inputs.len());
-    // Allocated only if some rule has to ask the shared slots (not for stash hits).
-    let mut checks = Vec::new();
-    let mut asked = Vec::new();
+    let mut results = CheckOutcomes::new();
+    let mut checks: SmallVec<[Check; INLINE_RULES]> = SmallVec::new();
+    let mut asked: SmallVec<[usize; INLINE_RULES]> = SmallVec::new();
     let mut refused = None;
     // Dry-run rules count would-be refusals of every request: a remembered refusal would hide them.
     let any_dry_run = inputs.iter().any(|i| !i.enforced);
@@ -1108,37 +1194,27 @@ fn conclude(loaded: &Loaded, inputs: &[CheckInput], outcome: &Outcome) -> Step {
             report = Some((which, remaining, reset_secs));
         }
     }
-    let mut headers = Vec::new();
-    if let Some((which, remaining, reset_secs)) = report {
-        let rule = &config.rules[which.rule()];
-        if let Some(quota) = quota_of(config, which) {
-            quota_headers(
-                config.rate_limit_headers,
-                &rule.name,
-                quota.policy,
-                remaining,
-                reset_secs,
-                &mut headers,
-            );
-        }
-        if !outcome.admitted {
-            headers.push(("retry-after", number(reset_secs)));
-            headers.push(("x-tollgate-rule", rule.name.clone()));
-            return Step::Reject {
-                response: which.rule(),
-                headers,
-            };
-        }
+    let report = report.map(|(which, remaining, reset_secs)| QuotaReport {
+        which,
+        remaining,
+        reset_secs,
+    });
+    if let (false, Some(r)) = (outcome.admitted, report) {
+        return Step::Reject(Rejection {
+            rule: r.which.rule(),
+            quota: Some(r),
+            retry_after_secs: Some(r.reset_secs),
+        });
     }
-    admitted.headers = headers;
+    admitted.report = report;
     Step::Admit(admitted)
 }
 
 struct TollgateHttp {
     context_id: u32,
     loaded: Option<Rc<Loaded>>,
-    /// Quota headers to add to the upstream's response.
-    response_headers: Vec<(&'static str, String)>,
+    /// The quota to describe in the upstream's response headers.
+    report: Option<QuotaReport>,
     /// Quota held until the stream ends (concurrency rules).
     holds: Vec<(QuotaRef, Hold)>,
     /// Set while the request is held by a leaky bucket.
@@ -1151,8 +1227,8 @@ struct TollgateHttp {
 struct Strict {
     token: Option<u32>,
     /// Local rules, decided once the global ones have granted.
-    locals: Vec<CheckInput>,
-    globals: Vec<CheckInput>,
+    locals: Inputs,
+    globals: Inputs,
 }
 
 impl Context for TollgateHttp {
@@ -1180,12 +1256,15 @@ impl HttpContext for TollgateHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         #[cfg(feature = "probe")]
         let _t = probe::start("request");
+        // What a timer adds of its own: subtracted by the benchmark report.
+        #[cfg(feature = "probe")]
+        drop(probe::start("timer"));
         let Some(loaded) = self.loaded.clone() else {
             return Action::Continue;
         };
         let config = &loaded.config;
         let request = Request::new(&HostRequest, config.trusted_hops);
-        let mut inputs: Vec<CheckInput> = Vec::new();
+        let mut inputs = Inputs::new();
         for (i, rule) in config.rules.iter().enumerate() {
             if !request.matches(&rule.matcher) {
                 continue;
@@ -1193,7 +1272,7 @@ impl HttpContext for TollgateHttp {
             let Some(key) = request.key(&rule.key, rule.missing_key) else {
                 continue;
             };
-            let overridden = rule.overrides.iter().position(|o| o.key == key);
+            let overridden = rule.overrides.iter().position(|o| o.key[..] == key[..]);
             let (which, quota) = match overridden.map(|j| (j, &rule.overrides[j].action)) {
                 None => (QuotaRef::Rule(i), &rule.quota),
                 Some((_, OverrideAction::Unlimited)) => continue,
@@ -1204,15 +1283,20 @@ impl HttpContext for TollgateHttp {
                         continue;
                     }
                     loaded.metrics[i].blocked.bump();
-                    let headers = vec![("x-tollgate-rule", rule.name.clone())];
-                    reject(response_of(config, i), &headers);
+                    let block = Rejection {
+                        rule: i,
+                        quota: None,
+                        retry_after_secs: None,
+                    };
+                    reject(config, &block);
                     return Action::Pause;
                 }
                 Some((j, OverrideAction::Limit(q))) => (QuotaRef::Override(i, j), q),
             };
+            let key = key_hash(&key);
             inputs.push(CheckInput {
                 which,
-                slot: quota.table.locate(&key),
+                slot: quota.table.locate_hash(key),
                 key,
                 cost: cost_of(&rule.cost, &HostRequest),
                 enforced: !rule.dry_run,
@@ -1230,19 +1314,12 @@ impl HttpContext for TollgateHttp {
             .iter()
             .any(|i| i.enforced && config.rules[i.which.rule()].global.is_some());
         if strict && has_global {
-            let (globals, locals): (Vec<CheckInput>, Vec<CheckInput>) = inputs
+            let (globals, locals): (Inputs, Inputs) = inputs
                 .into_iter()
                 .partition(|i| config.rules[i.which.rule()].global.is_some());
             let items = globals
                 .iter()
-                .filter_map(|g| {
-                    lease_item(
-                        &config.rules[g.which.rule()],
-                        key_hash(&g.key),
-                        g.cost,
-                        g.cost,
-                    )
-                })
+                .filter_map(|g| lease_item(&config.rules[g.which.rule()], g.key, g.cost, g.cost))
                 .collect();
             let token = call_quota_service(&loaded, items);
             self.strict = Some(Strict {
@@ -1255,7 +1332,11 @@ impl HttpContext for TollgateHttp {
             }
             return Action::Pause;
         }
+        #[cfg(feature = "probe")]
+        let evaluating = probe::start("evaluate");
         let step = evaluate(&loaded, &mut inputs, now, false);
+        #[cfg(feature = "probe")]
+        drop(evaluating);
         if let Step::Wait = step {
             for input in &inputs {
                 loaded.metrics[input.which.rule()].waited.bump();
@@ -1278,11 +1359,20 @@ impl HttpContext for TollgateHttp {
         #[cfg(feature = "probe")]
         let _t = probe::start("response");
         self.take_resumed();
-        for (name, value) in self.response_headers.drain(..) {
-            if let Err(s) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value) {
-                debug!("cannot add response header {name}: {s:?}");
+        let (Some(report), Some(loaded)) = (self.report.take(), &self.loaded) else {
+            return Action::Continue;
+        };
+        HEADERS.with(|h| {
+            let mut h = h.borrow_mut();
+            h.clear();
+            push_quota(&mut h, &loaded.config, report);
+            for (name, value) in h.iter() {
+                if let Err(s) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value)
+                {
+                    debug!("cannot add response header {name}: {s:?}");
+                }
             }
-        }
+        });
         Action::Continue
     }
 
@@ -1319,24 +1409,17 @@ impl TollgateHttp {
                         let wait_ms = global.map_or(1_000, |gl| {
                             g.cost.max(1).saturating_mul(gl.per_ms) / gl.requests
                         });
-                        let mut headers = Vec::new();
-                        quota_headers(
-                            config.rate_limit_headers,
-                            &rule.name,
-                            rule.quota.policy,
-                            grant.remaining,
-                            ceil_secs(grant.reset_ms.saturating_mul(1_000_000)),
-                            &mut headers,
-                        );
-                        headers.push((
-                            "retry-after",
-                            number(retry_after_secs(wait_ms.saturating_mul(1_000_000))),
-                        ));
-                        headers.push(("x-tollgate-rule", rule.name.clone()));
-                        Step::Reject {
-                            response: g.which.rule(),
-                            headers,
-                        }
+                        Step::Reject(Rejection {
+                            rule: g.which.rule(),
+                            quota: Some(QuotaReport {
+                                which: QuotaRef::Rule(g.which.rule()),
+                                remaining: grant.remaining,
+                                reset_secs: ceil_secs(grant.reset_ms.saturating_mul(1_000_000)),
+                            }),
+                            retry_after_secs: Some(retry_after_secs(
+                                wait_ms.saturating_mul(1_000_000),
+                            )),
+                        })
                     }
                     None => {
                         for g in &strict.globals {
@@ -1358,13 +1441,11 @@ impl TollgateHttp {
                     FailureMode::Deny => {
                         let rule = strict.globals.first().map_or(0, |g| g.which.rule());
                         let retry = service.map_or(1_000, |q| q.retry_ms);
-                        Step::Reject {
-                            response: rule,
-                            headers: vec![
-                                ("retry-after", number(retry.div_ceil(1_000).max(1))),
-                                ("x-tollgate-rule", config.rules[rule].name.clone()),
-                            ],
-                        }
+                        Step::Reject(Rejection {
+                            rule,
+                            quota: None,
+                            retry_after_secs: Some(retry.div_ceil(1_000).max(1)),
+                        })
                     }
                     FailureMode::Local => {
                         for g in strict.globals {
@@ -1372,7 +1453,7 @@ impl TollgateHttp {
                             if let Some(gl) = &config.rules[rule].global {
                                 inputs.push(CheckInput {
                                     which: QuotaRef::Fallback(rule),
-                                    slot: gl.fallback.table.locate(&g.key),
+                                    slot: gl.fallback.table.locate_hash(g.key),
                                     ..g
                                 });
                             }
@@ -1397,7 +1478,7 @@ impl TollgateHttp {
     fn carry_out(&mut self, loaded: &Loaded, step: Step, now: u64, paused: bool) -> Action {
         match step {
             Step::Admit(a) => {
-                self.response_headers = a.headers;
+                self.report = a.report;
                 self.holds.extend(a.holds);
                 if a.delay_ns > 0 {
                     let due = now.saturating_add(a.delay_ns);
@@ -1413,8 +1494,8 @@ impl TollgateHttp {
                 }
                 Action::Continue
             }
-            Step::Reject { response, headers } => {
-                reject(response_of(&loaded.config, response), &headers);
+            Step::Reject(r) => {
+                reject(&loaded.config, &r);
                 Action::Pause
             }
             Step::Wait => Action::Pause,
@@ -1423,8 +1504,15 @@ impl TollgateHttp {
 
     /// Take over what a decision made on the tick left for this request.
     fn take_resumed(&mut self) {
-        if let Some(a) = RESUMED.with(|r| r.borrow_mut().remove(&self.context_id)) {
-            self.response_headers = a.headers;
+        // Most requests were never paused: skip hashing their id into an empty map.
+        let resumed = RESUMED.with(|r| {
+            let mut r = r.borrow_mut();
+            (!r.is_empty())
+                .then(|| r.remove(&self.context_id))
+                .flatten()
+        });
+        if let Some(a) = resumed {
+            self.report = a.report;
             self.holds.extend(a.holds);
             if a.delay_ns > 0 {
                 // Its hold was queued by the tick; the queue entry is found by due time.
@@ -1474,16 +1562,52 @@ impl Drop for TollgateHttp {
     }
 }
 
-fn reject(response: &Response, extra: &[(&'static str, String)]) {
-    let mut headers: Vec<(&str, &str)> = response
-        .headers
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
-    headers.extend(extra.iter().map(|(n, v)| (*n, v.as_str())));
-    if let Err(s) =
-        hostcalls::send_http_response(response.status, headers, Some(response.body.as_bytes()))
-    {
-        error!("cannot send the rejection: {s:?}");
-    }
+/// Refuse the request with its rule's response and headers saying why.
+fn reject(config: &Config, rejection: &Rejection) {
+    let response = response_of(config, rejection.rule);
+    HEADERS.with(|h| {
+        let mut h = h.borrow_mut();
+        h.clear();
+        if let Some(report) = rejection.quota {
+            push_quota(&mut h, config, report);
+        }
+        if let Some(secs) = rejection.retry_after_secs {
+            h.push_number("retry-after", secs);
+        }
+        if let Some(rule) = config.rules.get(rejection.rule) {
+            h.push("x-tollgate-rule", &[&rule.name]);
+        }
+        let mut headers: Vec<(&str, &str)> = Vec::with_capacity(response.headers.len() + 8);
+        headers.extend(
+            response
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_str())),
+        );
+        for (name, value) in h.iter() {
+            headers.push((name, value));
+        }
+        if let Err(s) =
+            hostcalls::send_http_response(response.status, headers, Some(response.body.as_bytes()))
+        {
+            error!("cannot send the rejection: {s:?}");
+        }
+    });
+}
+
+/// The rate-limit headers describing `report`'s quota, in the configured format.
+fn push_quota(headers: &mut HeaderSet, config: &Config, report: QuotaReport) {
+    let (Some(rule), Some(quota)) = (
+        config.rules.get(report.which.rule()),
+        quota_of(config, report.which),
+    ) else {
+        return;
+    };
+    headers.push_quota(
+        config.rate_limit_headers,
+        &rule.name,
+        quota.policy,
+        report.remaining,
+        report.reset_secs,
+    );
 }

@@ -14,50 +14,79 @@ pub fn retry_after_secs(retry_after_ns: u64) -> u64 {
     ceil_secs(retry_after_ns).max(1)
 }
 
-/// Headers describing `rule`'s quota: policy `q` per `w` seconds, `remaining` requests,
-/// `reset_secs` until `t`/`Reset`.
-pub fn quota_headers(
-    format: HeaderFormat,
-    rule: &str,
-    (q, w): (u64, Option<u64>),
-    remaining: u64,
-    reset_secs: u64,
-    out: &mut Vec<(&'static str, String)>,
-) {
-    // Built piece by piece: on the hot path `format!` costs several times more.
-    if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
-        let mut policy = String::with_capacity(rule.len() + 32);
-        for part in ["\"", rule, "\";q=", itoa::Buffer::new().format(q)] {
-            policy.push_str(part);
-        }
-        if let Some(w) = w {
-            policy.push_str(";w=");
-            policy.push_str(itoa::Buffer::new().format(w));
-        }
-        out.push(("ratelimit-policy", policy));
-        let mut state = String::with_capacity(rule.len() + 32);
-        for part in [
-            "\"",
-            rule,
-            "\";r=",
-            itoa::Buffer::new().format(remaining),
-            ";t=",
-            itoa::Buffer::new().format(reset_secs),
-        ] {
-            state.push_str(part);
-        }
-        out.push(("ratelimit", state));
-    }
-    if matches!(format, HeaderFormat::Legacy | HeaderFormat::Both) {
-        out.push(("x-ratelimit-limit", number(q)));
-        out.push(("x-ratelimit-remaining", number(remaining)));
-        out.push(("x-ratelimit-reset", number(reset_secs)));
-    }
+/// Response headers with their values rendered into one buffer, which a worker reuses from
+/// response to response: adding rate-limit headers allocates nothing once the buffer has grown.
+#[derive(Debug, Default)]
+pub struct HeaderSet {
+    text: String,
+    /// Name and end of each value in `text` (a value starts where the previous one ends).
+    fields: Vec<(&'static str, usize)>,
 }
 
-/// A number as a header value.
-pub fn number(n: u64) -> String {
-    itoa::Buffer::new().format(n).to_owned()
+impl HeaderSet {
+    pub fn clear(&mut self) {
+        self.text.clear();
+        self.fields.clear();
+    }
+
+    /// A header whose value is the concatenation of `parts`.
+    pub fn push(&mut self, name: &'static str, parts: &[&str]) {
+        for part in parts {
+            self.text.push_str(part);
+        }
+        self.fields.push((name, self.text.len()));
+    }
+
+    pub fn push_number(&mut self, name: &'static str, n: u64) {
+        self.push(name, &[itoa::Buffer::new().format(n)]);
+    }
+
+    /// Headers describing `rule`'s quota: policy `q` per `w` seconds, `remaining` requests,
+    /// `reset_secs` until `t`/`Reset`.
+    pub fn push_quota(
+        &mut self,
+        format: HeaderFormat,
+        rule: &str,
+        (q, w): (u64, Option<u64>),
+        remaining: u64,
+        reset_secs: u64,
+    ) {
+        let (mut q_buf, mut w_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (mut r_buf, mut t_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (q, r, t) = (
+            q_buf.format(q),
+            r_buf.format(remaining),
+            t_buf.format(reset_secs),
+        );
+        if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
+            match w {
+                Some(w) => {
+                    let w = w_buf.format(w);
+                    self.push("ratelimit-policy", &["\"", rule, "\";q=", q, ";w=", w]);
+                }
+                None => self.push("ratelimit-policy", &["\"", rule, "\";q=", q]),
+            }
+            self.push("ratelimit", &["\"", rule, "\";r=", r, ";t=", t]);
+        }
+        if matches!(format, HeaderFormat::Legacy | HeaderFormat::Both) {
+            self.push("x-ratelimit-limit", &[q]);
+            self.push("x-ratelimit-remaining", &[r]);
+            self.push("x-ratelimit-reset", &[t]);
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
+    }
+
+    /// The headers as (name, value) pairs, in the order they were pushed.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> + '_ {
+        let starts = std::iter::once(0).chain(self.fields.iter().map(|(_, end)| *end));
+        self.fields
+            .iter()
+            .zip(starts)
+            .map(|(&(name, end), start)| (name, self.text.get(start..end).unwrap_or_default()))
+    }
 }
 
 #[cfg(test)]
@@ -75,29 +104,32 @@ mod tests {
 
     #[test]
     fn formats() {
-        let mut out = Vec::new();
-        quota_headers(
-            HeaderFormat::Both,
-            "per-ip",
-            (100, Some(60)),
-            7,
-            3,
-            &mut out,
-        );
+        let mut set = HeaderSet::default();
+        set.push_quota(HeaderFormat::Both, "per-ip", (100, Some(60)), 7, 3);
         assert_eq!(
-            out,
+            set.iter().collect::<Vec<_>>(),
             [
-                ("ratelimit-policy", "\"per-ip\";q=100;w=60".to_string()),
-                ("ratelimit", "\"per-ip\";r=7;t=3".to_string()),
-                ("x-ratelimit-limit", "100".to_string()),
-                ("x-ratelimit-remaining", "7".to_string()),
-                ("x-ratelimit-reset", "3".to_string()),
+                ("ratelimit-policy", "\"per-ip\";q=100;w=60"),
+                ("ratelimit", "\"per-ip\";r=7;t=3"),
+                ("x-ratelimit-limit", "100"),
+                ("x-ratelimit-remaining", "7"),
+                ("x-ratelimit-reset", "3"),
             ]
         );
-        out.clear();
-        quota_headers(HeaderFormat::None, "r", (100, Some(60)), 7, 3, &mut out);
-        assert!(out.is_empty());
-        quota_headers(HeaderFormat::Draft, "c", (5, None), 2, 0, &mut out);
-        assert_eq!(out[0].1, "\"c\";q=5");
+        set.clear();
+        set.push_quota(HeaderFormat::None, "r", (100, Some(60)), 7, 3);
+        assert!(set.is_empty());
+        set.push_quota(HeaderFormat::Draft, "c", (5, None), 2, 0);
+        set.push_number("retry-after", 12);
+        set.push("x-tollgate-rule", &["c"]);
+        assert_eq!(
+            set.iter().collect::<Vec<_>>(),
+            [
+                ("ratelimit-policy", "\"c\";q=5"),
+                ("ratelimit", "\"c\";r=2;t=0"),
+                ("retry-after", "12"),
+                ("x-tollgate-rule", "c"),
+            ]
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! What a rule sees of a request: matching and the client key, over a host-independent view.
 
 use crate::config::{KeyPart, Match, MissingKey, PathMatch};
+use smallvec::SmallVec;
+use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::net::{IpAddr, SocketAddr};
 
@@ -126,42 +128,51 @@ impl<'a, V: RequestView> Request<'a, V> {
                 .all(|(name, value)| self.view.header(name).as_deref() == Some(value.as_str()))
     }
 
-    /// The rule's bucket key (see [`encode_key`]); `None` when a part is absent and the rule skips.
-    pub fn key(&self, parts: &[KeyPart], missing: MissingKey) -> Option<Vec<u8>> {
-        let values: Vec<Option<std::borrow::Cow<'_, str>>> = parts
-            .iter()
-            .map(|part| match part {
+    /// The rule's bucket key: each part's value tagged and length-prefixed, so that no two
+    /// different combinations of values (or of present and absent parts) give the same bytes.
+    /// `None` when a part is absent and the rule skips.
+    pub fn key(&self, parts: &[KeyPart], missing: MissingKey) -> Option<KeyBytes> {
+        let mut key = KeyBytes::new();
+        for part in parts {
+            let value: Option<Cow<'_, str>> = match part {
                 KeyPart::ClientIp => self.client_ip().map(Into::into),
                 KeyPart::Path => self.path().map(Into::into),
                 KeyPart::Method => self.method().map(Into::into),
                 KeyPart::Host => self.host().map(Into::into),
                 KeyPart::Header(name) => self.view.header(name).map(Into::into),
                 KeyPart::Query(name) => self.query(name).map(Into::into),
-            })
-            .collect();
-        if missing == MissingKey::Skip && values.iter().any(Option::is_none) {
-            return None;
+            };
+            if value.is_none() && missing == MissingKey::Skip {
+                return None;
+            }
+            push_key_part(&mut key, value.as_deref());
         }
-        Some(encode_key(values.iter().map(|v| v.as_deref())))
+        Some(key)
     }
 }
 
-/// Key bytes from part values: each tagged and length-prefixed, so that no two different
-/// combinations of values (or of present and absent parts) give the same bytes.
+/// Key bytes from part values, as [`Request::key`] makes them (for override values).
 pub fn encode_key<'v>(values: impl Iterator<Item = Option<&'v str>>) -> Vec<u8> {
-    let mut key = Vec::with_capacity(64);
+    let mut key = KeyBytes::new();
     for value in values {
-        match value {
-            Some(v) => {
-                key.push(1);
-                key.extend_from_slice(&(v.len() as u32).to_le_bytes());
-                key.extend_from_slice(v.as_bytes());
-            }
-            None => key.push(0),
-        }
+        push_key_part(&mut key, value);
     }
-    key
+    key.into_vec()
 }
+
+fn push_key_part(key: &mut KeyBytes, value: Option<&str>) {
+    match value {
+        Some(v) => {
+            key.push(1);
+            key.extend_from_slice(&(v.len() as u32).to_le_bytes());
+            key.extend_from_slice(v.as_bytes());
+        }
+        None => key.push(0),
+    }
+}
+
+/// A rule's bucket key for one request: on the stack for keys of usual length.
+pub type KeyBytes = SmallVec<[u8; 128]>;
 
 fn strip_port(authority: &str) -> &str {
     if authority.starts_with('[') {
@@ -303,6 +314,6 @@ mod tests {
             k(&[("x-a", "a"), ("x-b", "")], &limit)
         );
         let whole = rule_of(r#""match":{"path":"/"}"#);
-        assert_eq!(k(&[], &whole), Some(vec![]));
+        assert_eq!(k(&[], &whole), Some(KeyBytes::new()));
     }
 }

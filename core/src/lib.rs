@@ -24,7 +24,8 @@ pub use concurrency::Concurrency;
 pub use fixed_window::FixedWindow;
 pub use leaky_bucket::LeakyBucket;
 pub use limiter::{
-    admit, release, return_stash, Check, CheckOutcome, Hold, Outcome, SlotEvent, Verdict,
+    admit, release, return_stash, Check, CheckOutcome, CheckOutcomes, Hold, Outcome, SlotEvent,
+    Verdict,
 };
 pub use sliding_window::SlidingWindow;
 pub use slot::{SlotId, SlotTable};

@@ -5,8 +5,15 @@
 //! re-decides, and a refusal found then gives back what earlier rules already took.
 
 use crate::algorithm::{Decision, Limit};
-use crate::slot::{Group, Slot, SlotId, SlotTable};
+use crate::slot::{Group, Slot, SlotId, SlotTable, StoreKey};
 use crate::store::{CasStore, StoreError};
+use smallvec::SmallVec;
+
+/// Rules a request can meet before its per-request vectors leave the stack for the heap.
+pub const INLINE_RULES: usize = 4;
+
+/// One outcome per check, in order.
+pub type CheckOutcomes = SmallVec<[CheckOutcome; INLINE_RULES]>;
 
 /// Writes tried per group before the request is treated as refused by contention.
 pub const MAX_CAS_ATTEMPTS: u32 = 16;
@@ -93,12 +100,12 @@ pub struct Outcome {
     /// Index of the enforced check that refused the request (the longest wait if several did).
     pub rejected_by: Option<usize>,
     /// One per check, in order.
-    pub checks: Vec<CheckOutcome>,
+    pub checks: CheckOutcomes,
 }
 
 /// A decision made from one read, with what to write if the request goes ahead.
 struct Plan {
-    key: String,
+    key: StoreKey,
     outcome: CheckOutcome,
     /// The slot used and the owner tag it carries after the write.
     index: usize,
@@ -133,8 +140,8 @@ fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEv
     (least, SlotEvent::Shared, slots[least])
 }
 
-fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: String, now_ns: u64) -> Plan {
-    let (group, cas) = match store.read(&key) {
+fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u64) -> Plan {
+    let (group, cas) = match store.read(key.as_str()) {
         Ok(Some((bytes, cas))) => (Group::decode(&bytes), cas),
         Ok(None) => (Group::decode(&[]), 0),
         Err(_) => {
@@ -254,7 +261,7 @@ fn stash_take(
 
 /// Decide one request against `checks` at `now_ns`, charging every rule or none.
 pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
-    let mut plans: Vec<Plan> = checks
+    let mut plans: SmallVec<[Plan; INLINE_RULES]> = checks
         .iter()
         .map(|c| plan(store, c, c.table.store_key(c.slot.group), now_ns))
         .collect();
@@ -267,7 +274,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
     for (check, p) in checks.iter().zip(plans.iter_mut()) {
         if p.outcome.verdict == Verdict::Waiting {
             if let Some((group, cas)) = p.write.take() {
-                p.outcome.refill = store.write(&p.key, &group.encode(), cas).is_ok()
+                p.outcome.refill = store.write(p.key.as_str(), &group.encode(), cas).is_ok()
                     && check
                         .limit
                         .claims_refill(&p.before, &group.slots[p.index].state);
@@ -281,7 +288,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
         return finish(false, None, plans);
     }
 
-    let mut committed: Vec<usize> = Vec::with_capacity(checks.len());
+    let mut committed: SmallVec<[usize; INLINE_RULES]> = SmallVec::new();
     for i in 0..checks.len() {
         let check = &checks[i];
         let mut attempts = 0;
@@ -289,7 +296,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
             (plans[i].outcome.verdict, plans[i].write)
         {
             attempts += 1;
-            match store.write(&plans[i].key, &group.encode(), cas) {
+            match store.write(plans[i].key.as_str(), &group.encode(), cas) {
                 Ok(()) => {
                     let p = &mut plans[i];
                     p.outcome.refill = check
@@ -327,7 +334,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
                 let _ = give_back(
                     store,
                     &taken,
-                    &p.key,
+                    p.key.as_str(),
                     Some(p.index),
                     Some(p.owner),
                     now_ns,
@@ -373,7 +380,7 @@ pub fn release<S: CasStore + ?Sized>(
     give_back(
         store,
         &check,
-        &key,
+        key.as_str(),
         Some(hold.index),
         None,
         now_ns,
@@ -403,7 +410,7 @@ pub fn return_stash<S: CasStore + ?Sized>(
     give_back(
         store,
         &check,
-        &key,
+        key.as_str(),
         None,
         Some(slot.tag),
         now_ns,
@@ -457,7 +464,11 @@ fn give_back<S: CasStore + ?Sized>(
     Err(StoreError::CasMismatch)
 }
 
-fn finish(admitted: bool, rejected_by: Option<usize>, plans: Vec<Plan>) -> Outcome {
+fn finish(
+    admitted: bool,
+    rejected_by: Option<usize>,
+    plans: SmallVec<[Plan; INLINE_RULES]>,
+) -> Outcome {
     Outcome {
         admitted,
         rejected_by,
@@ -744,12 +755,12 @@ mod tests {
         assert!(!second.checks[1].refill, "one refill in flight per key");
         // The grant arrives (as the filter applies it).
         let key = global.table.store_key(check(&global, "k", true).slot.group);
-        let (bytes, cas) = store.read(&key).unwrap().unwrap();
+        let (bytes, cas) = store.read(key.as_str()).unwrap().unwrap();
         let mut group = Group::decode(&bytes);
         for slot in group.slots.iter_mut().filter(|s| s.tag != 0) {
             slot.state = LeaseAllowance::grant(&slot.state, NOW / 1_000_000, 4, 60_000, 1);
         }
-        store.write(&key, &group.encode(), cas).unwrap();
+        store.write(key.as_str(), &group.encode(), cas).unwrap();
         let refills: Vec<bool> = (0..4)
             .map(|_| {
                 let out = both(&store);

@@ -9,6 +9,7 @@
 
 use crate::algorithm::{State, STATE_BYTES};
 use crate::store::{CasStore, StoreError};
+use smallvec::SmallVec;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 /// Slots per group.
@@ -123,7 +124,11 @@ impl SlotTable {
 
     /// The slot group for a client key (any bytes, already made unambiguous by the caller).
     pub fn locate(&self, key: &[u8]) -> SlotId {
-        let h = key_hash(key);
+        self.locate_hash(key_hash(key))
+    }
+
+    /// The slot group for a client key by its [`key_hash`].
+    pub fn locate_hash(&self, h: u128) -> SlotId {
         SlotId {
             group: ((h as u64) % u64::from(self.groups)) as u32,
             tag: ((h >> 64) as u64).max(1),
@@ -131,8 +136,12 @@ impl SlotTable {
     }
 
     /// The store key of group `index`.
-    pub fn store_key(&self, index: u32) -> String {
-        format!("{}{}", self.prefix, index)
+    pub fn store_key(&self, index: u32) -> StoreKey {
+        let mut key = StoreKey(SmallVec::new());
+        key.0.extend_from_slice(self.prefix.as_bytes());
+        key.0
+            .extend_from_slice(itoa::Buffer::new().format(index).as_bytes());
+        key
     }
 
     /// Create every group that does not exist yet; returns how many were created. Existing groups
@@ -141,8 +150,8 @@ impl SlotTable {
         let mut created = 0;
         for index in 0..self.groups {
             let key = self.store_key(index);
-            if store.read(&key)?.is_none() {
-                match store.write(&key, &EMPTY_GROUP, 0) {
+            if store.read(key.as_str())?.is_none() {
+                match store.write(key.as_str(), &EMPTY_GROUP, 0) {
                     // Another worker created it between our read and write: that is fine.
                     Ok(()) | Err(StoreError::CasMismatch) => created += 1,
                     Err(e) => return Err(e),
@@ -150,6 +159,18 @@ impl SlotTable {
             }
         }
         Ok(created)
+    }
+}
+
+/// A group's name in the store, built on the stack for names of usual length: a request that
+/// reads a group allocates nothing for its name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreKey(SmallVec<[u8; 96]>);
+
+impl StoreKey {
+    pub fn as_str(&self) -> &str {
+        // Built from a `String` prefix and ASCII digits: always UTF-8.
+        std::str::from_utf8(&self.0).unwrap_or_default()
     }
 }
 
@@ -167,6 +188,8 @@ mod tests {
         assert!(a.group < 25);
         assert_ne!(a.tag, 0);
         assert_ne!(a.tag, table.locate(b"10.0.0.2").tag);
+        assert_eq!(table.locate_hash(key_hash(b"10.0.0.1")), a);
+        assert_eq!(table.store_key(17).as_str(), "t.17");
     }
 
     #[test]

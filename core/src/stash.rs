@@ -428,12 +428,12 @@ mod tests {
         });
         let slot = w.table.locate(b"k");
         let key = w.table.store_key(slot.group);
-        let mut group = crate::slot::Group::decode(&w.store.read(&key).unwrap().unwrap().0);
+        let mut group = crate::slot::Group::decode(&w.store.read(key.as_str()).unwrap().unwrap().0);
         group.slots[0].tag = slot.tag;
         group.slots[0].state =
             LeaseAllowance::grant(&group.slots[0].state, NOW / MS, 100, 60_000, 1_000);
-        let cas = w.store.read(&key).unwrap().unwrap().1;
-        w.store.write(&key, &group.encode(), cas).unwrap();
+        let cas = w.store.read(key.as_str()).unwrap().unwrap().1;
+        w.store.write(key.as_str(), &group.encode(), cas).unwrap();
         let admitted = (0..400u64)
             .filter(|&i| w.request((i % 2) as usize, NOW + i))
             .count();
