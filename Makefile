@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build quota schema test lint dist bench demo demo-keep clean
+.PHONY: setup build probe quota schema test lint dist bench demo demo-keep clean
 
 setup:
 	@scripts/setup.sh
@@ -26,9 +26,15 @@ schema:
 	UPDATE_SCHEMA=1 cargo test --lib the_committed_schema_is_current
 
 # Unit and property tests of the core and the host-independent filter code, then the real-Envoy tests.
-test: build lint quota
-	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) \
+test: build probe lint quota
+	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) TOLLGATE_PROBE_WASM=$(abspath $(PROBE_WASM)) \
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --workspace
+
+# The module with `--features probe` (time and heap allocations per callback, as Envoy counters):
+# the allocation test and the benchmark's profile use it.
+PROBE_WASM := target/probe/wasm32-wasip1/release/tollgate.wasm
+probe: setup
+	cargo build --release --target wasm32-wasip1 -p tollgate --features probe --target-dir target/probe
 
 # The release artifacts: the module optimised by binaryen's wasm-opt -O (about 15% smaller, no
 # measurable speed change; docs/release.md) and its sha256, in dist/release/.
@@ -55,7 +61,7 @@ bench: dist
 	cargo build --release -p tollgate-quota
 	cd bench/noop && cargo build --release --target wasm32-wasip1
 	cd bench/probe && cargo build --release --target wasm32-wasip1
-	cargo build --release --target wasm32-wasip1 --features probe --target-dir target/probe
+	$(MAKE) probe
 	.venv/bin/python bench/run.py
 
 # The same, left running for your own requests until Ctrl-C.

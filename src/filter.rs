@@ -156,6 +156,9 @@ struct CheckInput {
 /// A request's checks: on the stack for the usual few rules.
 type Inputs = SmallVec<[CheckInput; INLINE_RULES]>;
 
+/// Quota a request holds until it ends (concurrency rules), kept inline for one or two rules.
+type Holds = SmallVec<[(QuotaRef, Hold); 2]>;
+
 /// A key's allowance to refill from the quota service.
 struct Refill {
     rule: usize,
@@ -182,7 +185,7 @@ struct QuotaReport {
 #[derive(Default)]
 struct Admitted {
     report: Option<QuotaReport>,
-    holds: Vec<(QuotaRef, Hold)>,
+    holds: Holds,
     delay_ns: u64,
 }
 
@@ -522,7 +525,7 @@ impl RootContext for TollgateRoot {
             context_id,
             loaded: self.loaded.clone(),
             report: None,
-            holds: Vec::new(),
+            holds: Holds::new(),
             held_until: None,
             strict: None,
         }))
@@ -893,7 +896,7 @@ fn response_of(config: &Config, rule: usize) -> &Response {
         .unwrap_or(&config.response)
 }
 
-fn release_holds(loaded: &Loaded, holds: Vec<(QuotaRef, Hold)>, now: u64) {
+fn release_holds(loaded: &Loaded, holds: Holds, now: u64) {
     for (which, hold) in holds {
         let Some(quota) = quota_of(&loaded.config, which) else {
             continue;
@@ -1216,7 +1219,7 @@ struct TollgateHttp {
     /// The quota to describe in the upstream's response headers.
     report: Option<QuotaReport>,
     /// Quota held until the stream ends (concurrency rules).
-    holds: Vec<(QuotaRef, Hold)>,
+    holds: Holds,
     /// Set while the request is held by a leaky bucket.
     held_until: Option<u64>,
     /// Strict mode: the checks waiting for this request's own call to the quota service.

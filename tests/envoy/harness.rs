@@ -16,6 +16,15 @@ pub fn wasm_path() -> PathBuf {
     built_artifact("TOLLGATE_WASM", "dist/tollgate.wasm")
 }
 
+/// The `probe` build of the module (`--features probe`): it counts time and heap allocations per
+/// callback into Envoy counters `wasmcustom.tollgate.probe.<callback>.{ns,allocs,calls}`.
+pub fn probe_wasm_path() -> PathBuf {
+    built_artifact(
+        "TOLLGATE_PROBE_WASM",
+        "target/probe/wasm32-wasip1/release/tollgate.wasm",
+    )
+}
+
 pub fn envoy_bin() -> PathBuf {
     built_artifact("ENVOY_BIN", ".venv/bin/envoy")
 }
@@ -62,6 +71,8 @@ pub struct Options {
     pub debug_log: bool,
     /// A cluster `quota` pointing at this port on 127.0.0.1 (the quota service).
     pub quota_port: Option<u16>,
+    /// Another build of the module than `make test`'s (e.g. [`probe_wasm_path`]).
+    pub module: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -73,6 +84,7 @@ impl Default for Options {
             lds: false,
             debug_log: false,
             quota_port: None,
+            module: None,
         }
     }
 }
@@ -105,7 +117,7 @@ pub fn listener(plugin: &Value, opts: &Options) -> Value {
                 "vm_config": {
                     "vm_id": "tollgate",
                     "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": wasm_path()}}
+                    "code": {"local": {"filename": opts.module.clone().unwrap_or_else(wasm_path)}}
                 },
                 "configuration": {
                     "@type": "type.googleapis.com/google.protobuf.StringValue",

@@ -12,6 +12,7 @@ mod config;
 mod examples;
 mod global;
 mod headers;
+mod hot_path;
 mod limits;
 mod matching;
 mod state;
