@@ -504,7 +504,8 @@ def report(saved, args):
         f"| … the same for one bucket (no client key) | tollgate {one_inside:.1f} µs inside its callbacks; "
         f"CPU {one_ours:.1f} µs paired ({one_ours_best:.1f} µs best round). Native: {one_native:.1f} µs paired "
         f"({one_native_best:.1f} µs best round) | {'yes' if one_inside <= max(one_native, one_native_best) else 'no'} |",
-        f"| … aiming for nginx limit_req's | {nginx_lr:.1f} µs | {'yes' if bare_inside <= nginx_lr else 'no'} |",
+        f"| … aiming for nginx limit_req's | nginx: {nginx_lr:.1f} µs; tollgate as above | "
+        f"{'yes' if bare_inside <= nginx_lr else 'no'} |",
         f"| no allocations on the hot path | {allocs(bare):.2f} heap allocations per allowed request inside "
         f"tollgate's callbacks, none of them tollgate's own: the SDK boxes each HTTP context, and the host "
         "allocates the client address it returns in the module's memory | ours: yes |",
