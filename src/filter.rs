@@ -5,7 +5,9 @@
 //! The SDK's trait helpers unwrap host statuses; this module calls `hostcalls` directly and
 //! degrades instead, because a panic kills the VM.
 
-use crate::config::{Config, Cost, FailureMode, FirstLease, OverrideAction, Quota, Response, Rule};
+use crate::config::{
+    Config, Cost, FailureMode, FirstLease, OverrideAction, Quota, QuotaService, Response, Rule,
+};
 use crate::headers::{ceil_secs, retry_after_secs, HeaderSet};
 use crate::request::{Request, RequestView};
 use log::{debug, error, info, warn};
@@ -195,6 +197,18 @@ struct Rejection {
     rule: usize,
     quota: Option<QuotaReport>,
     retry_after_secs: Option<u64>,
+}
+
+impl Rejection {
+    /// A global rule's refusal by failure mode `deny`: retry once the quota service may be back.
+    fn failure_mode(rule: usize, service: Option<&QuotaService>) -> Self {
+        let retry_ms = service.map_or(1_000, |q| q.retry_ms);
+        Self {
+            rule,
+            quota: None,
+            retry_after_secs: Some(retry_ms.div_ceil(1_000).max(1)),
+        }
+    }
 }
 
 /// The decision for a request.
@@ -977,12 +991,7 @@ fn evaluate(loaded: &Loaded, inputs: &mut Inputs, now: u64, timed_out: bool) -> 
                 FailureMode::Allow => drop.push(n),
                 FailureMode::Deny => {
                     loaded.metrics[rule].limited.bump();
-                    let retry = service.map_or(1_000, |q| q.retry_ms);
-                    return Step::Reject(Rejection {
-                        rule,
-                        quota: None,
-                        retry_after_secs: Some(retry.div_ceil(1_000).max(1)),
-                    });
+                    return Step::Reject(Rejection::failure_mode(rule, service));
                 }
                 FailureMode::Local => {
                     if let Some(g) = &config.rules[rule].global {
@@ -1443,12 +1452,7 @@ impl TollgateHttp {
                     FailureMode::Allow => evaluate(&loaded, &mut inputs, now, false),
                     FailureMode::Deny => {
                         let rule = strict.globals.first().map_or(0, |g| g.which.rule());
-                        let retry = service.map_or(1_000, |q| q.retry_ms);
-                        Step::Reject(Rejection {
-                            rule,
-                            quota: None,
-                            retry_after_secs: Some(retry.div_ceil(1_000).max(1)),
-                        })
+                        Step::Reject(Rejection::failure_mode(rule, service))
                     }
                     FailureMode::Local => {
                         for g in strict.globals {

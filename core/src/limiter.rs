@@ -326,17 +326,13 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
         if refused && check.enforced {
             for &j in &committed {
                 let p = &plans[j];
-                let taken = Check {
-                    cost: checks[j].cost.saturating_add(p.outcome.stashed),
-                    ..checks[j]
-                };
                 // A refund that keeps losing races leaves that rule stricter, never looser.
                 let _ = give_back(
                     store,
-                    &taken,
+                    checks[j].limit,
+                    checks[j].cost.saturating_add(p.outcome.stashed),
                     p.key.as_str(),
-                    Some(p.index),
-                    Some(p.owner),
+                    Target::IndexOwnedBy(p.index, p.owner),
                     now_ns,
                     MAX_CAS_ATTEMPTS,
                 );
@@ -365,24 +361,12 @@ pub fn release<S: CasStore + ?Sized>(
     hold: &Hold,
     now_ns: u64,
 ) -> Result<(), StoreError> {
-    let key = table.store_key(hold.group);
-    let check = Check {
-        limit,
-        table,
-        slot: SlotId {
-            group: hold.group,
-            tag: 0,
-        },
-        cost: hold.cost,
-        enforced: true,
-        batch: 0,
-    };
     give_back(
         store,
-        &check,
-        key.as_str(),
-        Some(hold.index),
-        None,
+        limit,
+        hold.cost,
+        table.store_key(hold.group).as_str(),
+        Target::Index(hold.index),
         now_ns,
         MAX_RELEASE_ATTEMPTS,
     )
@@ -398,21 +382,12 @@ pub fn return_stash<S: CasStore + ?Sized>(
     tokens: u64,
     now_ns: u64,
 ) -> Result<(), StoreError> {
-    let key = table.store_key(slot.group);
-    let check = Check {
-        limit,
-        table,
-        slot,
-        cost: tokens,
-        enforced: true,
-        batch: 0,
-    };
     give_back(
         store,
-        &check,
-        key.as_str(),
-        None,
-        Some(slot.tag),
+        limit,
+        tokens,
+        table.store_key(slot.group).as_str(),
+        Target::OwnedBy(slot.tag),
         now_ns,
         MAX_CAS_ATTEMPTS,
     )
@@ -432,14 +407,25 @@ fn worst_refusal(checks: &[Check], plans: &[Plan]) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// Return `check.cost` to slot `index` of the group at `key` (without an index: the slot tagged
-/// `owner`), unless (with `owner`) the slot has changed hands since.
+/// The slot of a group that tokens go back to.
+#[derive(Clone, Copy)]
+enum Target {
+    /// This slot, whoever holds it now (a concurrency hold: the count is the slot's, not a key's).
+    Index(usize),
+    /// This slot, unless it has changed hands since.
+    IndexOwnedBy(usize, u64),
+    /// The slot this owner tag holds, wherever it is in the group, if any.
+    OwnedBy(u64),
+}
+
+/// Return `cost` tokens of `limit` to the `target` slot of the group at `key`; nothing if the
+/// slot is no longer the owner's.
 fn give_back<S: CasStore + ?Sized>(
     store: &S,
-    check: &Check,
+    limit: &Limit,
+    cost: u64,
     key: &str,
-    index: Option<usize>,
-    owner: Option<u64>,
+    target: Target,
     now_ns: u64,
     attempts: u32,
 ) -> Result<(), StoreError> {
@@ -448,14 +434,15 @@ fn give_back<S: CasStore + ?Sized>(
             return Ok(());
         };
         let mut group = Group::decode(&bytes);
-        let found = index.or_else(|| group.slots.iter().position(|s| Some(s.tag) == owner));
+        let found = match target {
+            Target::Index(i) => Some(i),
+            Target::IndexOwnedBy(i, owner) => (group.slots[i].tag == owner).then_some(i),
+            Target::OwnedBy(owner) => group.slots.iter().position(|s| s.tag == owner),
+        };
         let Some(slot) = found.map(|i| &mut group.slots[i]) else {
             return Ok(());
         };
-        if owner.is_some_and(|o| o != slot.tag) {
-            return Ok(());
-        }
-        slot.state = check.limit.refund(&slot.state, now_ns, check.cost);
+        slot.state = limit.refund(&slot.state, now_ns, cost);
         match store.write(key, &group.encode(), cas) {
             Err(StoreError::CasMismatch) => continue,
             other => return other,

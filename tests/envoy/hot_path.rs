@@ -7,22 +7,25 @@ use std::collections::HashMap;
 /// Requests per batch: the probe hands its counts to Envoy every 1000 calls of a callback.
 const BATCH: i64 = 1000;
 
+/// The probe points on an allowed request's path.
+const CALLBACKS: [&str; 6] = [
+    "create",
+    "request",
+    "client_address",
+    "evaluate",
+    "response",
+    "log",
+];
+
 /// Allocations and calls of each callback, as the probe has reported them.
 fn probe(envoy: &Envoy) -> HashMap<&'static str, (i64, i64)> {
-    [
-        "create",
-        "request",
-        "client_address",
-        "evaluate",
-        "response",
-        "log",
-    ]
-    .into_iter()
-    .map(|cb| {
-        let stat = |s: &str| envoy.stat(&format!("wasmcustom.tollgate.probe.{cb}.{s}"));
-        (cb, (stat("allocs"), stat("calls")))
-    })
-    .collect()
+    CALLBACKS
+        .into_iter()
+        .map(|cb| {
+            let stat = |s: &str| envoy.stat(&format!("wasmcustom.tollgate.probe.{cb}.{s}"));
+            (cb, (stat("allocs"), stat("calls")))
+        })
+        .collect()
 }
 
 #[test]
@@ -56,14 +59,7 @@ fn an_allowed_request_allocates_nothing_of_the_filters_own() {
     let after = probe(&envoy);
     let delta = |cb: &str| (after[cb].0 - before[cb].0, after[cb].1 - before[cb].1);
     let n = 2 * BATCH;
-    for cb in [
-        "create",
-        "request",
-        "client_address",
-        "evaluate",
-        "response",
-        "log",
-    ] {
+    for cb in CALLBACKS {
         assert_eq!(delta(cb).1, n, "{cb} calls");
     }
     // The SDK boxes each HTTP context: one allocation each, none of ours.
