@@ -9,7 +9,7 @@ setup:
 	@scripts/setup.sh
 
 build: setup
-	cargo build --release --target wasm32-wasip1 -p tollgate
+	cargo build --release --target wasm32-wasip1 -p tollgate --lib
 	@mkdir -p dist && cp $(CARGO_WASM) $(WASM)
 	@echo "built $(WASM): $$(wc -c < $(WASM)) bytes"
 
@@ -17,6 +17,7 @@ lint: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
+	cargo clippy --target wasm32-wasip1 -p tollgate --features probe -- -D warnings
 
 quota:
 	cargo build -p tollgate-quota
@@ -34,7 +35,7 @@ test: build probe lint quota
 # the allocation test and the benchmark's profile use it.
 PROBE_WASM := target/probe/wasm32-wasip1/release/tollgate.wasm
 probe: setup
-	cargo build --release --target wasm32-wasip1 -p tollgate --features probe --target-dir target/probe
+	cargo build --release --target wasm32-wasip1 -p tollgate --lib --features probe --target-dir target/probe
 
 # The release artifacts: the module optimised by binaryen's wasm-opt -O (about 15% smaller, no
 # measurable speed change; docs/release.md) and its sha256, in dist/release/.

@@ -14,13 +14,13 @@ pub fn retry_after_secs(retry_after_ns: u64) -> u64 {
     ceil_secs(retry_after_ns).max(1)
 }
 
-/// Response headers with their values rendered into one buffer, which a worker reuses from
-/// response to response: adding rate-limit headers allocates nothing once the buffer has grown.
+/// Response headers rendered into one buffer, which a worker reuses from response to response:
+/// adding rate-limit headers allocates nothing once the buffer has grown.
 #[derive(Debug, Default)]
 pub struct HeaderSet {
     text: String,
-    /// Name and end of each value in `text` (a value starts where the previous one ends).
-    fields: Vec<(&'static str, usize)>,
+    /// End of each header's name and of its value in `text` (each starts where the previous ends).
+    fields: Vec<(usize, usize)>,
 }
 
 impl HeaderSet {
@@ -30,14 +30,16 @@ impl HeaderSet {
     }
 
     /// A header whose value is the concatenation of `parts`.
-    pub fn push(&mut self, name: &'static str, parts: &[&str]) {
+    pub fn push(&mut self, name: &str, parts: &[&str]) {
+        self.text.push_str(name);
+        let name_end = self.text.len();
         for part in parts {
             self.text.push_str(part);
         }
-        self.fields.push((name, self.text.len()));
+        self.fields.push((name_end, self.text.len()));
     }
 
-    pub fn push_number(&mut self, name: &'static str, n: u64) {
+    pub fn push_number(&mut self, name: &str, n: u64) {
         self.push(name, &[itoa::Buffer::new().format(n)]);
     }
 
@@ -80,12 +82,17 @@ impl HeaderSet {
     }
 
     /// The headers as (name, value) pairs, in the order they were pushed.
-    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> + Clone + '_ {
         let starts = std::iter::once(0).chain(self.fields.iter().map(|(_, end)| *end));
         self.fields
             .iter()
             .zip(starts)
-            .map(|(&(name, end), start)| (name, self.text.get(start..end).unwrap_or_default()))
+            .map(|(&(name_end, end), start)| {
+                (
+                    self.text.get(start..name_end).unwrap_or_default(),
+                    self.text.get(name_end..end).unwrap_or_default(),
+                )
+            })
     }
 }
 

@@ -1,11 +1,31 @@
 //! tollgate: rate limiting at the proxy, as a proxy-wasm filter.
 //!
-//! `config`, `request` and `headers` are host-independent (tested natively); `filter` is the thin
-//! proxy-wasm adapter, compiled for Wasm only. The algorithms live in the `tollgate-core` crate.
+//! Host-independent (and tested natively): `config`, `key`, `request`, `headers`, `header_map`,
+//! `stats`, `queues` and `engine`, the per-request decision. The algorithms live in the
+//! `tollgate-core` crate. Wasm only: `abi` (the proxy-wasm imports and exports), `host` (every
+//! host call, safe), `plugin` (one configuration's state), `callbacks`, `quota_client`,
+//! `respond` and `probe`.
 
 pub mod config;
+pub mod engine;
+pub mod header_map;
 pub mod headers;
+pub mod key;
+pub mod queues;
 pub mod request;
+pub mod stats;
 
 #[cfg(target_arch = "wasm32")]
-mod filter;
+mod abi;
+#[cfg(target_arch = "wasm32")]
+mod callbacks;
+#[cfg(target_arch = "wasm32")]
+mod host;
+#[cfg(target_arch = "wasm32")]
+mod plugin;
+#[cfg(all(target_arch = "wasm32", feature = "probe"))]
+mod probe;
+#[cfg(target_arch = "wasm32")]
+mod quota_client;
+#[cfg(target_arch = "wasm32")]
+mod respond;

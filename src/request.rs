@@ -1,27 +1,32 @@
 //! What a rule sees of a request: matching and the client key, over a host-independent view.
+//!
+//! Every value is the bytes the client sent: nothing here assumes UTF-8, and no input can panic.
 
 use crate::config::{KeyPart, Match, MissingKey, PathMatch};
-use smallvec::SmallVec;
-use std::borrow::Cow;
+use crate::key::{push_key_part, KeyBytes};
 use std::cell::OnceCell;
 use std::net::{IpAddr, SocketAddr};
 
-/// Access to the request, implemented by the proxy-wasm adapter (and by tests).
+/// Access to the request, implemented by the host layer (and by tests).
 pub trait RequestView {
-    /// A request header by lower-case name, pseudo-headers (`:path`, `:method`, `:authority`) too.
-    fn header(&self, name: &str) -> Option<String>;
+    /// A request header by lower-case name, pseudo-headers (`:path`, `:method`) too.
+    fn header(&self, name: &str) -> Option<Vec<u8>>;
     /// The downstream peer address as the host gives it (`ip:port`).
-    fn source_address(&self) -> Option<String>;
+    fn source_address(&self) -> Option<Vec<u8>>;
+    /// The host the request is for, as sent (`:authority` or `host`, port included).
+    fn authority(&self) -> Option<Vec<u8>> {
+        self.header(":authority").or_else(|| self.header("host"))
+    }
 }
 
 /// A request with its derived values computed once, on first use.
 pub struct Request<'a, V: RequestView> {
     view: &'a V,
     trusted_hops: u32,
-    path: OnceCell<Option<String>>,
-    method: OnceCell<Option<String>>,
-    host: OnceCell<Option<String>>,
-    client_ip: OnceCell<Option<String>>,
+    path: OnceCell<Option<Vec<u8>>>,
+    method: OnceCell<Option<Vec<u8>>>,
+    host: OnceCell<Option<Vec<u8>>>,
+    client_ip: OnceCell<Option<Vec<u8>>>,
 }
 
 impl<'a, V: RequestView> Request<'a, V> {
@@ -36,76 +41,63 @@ impl<'a, V: RequestView> Request<'a, V> {
         }
     }
 
+    pub fn view(&self) -> &V {
+        self.view
+    }
+
     /// `:path` with its query string.
-    fn full_path(&self) -> Option<&str> {
+    fn full_path(&self) -> Option<&[u8]> {
         self.path
             .get_or_init(|| self.view.header(":path"))
             .as_deref()
     }
 
     /// `:path` without query string or fragment.
-    pub fn path(&self) -> Option<&str> {
-        self.full_path()
-            .map(|p| p.split_once(['?', '#']).map_or(p, |(path, _)| path))
+    pub fn path(&self) -> Option<&[u8]> {
+        self.full_path().map(|p| {
+            let end = p.iter().position(|&b| b == b'?' || b == b'#');
+            &p[..end.unwrap_or(p.len())]
+        })
     }
 
-    pub fn method(&self) -> Option<&str> {
+    pub fn method(&self) -> Option<&[u8]> {
         self.method
             .get_or_init(|| self.view.header(":method"))
             .as_deref()
     }
 
-    /// `:authority` (or `host`), lower-case, without port.
-    pub fn host(&self) -> Option<&str> {
+    /// The request's host, lower-case, without port.
+    pub fn host(&self) -> Option<&[u8]> {
         self.host
             .get_or_init(|| {
-                let authority = self
-                    .view
-                    .header(":authority")
-                    .or_else(|| self.view.header("host"))?;
-                Some(strip_port(&authority).to_ascii_lowercase())
+                let mut host = self.view.authority()?;
+                let end = strip_port(&host).len();
+                host.truncate(end);
+                host.make_ascii_lowercase();
+                Some(host)
             })
             .as_deref()
     }
 
-    /// The first value of query parameter `name`, percent-decoded.
-    pub fn query(&self, name: &str) -> Option<String> {
-        let query = self.full_path()?.split_once('?')?.1;
-        let query = query.split_once('#').map_or(query, |(q, _)| q);
-        form_urlencoded::parse(query.as_bytes())
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.into_owned())
+    /// The first value of query parameter `name`, percent-decoded (`+` is a space), as bytes.
+    pub fn query(&self, name: &str) -> Option<Vec<u8>> {
+        query_value(self.full_path()?, name.as_bytes())
     }
 
-    /// The client address: the downstream peer, or with `trusted_hops = N > 0` the address N hops
-    /// from the right of `x-forwarded-for`. When that header has fewer than N valid entries the
-    /// downstream peer is used: a client cannot escape its limit by leaving the header out.
-    pub fn client_ip(&self) -> Option<&str> {
+    /// The client address: the downstream peer, or with `trusted_hops = N > 0` the N-th entry from
+    /// the right of `x-forwarded-for`. When that entry is missing or is not an IP address, the
+    /// downstream peer is used: a client cannot escape its limit by leaving the header out or
+    /// sending garbage.
+    pub fn client_ip(&self) -> Option<&[u8]> {
         self.client_ip
             .get_or_init(|| {
                 if self.trusted_hops > 0 {
-                    let from_xff = self.view.header("x-forwarded-for").and_then(|xff| {
-                        let hop = xff.rsplit(',').nth(self.trusted_hops as usize - 1)?;
-                        hop.trim().parse::<IpAddr>().ok().map(|ip| ip.to_string())
-                    });
-                    if from_xff.is_some() {
-                        return from_xff;
+                    let xff = self.view.header("x-forwarded-for");
+                    if let Some(ip) = xff.and_then(|x| forwarded_hop(&x, self.trusted_hops)) {
+                        return Some(ip.to_string().into_bytes());
                     }
                 }
-                let mut peer = self.view.source_address()?;
-                // The common case, IPv4 `a.b.c.d:port` as the host writes it: cut, don't reformat.
-                if let Some((ip, port)) = peer.split_once(':') {
-                    let dotted =
-                        !ip.is_empty() && ip.bytes().all(|b| b.is_ascii_digit() || b == b'.');
-                    if dotted && port.parse::<u16>().is_ok() {
-                        peer.truncate(ip.len());
-                        return Some(peer);
-                    }
-                }
-                Some(match peer.parse::<SocketAddr>() {
-                    Ok(addr) => addr.ip().to_string(),
-                    Err(_) => peer,
-                })
+                Some(peer_ip(self.view.source_address()?))
             })
             .as_deref()
     }
@@ -114,103 +106,187 @@ impl<'a, V: RequestView> Request<'a, V> {
     pub fn matches(&self, m: &Match) -> bool {
         let path_ok = match &m.path {
             None => true,
-            Some(PathMatch::Exact(p)) => self.path() == Some(p.as_str()),
-            Some(PathMatch::Prefix(p)) => self.path().is_some_and(|x| x.starts_with(p.as_str())),
+            Some(PathMatch::Exact(p)) => self.path() == Some(p.as_bytes()),
+            Some(PathMatch::Prefix(p)) => self.path().is_some_and(|x| x.starts_with(p.as_bytes())),
         };
         path_ok
             && (m.methods.is_empty()
                 || self
                     .method()
-                    .is_some_and(|x| m.methods.iter().any(|w| w == x)))
-            && (m.hosts.is_empty() || self.host().is_some_and(|x| m.hosts.iter().any(|w| w == x)))
+                    .is_some_and(|x| m.methods.iter().any(|w| w.as_bytes() == x)))
+            && (m.hosts.is_empty()
+                || self
+                    .host()
+                    .is_some_and(|x| m.hosts.iter().any(|w| w.as_bytes() == x)))
             && m.headers
                 .iter()
-                .all(|(name, value)| self.view.header(name).as_deref() == Some(value.as_str()))
+                .all(|(name, value)| self.view.header(name).as_deref() == Some(value.as_bytes()))
     }
 
-    /// The rule's bucket key: each part's value tagged and length-prefixed, so that no two
-    /// different combinations of values (or of present and absent parts) give the same bytes.
-    /// `None` when a part is absent and the rule skips.
+    /// The rule's bucket key (see [`crate::key`]). `None` when a part is absent and the rule
+    /// skips such requests.
     pub fn key(&self, parts: &[KeyPart], missing: MissingKey) -> Option<KeyBytes> {
         let mut key = KeyBytes::new();
         for part in parts {
-            let value: Option<Cow<'_, str>> = match part {
-                KeyPart::ClientIp => self.client_ip().map(Into::into),
-                KeyPart::Path => self.path().map(Into::into),
-                KeyPart::Method => self.method().map(Into::into),
-                KeyPart::Host => self.host().map(Into::into),
-                KeyPart::Header(name) => self.view.header(name).map(Into::into),
-                KeyPart::Query(name) => self.query(name).map(Into::into),
+            let owned;
+            let value: Option<&[u8]> = match part {
+                KeyPart::ClientIp => self.client_ip(),
+                KeyPart::Path => self.path(),
+                KeyPart::Method => self.method(),
+                KeyPart::Host => self.host(),
+                KeyPart::Header(name) => {
+                    owned = self.view.header(name);
+                    owned.as_deref()
+                }
+                KeyPart::Query(name) => {
+                    owned = self.query(name);
+                    owned.as_deref()
+                }
             };
             if value.is_none() && missing == MissingKey::Skip {
                 return None;
             }
-            push_key_part(&mut key, value.as_deref());
+            push_key_part(&mut key, value);
         }
         Some(key)
     }
 }
 
-/// Key bytes from part values, as [`Request::key`] makes them (for override values).
-pub fn encode_key<'v>(values: impl Iterator<Item = Option<&'v str>>) -> Vec<u8> {
-    let mut key = KeyBytes::new();
-    for value in values {
-        push_key_part(&mut key, value);
-    }
-    key.into_vec()
+/// The `hops`-th entry from the right of an `x-forwarded-for` value, if it is an IP address.
+pub fn forwarded_hop(xff: &[u8], hops: u32) -> Option<IpAddr> {
+    let index = usize::try_from(hops).ok()?.checked_sub(1)?;
+    let hop = xff.rsplit(|&b| b == b',').nth(index)?;
+    std::str::from_utf8(hop.trim_ascii()).ok()?.parse().ok()
 }
 
-fn push_key_part(key: &mut KeyBytes, value: Option<&str>) {
-    match value {
-        Some(v) => {
-            key.push(1);
-            key.extend_from_slice(&(v.len() as u32).to_le_bytes());
-            key.extend_from_slice(v.as_bytes());
+/// The IP part of the peer address the host reports (`ip:port`, `[v6]:port`); anything else is
+/// kept as it is (still a distinct key per value).
+pub fn peer_ip(mut peer: Vec<u8>) -> Vec<u8> {
+    // The common case, IPv4 `a.b.c.d:port` as hosts write it: cut, don't reformat.
+    if let Some(colon) = peer.iter().position(|&b| b == b':') {
+        let (ip, port) = (&peer[..colon], &peer[colon + 1..]);
+        let dotted = !ip.is_empty() && ip.iter().all(|b| b.is_ascii_digit() || *b == b'.');
+        let port_ok = !port.is_empty() && port.len() <= 5 && port.iter().all(u8::is_ascii_digit);
+        if dotted && port_ok {
+            peer.truncate(colon);
+            return peer;
         }
-        None => key.push(0),
+    }
+    let parsed = std::str::from_utf8(&peer)
+        .ok()
+        .and_then(|s| s.parse::<SocketAddr>().ok());
+    match parsed {
+        Some(addr) => addr.ip().to_string().into_bytes(),
+        None => peer,
     }
 }
 
-/// A rule's bucket key for one request: on the stack for keys of usual length.
-pub type KeyBytes = SmallVec<[u8; 128]>;
-
-fn strip_port(authority: &str) -> &str {
-    if authority.starts_with('[') {
-        return authority
-            .find(']')
-            .map_or(authority, |end| &authority[..=end]);
+/// An authority without its port: `host:80` → `host`, `[::1]:80` → `[::1]`.
+pub fn strip_port(authority: &[u8]) -> &[u8] {
+    if authority.first() == Some(&b'[') {
+        return match authority.iter().position(|&b| b == b']') {
+            Some(end) => &authority[..=end],
+            None => authority,
+        };
     }
-    match authority.split_once(':') {
-        Some((host, port)) if !port.contains(':') => host,
+    let colons = authority.iter().filter(|&&b| b == b':').count();
+    match authority.iter().position(|&b| b == b':') {
+        Some(at) if colons == 1 => &authority[..at],
         _ => authority,
     }
+}
+
+/// The first value of query parameter `name` in `path` (`/p?a=1&b=2#f`), decoded.
+pub fn query_value(path: &[u8], name: &[u8]) -> Option<Vec<u8>> {
+    let start = path.iter().position(|&b| b == b'?')? + 1;
+    let query = &path[start..];
+    let query = &query[..query.iter().position(|&b| b == b'#').unwrap_or(query.len())];
+    query
+        .split(|&b| b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .find_map(|pair| {
+            let (k, v) = match pair.iter().position(|&b| b == b'=') {
+                Some(eq) => (&pair[..eq], &pair[eq + 1..]),
+                None => (pair, &pair[pair.len()..]),
+            };
+            (form_decode(k) == name).then(|| form_decode(v))
+        })
+}
+
+/// `application/x-www-form-urlencoded` decoding to bytes: `+` is a space, `%XX` a byte; a `%`
+/// not followed by two hex digits stays as it is.
+fn form_decode(input: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(input.len());
+    let mut i = 0;
+    while i < input.len() {
+        let b = input[i];
+        let hex = |j: usize| input.get(j).and_then(|&c| (c as char).to_digit(16));
+        match (b, hex(i + 1), hex(i + 2)) {
+            (b'%', Some(hi), Some(lo)) => {
+                // Two hex digits: at most 0xff.
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+                continue;
+            }
+            (b'+', ..) => out.push(b' '),
+            _ => out.push(b),
+        }
+        i += 1;
+    }
+    out
+}
+
+/// A request's cost from a header value: a whole number (ASCII digits, surrounding whitespace
+/// ignored) capped at `max` — a number too large for 64 bits is above any `max` — else `default`.
+pub fn header_cost(value: Option<&[u8]>, default: u64, max: u64) -> u64 {
+    let Some(digits) = value.map(<[u8]>::trim_ascii) else {
+        return default;
+    };
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return default;
+    }
+    let mut n: u64 = 0;
+    for &d in digits {
+        match n
+            .checked_mul(10)
+            .and_then(|n| n.checked_add(u64::from(d - b'0')))
+        {
+            Some(next) => n = next,
+            None => return max,
+        }
+    }
+    n.min(max)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::Config;
+    use proptest::prelude::*;
     use std::collections::HashMap;
 
     #[derive(Default)]
     struct Fake {
-        headers: HashMap<&'static str, &'static str>,
-        peer: Option<&'static str>,
+        headers: HashMap<&'static str, Vec<u8>>,
+        peer: Option<Vec<u8>>,
     }
 
     impl RequestView for Fake {
-        fn header(&self, name: &str) -> Option<String> {
-            self.headers.get(name).map(|v| v.to_string())
+        fn header(&self, name: &str) -> Option<Vec<u8>> {
+            self.headers.get(name).cloned()
         }
-        fn source_address(&self) -> Option<String> {
-            self.peer.map(str::to_string)
+        fn source_address(&self) -> Option<Vec<u8>> {
+            self.peer.clone()
         }
     }
 
-    fn fake(headers: &[(&'static str, &'static str)], peer: &'static str) -> Fake {
+    fn fake(headers: &[(&'static str, &str)], peer: &str) -> Fake {
         Fake {
-            headers: headers.iter().copied().collect(),
-            peer: Some(peer),
+            headers: headers
+                .iter()
+                .map(|(n, v)| (*n, v.as_bytes().to_vec()))
+                .collect(),
+            peer: Some(peer.as_bytes().to_vec()),
         }
     }
 
@@ -218,38 +294,91 @@ mod tests {
     fn path_host_query_and_method() {
         let f = fake(
             &[
-                (":path", "/api/v1/items?page=2&q=a%20b&page=3#frag"),
+                (":path", "/api/v1/items?page=2&q=a%20b+c&page=3#frag"),
                 (":authority", "API.Example.com:8443"),
                 (":method", "GET"),
             ],
             "10.0.0.1:5555",
         );
         let r = Request::new(&f, 0);
-        assert_eq!(r.path(), Some("/api/v1/items"));
-        assert_eq!(r.host(), Some("api.example.com"));
-        assert_eq!(r.query("page").as_deref(), Some("2"));
-        assert_eq!(r.query("q").as_deref(), Some("a b"));
+        assert_eq!(r.path(), Some(&b"/api/v1/items"[..]));
+        assert_eq!(r.host(), Some(&b"api.example.com"[..]));
+        assert_eq!(r.query("page").as_deref(), Some(&b"2"[..]));
+        assert_eq!(r.query("q").as_deref(), Some(&b"a b c"[..]));
         assert_eq!(r.query("none"), None);
-        assert_eq!(r.method(), Some("GET"));
-        assert_eq!(strip_port("[::1]:80"), "[::1]");
-        assert_eq!(strip_port("[::1]"), "[::1]");
-        assert_eq!(strip_port("h"), "h");
+        assert_eq!(r.method(), Some(&b"GET"[..]));
+        assert_eq!(strip_port(b"[::1]:80"), b"[::1]");
+        assert_eq!(strip_port(b"[::1]"), b"[::1]");
+        assert_eq!(strip_port(b"h"), b"h");
+        assert_eq!(strip_port(b"::1"), b"::1");
+        assert_eq!(
+            query_value(b"/?a=%ff%fe&b", b"a").as_deref(),
+            Some(&[0xff, 0xfe][..])
+        );
+        assert_eq!(
+            query_value(b"/?a=%zz%4", b"a").as_deref(),
+            Some(&b"%zz%4"[..])
+        );
+        assert_eq!(query_value(b"/?b&a", b"b").as_deref(), Some(&b""[..]));
+    }
+
+    #[test]
+    fn the_host_header_serves_when_the_view_says_so() {
+        struct NginxLike(Fake);
+        impl RequestView for NginxLike {
+            fn header(&self, name: &str) -> Option<Vec<u8>> {
+                self.0.header(name)
+            }
+            fn source_address(&self) -> Option<Vec<u8>> {
+                None
+            }
+            fn authority(&self) -> Option<Vec<u8>> {
+                self.header("host").or_else(|| self.header(":authority"))
+            }
+        }
+        let f = NginxLike(fake(
+            &[(":authority", "server_name"), ("host", "Real.Example:81")],
+            "x",
+        ));
+        assert_eq!(Request::new(&f, 0).host(), Some(&b"real.example"[..]));
     }
 
     #[test]
     fn client_ip_with_and_without_trusted_hops() {
         let xff = [("x-forwarded-for", "1.1.1.1, 2.2.2.2,3.3.3.3")];
         let f = fake(&xff, "127.0.0.1:4000");
-        assert_eq!(Request::new(&f, 0).client_ip(), Some("127.0.0.1"));
-        assert_eq!(Request::new(&f, 1).client_ip(), Some("3.3.3.3"));
-        assert_eq!(Request::new(&f, 2).client_ip(), Some("2.2.2.2"));
-        assert_eq!(Request::new(&f, 3).client_ip(), Some("1.1.1.1"));
+        let ip = |f: &Fake, hops| Request::new(f, hops).client_ip().map(<[u8]>::to_vec);
+        assert_eq!(ip(&f, 0).as_deref(), Some(&b"127.0.0.1"[..]));
+        assert_eq!(ip(&f, 1).as_deref(), Some(&b"3.3.3.3"[..]));
+        assert_eq!(ip(&f, 2).as_deref(), Some(&b"2.2.2.2"[..]));
+        assert_eq!(ip(&f, 3).as_deref(), Some(&b"1.1.1.1"[..]));
         // Fewer hops than trusted, or garbage: the peer address.
-        assert_eq!(Request::new(&f, 4).client_ip(), Some("127.0.0.1"));
+        assert_eq!(ip(&f, 4).as_deref(), Some(&b"127.0.0.1"[..]));
         let junk = fake(&[("x-forwarded-for", "not-an-ip")], "[::1]:9");
-        assert_eq!(Request::new(&junk, 1).client_ip(), Some("::1"));
+        assert_eq!(ip(&junk, 1).as_deref(), Some(&b"::1"[..]));
         let none = fake(&[], "127.0.0.1:1");
-        assert_eq!(Request::new(&none, 1).client_ip(), Some("127.0.0.1"));
+        assert_eq!(ip(&none, 1).as_deref(), Some(&b"127.0.0.1"[..]));
+        let mut bytes = fake(&[], "10.0.0.9:1");
+        bytes
+            .headers
+            .insert("x-forwarded-for", b"1.2.3.4, \xff\xfe".to_vec());
+        assert_eq!(ip(&bytes, 1).as_deref(), Some(&b"10.0.0.9"[..]));
+        assert_eq!(ip(&bytes, 2).as_deref(), Some(&b"1.2.3.4"[..]));
+        // A peer the host writes some other way is still one key per value.
+        assert_eq!(peer_ip(b"unix:/tmp/s".to_vec()), b"unix:/tmp/s");
+        assert_eq!(peer_ip(b"1.2.3.4:99999999".to_vec()), b"1.2.3.4:99999999");
+    }
+
+    #[test]
+    fn costs_from_header_bytes() {
+        assert_eq!(header_cost(None, 1, 10), 1);
+        assert_eq!(header_cost(Some(b" 7 "), 1, 10), 7);
+        assert_eq!(header_cost(Some(b"70"), 1, 10), 10);
+        assert_eq!(header_cost(Some(b"99999999999999999999999"), 1, 10), 10);
+        assert_eq!(header_cost(Some(b"18446744073709551615"), 1, 10), 10);
+        assert_eq!(header_cost(Some(b"-3"), 1, 10), 1);
+        assert_eq!(header_cost(Some(b"\xff3"), 2, 10), 2);
+        assert_eq!(header_cost(Some(b""), 2, 10), 2);
     }
 
     fn rule_of(json: &str) -> crate::config::Rule {
@@ -290,6 +419,9 @@ mod tests {
                 "{bad:?}"
             );
         }
+        let mut binary = fake(&base, "1.1.1.1:1");
+        binary.headers.insert("x-tier", b"fr\xe9e".to_vec());
+        assert!(!Request::new(&binary, 0).matches(&m));
         let exact = rule_of(r#""match":{"path":"/login"}"#).matcher;
         assert!(Request::new(&fake(&[(":path", "/login?next=/")], "x"), 0).matches(&exact));
         assert!(!Request::new(&fake(&[(":path", "/login/x")], "x"), 0).matches(&exact));
@@ -300,7 +432,7 @@ mod tests {
     fn keys_are_unambiguous_and_missing_parts_follow_the_rule() {
         let skip = rule_of(r#""key":["header:x-a","header:x-b"]"#);
         let limit = rule_of(r#""key":["header:x-a","header:x-b"],"missing_key":"limit""#);
-        let k = |h: &[(&'static str, &'static str)], r: &crate::config::Rule| {
+        let k = |h: &[(&'static str, &str)], r: &crate::config::Rule| {
             Request::new(&fake(h, "1.1.1.1:1"), 0).key(&r.key, r.missing_key)
         };
         assert_ne!(
@@ -315,5 +447,50 @@ mod tests {
         );
         let whole = rule_of(r#""match":{"path":"/"}"#);
         assert_eq!(k(&[], &whole), Some(KeyBytes::new()));
+    }
+
+    fn any_bytes() -> impl Strategy<Value = Vec<u8>> {
+        proptest::collection::vec(any::<u8>(), 0..48)
+    }
+
+    proptest! {
+        /// Whatever bytes a client sends in any header the filter reads, deriving a request's
+        /// values neither panics nor loses the distinction between different values.
+        #[test]
+        fn arbitrary_header_bytes_are_handled(
+            path in any_bytes(), authority in any_bytes(), xff in any_bytes(),
+            user in any_bytes(), other in any_bytes(), peer in any_bytes(), hops in 0u32..4,
+        ) {
+            let f = Fake {
+                headers: [(":path", path.clone()), (":authority", authority), ("x-forwarded-for", xff),
+                          ("x-user", user.clone()), (":method", other.clone())].into_iter().collect(),
+                peer: Some(peer),
+            };
+            let r = Request::new(&f, hops);
+            let _ = (r.path(), r.host(), r.method(), r.client_ip(), r.query("q"));
+            let parts = [KeyPart::Header("x-user".into()), KeyPart::ClientIp, KeyPart::Host,
+                         KeyPart::Query("q".into()), KeyPart::Path, KeyPart::Method];
+            let key = r.key(&parts, MissingKey::Limit);
+            prop_assert!(key.is_some());
+            let _ = r.matches(&rule_of(r#""match":{"path_prefix":"/a","hosts":["h"],"headers":{"x-user":"u"}}"#).matcher);
+            // Another user value gives another key.
+            let mut g = Fake { headers: f.headers.clone(), peer: f.peer.clone() };
+            let mut changed = user.clone();
+            changed.push(0);
+            g.headers.insert("x-user", changed);
+            prop_assert_ne!(Request::new(&g, hops).key(&parts, MissingKey::Limit), key);
+            let _ = header_cost(Some(&other), 1, 100);
+        }
+
+        #[test]
+        fn header_costs_are_capped_or_default(value in any_bytes(), max in 1u64..1000) {
+            let cost = header_cost(Some(&value), 1, max);
+            prop_assert!(cost <= max);
+        }
+
+        #[test]
+        fn query_decoding_never_panics(path in any_bytes(), name in any_bytes()) {
+            let _ = query_value(&path, &name);
+        }
     }
 }

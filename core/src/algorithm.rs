@@ -6,39 +6,9 @@ use crate::concurrency::Concurrency;
 use crate::fixed_window::FixedWindow;
 use crate::leaky_bucket::LeakyBucket;
 use crate::sliding_window::SlidingWindow;
+use crate::state::{read_u128, write_u128, Decision, State};
 use crate::token_bucket::TokenBucket;
 use crate::warm_up::WarmUp;
-
-/// Bytes of algorithm state in a slot. All zeros is a fresh key.
-pub const STATE_BYTES: usize = 24;
-
-/// One slot's algorithm state.
-pub type State = [u8; STATE_BYTES];
-
-/// What an algorithm decided for one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
-    Allow {
-        state: State,
-        /// Requests of cost 1 that would still be admitted right now.
-        remaining: u64,
-        /// Nanoseconds until the quota is fully back.
-        reset_ns: u64,
-        /// Nanoseconds to hold the request before passing it on (leaky bucket only).
-        delay_ns: u64,
-    },
-    Deny {
-        /// Nanoseconds until this request would be admitted (`u64::MAX`: only by a release).
-        retry_after_ns: u64,
-        remaining: u64,
-        reset_ns: u64,
-    },
-    /// No decision possible yet: quota is on its way (global rules). With `claim`, write it: this
-    /// request asks for the refill.
-    Wait { claim: Option<State> },
-    /// The source of quota failed (global rules): the rule's failure mode decides.
-    Fallback,
-}
 
 /// A rule's limit: which algorithm, with its parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -108,47 +78,5 @@ impl Limit {
     /// True if an admitted request holds its quota until it ends (`Concurrency`).
     pub fn is_held(&self) -> bool {
         matches!(self, Self::Concurrency(_))
-    }
-}
-
-pub(crate) fn read_u64(s: &State, at: usize) -> u64 {
-    let mut b = [0; 8];
-    b.copy_from_slice(&s[at..at + 8]);
-    u64::from_le_bytes(b)
-}
-
-pub(crate) fn write_u64(s: &mut State, at: usize, v: u64) {
-    s[at..at + 8].copy_from_slice(&v.to_le_bytes());
-}
-
-pub(crate) fn read_u128(s: &State, at: usize) -> u128 {
-    let mut b = [0; 16];
-    b.copy_from_slice(&s[at..at + 16]);
-    u128::from_le_bytes(b)
-}
-
-pub(crate) fn write_u128(s: &mut State, at: usize, v: u128) {
-    s[at..at + 16].copy_from_slice(&v.to_le_bytes());
-}
-
-/// `num / den` rounded up, saturated to u64.
-pub(crate) fn div_ceil_u64(num: u128, den: u128) -> u64 {
-    u64::try_from(num.div_ceil(den.max(1))).unwrap_or(u64::MAX)
-}
-
-/// `num / den` rounded down, saturated to u64.
-pub(crate) fn div_u64(num: u128, den: u128) -> u64 {
-    u64::try_from(num / den.max(1)).unwrap_or(u64::MAX)
-}
-
-/// Tests: decide one request and keep the new state if admitted.
-#[cfg(test)]
-pub(crate) fn apply(limit: Limit, state: &mut State, now_ns: u64, cost: u64) -> bool {
-    match limit.decide(state, now_ns, cost) {
-        Decision::Allow { state: next, .. } => {
-            *state = next;
-            true
-        }
-        _ => false,
     }
 }

@@ -5,7 +5,7 @@
 //! (`EXHAUSTED`), or failed (`FAILED`). Refills themselves are the filter's business: this module
 //! only decides, claims and applies grants.
 
-use crate::algorithm::{read_u64, write_u64, Decision, State, STATE_BYTES};
+use crate::state::{read_u64, write_u64, Decision, State, STATE_BYTES};
 
 /// The service granted nothing: refuse until the mark expires.
 pub const EXHAUSTED: u64 = 1 << 63;

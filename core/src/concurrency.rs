@@ -3,7 +3,7 @@
 //! State: the in-flight count. Releases go through the same CAS as admissions, so the count never
 //! drifts under contention.
 
-use crate::algorithm::{read_u64, write_u64, Decision, State};
+use crate::state::{read_u64, write_u64, Decision, State};
 
 /// What a refused request is told to wait: the time a release takes is unknowable.
 pub const RETRY_AFTER_NS: u64 = 1_000_000_000;
@@ -61,7 +61,7 @@ impl Concurrency {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::STATE_BYTES;
+    use crate::state::STATE_BYTES;
 
     #[test]
     fn admits_up_to_the_limit_and_releases() {

@@ -14,11 +14,12 @@ pub mod limiter;
 pub mod sliding_window;
 pub mod slot;
 pub mod stash;
+pub mod state;
 pub mod store;
 pub mod token_bucket;
 pub mod warm_up;
 
-pub use algorithm::{Decision, Limit};
+pub use algorithm::Limit;
 pub use allowance::LeaseAllowance;
 pub use concurrency::Concurrency;
 pub use fixed_window::FixedWindow;
@@ -30,6 +31,7 @@ pub use limiter::{
 pub use sliding_window::SlidingWindow;
 pub use slot::{SlotId, SlotTable};
 pub use stash::{Leftover, Lookup, StashTable};
+pub use state::{Decision, State};
 pub use store::{CasStore, MemoryStore, StoreError};
 pub use token_bucket::TokenBucket;
 pub use warm_up::WarmUp;

@@ -4,8 +4,9 @@
 //! (a 429 storm costs reads only). Phase two writes each decision with CAS; a lost race re-reads and
 //! re-decides, and a refusal found then gives back what earlier rules already took.
 
-use crate::algorithm::{Decision, Limit};
+use crate::algorithm::Limit;
 use crate::slot::{Group, Slot, SlotId, SlotTable, StoreKey};
+use crate::state::Decision;
 use crate::store::{CasStore, StoreError};
 use smallvec::SmallVec;
 
@@ -111,7 +112,7 @@ struct Plan {
     index: usize,
     owner: u64,
     /// The slot's state as read.
-    before: crate::algorithm::State,
+    before: crate::state::State,
     write: Option<(Group, u32)>,
 }
 
@@ -156,7 +157,7 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
                 },
                 index: 0,
                 owner: 0,
-                before: [0; crate::algorithm::STATE_BYTES],
+                before: [0; crate::state::STATE_BYTES],
                 write: None,
             }
         }
@@ -239,10 +240,10 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
 /// after taking them too.
 fn stash_take(
     check: &Check,
-    before: &crate::algorithm::State,
+    before: &crate::state::State,
     remaining: u64,
     now_ns: u64,
-) -> Option<(crate::algorithm::State, u64)> {
+) -> Option<(crate::state::State, u64)> {
     if !matches!(check.limit, Limit::TokenBucket(_) | Limit::Lease(_)) {
         return None;
     }

@@ -2,8 +2,8 @@
 //!
 //! State: window index + 1, current count, previous count. O(1), and no 2× burst at window edges.
 
-use crate::algorithm::{div_ceil_u64, read_u64, write_u64, Decision, State, STATE_BYTES};
 use crate::fixed_window::whole;
+use crate::state::{div_ceil_u64, read_u64, write_u64, Decision, State, STATE_BYTES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlidingWindow {
@@ -115,7 +115,7 @@ mod tests {
     const SEC: u64 = 1_000_000_000;
 
     fn run(w: &SlidingWindow, state: &mut State, now: u64, cost: u64) -> bool {
-        crate::algorithm::apply(crate::Limit::SlidingWindow(*w), state, now, cost)
+        crate::state::apply(w.decide(state, now, cost), state)
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! once at start-up, which also gives every later write a real CAS (hosts such as Envoy have no
 //! atomic create-if-absent).
 
-use crate::algorithm::{State, STATE_BYTES};
+use crate::state::{State, STATE_BYTES};
 use crate::store::{CasStore, StoreError};
 use smallvec::SmallVec;
 use xxhash_rust::xxh3::xxh3_128_with_seed;

@@ -3,7 +3,7 @@
 //! Time is scaled by `requests` so that the emission interval `period / requests` is an exact
 //! integer (`period_ns` in scaled units): no rounding drift, whatever the rate.
 
-use crate::algorithm::{read_u128, write_u128, Decision, State, STATE_BYTES};
+use crate::state::{read_u128, write_u128, Decision, State, STATE_BYTES};
 
 /// A token bucket of capacity `burst`, refilled with `requests` tokens per `period_ns`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

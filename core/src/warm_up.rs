@@ -5,7 +5,7 @@
 //! cold (all permits stored), as after a long idle time. Requests are never queued: one is admitted
 //! when the next free time has come, and pays for its permits forward.
 
-use crate::algorithm::{read_u64, write_u64, Decision, State, STATE_BYTES};
+use crate::state::{read_u64, write_u64, Decision, State, STATE_BYTES};
 
 const COLD_FACTOR: f64 = 3.0;
 

@@ -73,6 +73,9 @@ pub struct Options {
     pub quota_port: Option<u16>,
     /// Another build of the module than `make test`'s (e.g. [`probe_wasm_path`]).
     pub module: Option<PathBuf>,
+    /// A second listener ("second", [`Envoy::port2`]) whose tollgate filter has this
+    /// configuration, in the same `vm_id` as the first (static listeners only).
+    pub second_plugin: Option<Value>,
 }
 
 impl Default for Options {
@@ -85,6 +88,7 @@ impl Default for Options {
             debug_log: false,
             quota_port: None,
             module: None,
+            second_plugin: None,
         }
     }
 }
@@ -103,9 +107,13 @@ pub fn fault_filter() -> Value {
     })
 }
 
-/// The one listener: tollgate, then `opts.filters_after`, then the router, which answers 200
+/// The main listener: tollgate, then `opts.filters_after`, then the router, which answers 200
 /// itself except on `/dead` (a cluster whose only endpoint refuses connections).
 pub fn listener(plugin: &Value, opts: &Options) -> Value {
+    named_listener("main", plugin, opts)
+}
+
+fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
     let mut filters = vec![json!({
         "name": "envoy.filters.http.wasm",
         "typed_config": {
@@ -135,9 +143,10 @@ pub fn listener(plugin: &Value, opts: &Options) -> Value {
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
     }));
+    let port = if name == "main" { opts.port } else { 0 };
     json!({
-        "name": "main",
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": opts.port}},
+        "name": name,
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
         "filter_chains": [{"filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
@@ -204,7 +213,11 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
             }
         }});
     } else {
-        boot["static_resources"]["listeners"] = json!([listener(plugin, opts)]);
+        let mut listeners = vec![listener(plugin, opts)];
+        if let Some(second) = &opts.second_plugin {
+            listeners.push(named_listener("second", second, opts));
+        }
+        boot["static_resources"]["listeners"] = json!(listeners);
     }
     boot
 }
@@ -224,6 +237,8 @@ pub struct Envoy {
     dir: PathBuf,
     pub admin: String,
     pub port: u16,
+    /// The second listener's port ([`Options::second_plugin`]), else 0.
+    pub port2: u16,
 }
 
 /// How an Envoy that was meant to refuse its configuration ended.
@@ -277,6 +292,7 @@ impl Envoy {
             dir,
             admin: String::new(),
             port: 0,
+            port2: 0,
         };
         envoy.wait_ready();
         envoy
@@ -331,10 +347,18 @@ impl Envoy {
         }
         let listeners: Value =
             serde_json::from_str(&self.admin_get("/listeners?format=json")).unwrap();
-        self.port = listeners["listener_statuses"][0]["local_address"]["socket_address"]
-            ["port_value"]
-            .as_u64()
-            .expect("listener port") as u16;
+        let port_of = |name: &str| {
+            listeners["listener_statuses"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|l| l["name"] == name)
+                .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
+                .map_or(0, |p| p as u16)
+        };
+        self.port = port_of("main");
+        self.port2 = port_of("second");
+        assert_ne!(self.port, 0, "listener port");
     }
 
     /// Serve a new plugin configuration (the Envoy must have been started with `opts.lds`, and
@@ -423,6 +447,11 @@ impl Envoy {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    /// A URL on the second listener.
+    pub fn url2(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port2, path)
     }
 
     pub fn admin_get(&self, path: &str) -> String {
@@ -609,6 +638,39 @@ impl Client {
     pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
         self.send("GET", url, headers)
     }
+}
+
+/// Send raw bytes as a request on a new connection (no HTTP library in between, so any byte
+/// goes) and return the response's status once the whole response has arrived, or `None` if
+/// the connection closed without one.
+pub fn raw_status(port: u16, request: &[u8]) -> Option<u16> {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream.write_all(request).unwrap();
+    let mut response = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&response).to_ascii_lowercase();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if response.len() >= end + 4 + length {
+                break;
+            }
+        }
+        match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => response.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let line = response.split(|&b| b == b'\r').next()?;
+    std::str::from_utf8(line.get(9..12)?).ok()?.parse().ok()
 }
 
 /// Send `n` GETs on one connection and count the statuses.

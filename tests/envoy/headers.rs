@@ -177,20 +177,25 @@ fn metrics_are_exposed_per_rule_in_prometheus_format() {
 
 #[test]
 fn logs_a_summary_per_load_and_a_debug_line_per_decision() {
-    let envoy = Envoy::start_with(
-        &json!({"rules": [
-            {"name": "a", "algorithm": "sliding_window", "limit": {"requests": 5, "per": "1m"}},
-            {"name": "b", "algorithm": "concurrency", "limit": {"concurrent": 2}, "dry_run": true}
-        ]}),
-        &Options {
-            debug_log: true,
-            ..Options::default()
-        },
-    );
-    assert!(envoy.log_shows(
-        "configuration loaded: 2 rule(s): a (sliding_window 5 per 1m, 10000 slots); \
+    let rules = json!([
+        {"name": "a", "algorithm": "sliding_window", "limit": {"requests": 5, "per": "1m"}},
+        {"name": "b", "algorithm": "concurrency", "limit": {"concurrent": 2}, "dry_run": true}
+    ]);
+    let opts = Options {
+        debug_log: true,
+        ..Options::default()
+    };
+    // At the default level, no decision lines even when the host logs debug.
+    let quiet = Envoy::start_with(&json!({"rules": rules}), &opts);
+    assert!(quiet.log_shows(
+        "configuration loaded on Envoy: 2 rule(s): a (sliding_window 5 per 1m, 10000 slots); \
          b (concurrency 2 in flight, 10000 slots, dry run)"
     ));
+    statuses(&quiet.url("/"), &[], 1);
+    assert_eq!(quiet.counter("a", "allowed"), 1);
+    assert!(!quiet.log().contains("rule a key "));
+    drop(quiet);
+    let envoy = Envoy::start_with(&json!({"rules": rules, "log_level": "debug"}), &opts);
     statuses(&envoy.url("/"), &[], 1);
     assert!(envoy.log_shows("rule a key "));
     assert!(envoy.log_shows("Allowed { remaining: 4"));

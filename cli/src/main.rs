@@ -1,0 +1,103 @@
+//! `tollgate check CONFIG.json`: validate a plugin configuration with the filter's own code, as
+//! it would be when the proxy loads it — before it is deployed (`nginx -t` never runs the filter,
+//! and Envoy only refuses a bad configuration once it is pushed).
+
+use clap::{Parser, Subcommand, ValueEnum};
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use tollgate::config::{Config, HostCaps};
+
+/// Shared data nginx (ngx_wasm_module) needs per slot: 123–131 bytes measured (docs/nginx.md),
+/// with room to spare.
+const NGINX_BYTES_PER_SLOT: u64 = 136;
+/// Room in an nginx `shm_kv` zone for tollgate's own few keys and the zone's bookkeeping.
+const NGINX_ZONE_MARGIN: u64 = 64 * 1024;
+/// The smallest zone nginx accepts.
+const NGINX_MIN_ZONE: u64 = 15 * 1024;
+
+#[derive(Parser)]
+#[command(name = "tollgate", version, about = "tollgate's command line")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a plugin configuration: print a summary and exit 0 if the filter would load it,
+    /// else print the field that is wrong and why, and exit 1.
+    Check {
+        /// The configuration as JSON; `-` reads it from standard input.
+        config: PathBuf,
+        /// Also refuse what this proxy cannot do (without it: a warning for each host that
+        /// would refuse the configuration).
+        #[arg(long, value_enum)]
+        host: Option<Host>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Host {
+    Envoy,
+    Nginx,
+}
+
+impl Host {
+    fn caps(self) -> HostCaps {
+        match self {
+            Self::Envoy => HostCaps::ENVOY,
+            Self::Nginx => HostCaps::NGINX,
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let Command::Check { config, host } = Cli::parse().command;
+    let name = config.display().to_string();
+    let bytes = match read(&config) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            eprintln!("{name}: cannot read: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let parsed = match Config::parse(&bytes) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(host) = host {
+        if let Err(e) = parsed.check_host(&host.caps()) {
+            eprintln!("{name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    println!("{name}: ok: {}", parsed.summary());
+    let slots = parsed.slots();
+    let zone = (slots * NGINX_BYTES_PER_SLOT + NGINX_ZONE_MARGIN).max(NGINX_MIN_ZONE);
+    println!(
+        "shared data: {slots} slots; on nginx: shm_kv * {}k eviction=none; (or larger)",
+        zone.div_ceil(1024)
+    );
+    if host.is_none() {
+        for caps in [HostCaps::ENVOY, HostCaps::NGINX] {
+            if let Err(e) = parsed.check_host(&caps) {
+                println!("warning: {} would refuse it: {e}", caps.name);
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn read(path: &PathBuf) -> std::io::Result<Vec<u8>> {
+    if path.as_os_str() == "-" {
+        let mut bytes = Vec::new();
+        std::io::stdin().read_to_end(&mut bytes)?;
+        Ok(bytes)
+    } else {
+        std::fs::read(path)
+    }
+}

@@ -1,0 +1,92 @@
+//! `tollgate check` as a user runs it: the binary, a file or standard input, exit codes.
+
+// Test code: a failed expectation is meant to panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+fn check(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("check")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+const HELD: &str = r#"{"rules":[{"name":"slow","algorithm":"leaky_bucket","limit":{"requests":10,"per":"1s"},"burst":5}]}"#;
+
+#[test]
+fn a_valid_configuration_is_summarised_with_its_shared_data() {
+    let dir = std::env::temp_dir().join(format!("tollgate-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("ok.json");
+    std::fs::write(
+        &file,
+        r#"{"rules":[{"name":"per-ip","key":["client_ip"],"limit":{"requests":100,"per":"1m"},"max_keys":1000}]}"#,
+    )
+    .unwrap();
+    let out = check(&[file.to_str().unwrap()], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("ok: 1 rule(s): per-ip (token_bucket 100 per 1m, burst 100, 1000 slots)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("shared data: 1000 slots"), "{stdout}");
+    assert!(stdout.contains("shm_kv * 197k eviction=none"), "{stdout}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn an_invalid_configuration_names_the_field_and_exits_1() {
+    let out = check(
+        &["-"],
+        Some(r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"5x"}}]}"#),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.starts_with("-: rules[0].limit.per: invalid duration \"5x\""),
+        "{stderr}"
+    );
+    assert!(text(&out.stdout).is_empty());
+}
+
+#[test]
+fn a_host_that_cannot_hold_requests_refuses_delays() {
+    let out = check(&["--host", "nginx", "-"], Some(HELD));
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("rules[0].delay: nginx (ngx_wasm_module) cannot resume a held request"),
+        "{stderr}"
+    );
+    let out = check(&["--host", "envoy", "-"], Some(HELD));
+    assert!(out.status.success());
+    // Without --host: accepted, with a warning for the host that would refuse it.
+    let out = check(&["-"], Some(HELD));
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("warning: nginx (ngx_wasm_module) would refuse it"));
+    let nodelay = HELD.replace(r#""burst":5"#, r#""burst":5,"delay":"nodelay""#);
+    let out = check(&["--host", "nginx", "-"], Some(&nodelay));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_missing_file_is_a_usage_error() {
+    let out = check(&["/nonexistent/tollgate.json"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("cannot read"));
+}

@@ -1,0 +1,244 @@
+//! An HTTP context: one request. It gathers the request's inputs through the host layer, asks
+//! the engine, and carries out the answer: go on, a rejection, a hold, a wait, or a call of its
+//! own; at the end of the stream it gives back what the request held.
+
+use crate::abi::{ACTION_CONTINUE, ACTION_PAUSE};
+use crate::callbacks;
+use crate::engine::{Holds, Inputs, QuotaReport, Step, Strict};
+use crate::host::{self, HostRequest, SharedData};
+use crate::plugin::Plugin;
+use crate::queues::Waiting;
+use crate::request::Request;
+use crate::stats::ProcessStat;
+use crate::{quota_client, respond};
+use log::{debug, warn};
+use std::rc::Rc;
+use tollgate_core::lease::LeaseRequest;
+
+pub struct Http {
+    id: u32,
+    plugin: Option<Rc<Plugin>>,
+    /// The quota to describe in the upstream's response headers.
+    report: Option<QuotaReport>,
+    /// Quota held until the stream ends (concurrency rules).
+    holds: Holds,
+    /// Set while the request is held by a leaky bucket.
+    held_until: Option<u64>,
+    /// The call this request waits for, with its checks.
+    own_call: Option<(u32, Strict)>,
+    ended: bool,
+}
+
+impl Http {
+    pub fn new(id: u32, plugin: Option<Rc<Plugin>>) -> Self {
+        Self {
+            id,
+            plugin,
+            report: None,
+            holds: Holds::new(),
+            held_until: None,
+            own_call: None,
+            ended: false,
+        }
+    }
+
+    pub fn on_request_headers(&mut self) -> u32 {
+        #[cfg(feature = "probe")]
+        let _t = crate::probe::start("request");
+        // What a timer adds of its own: subtracted by the benchmark report.
+        #[cfg(feature = "probe")]
+        drop(crate::probe::start("timer"));
+        let Some(plugin) = self.plugin.clone() else {
+            return ACTION_CONTINUE;
+        };
+        let view = HostRequest { caps: plugin.caps };
+        let trusted_hops = plugin.engine.borrow().config().trusted_hops;
+        let mut inputs = Inputs::new();
+        let blocked = plugin
+            .engine
+            .borrow_mut()
+            .gather(&Request::new(&view, trusted_hops), &mut inputs);
+        if let Some(rejection) = blocked {
+            respond::reject(&plugin, &rejection);
+            return ACTION_PAUSE;
+        }
+        if inputs.is_empty() {
+            return ACTION_CONTINUE;
+        }
+        let Some(now) = host::now_ns() else {
+            warn!("the host gave no usable time; request not limited");
+            return ACTION_CONTINUE;
+        };
+        if plugin.engine.borrow().is_strict(&inputs) {
+            let strict = plugin.engine.borrow().split(inputs);
+            return self.call_own(&plugin, strict, now);
+        }
+        #[cfg(feature = "probe")]
+        let evaluating = crate::probe::start("evaluate");
+        let step = plugin
+            .engine
+            .borrow_mut()
+            .evaluate(&SharedData, &mut inputs, now, false);
+        #[cfg(feature = "probe")]
+        drop(evaluating);
+        if step == Step::Wait {
+            return self.wait(&plugin, inputs, now);
+        }
+        self.carry_out(&plugin, step, now, false)
+    }
+
+    /// Some global rule has no quota yet. Where the host can resume the request from the timer,
+    /// it waits in the plugin's list, decided again on every tick; elsewhere it asks the quota
+    /// service for its own tokens, so that the answer comes back to this context.
+    fn wait(&mut self, plugin: &Plugin, inputs: Inputs, now: u64) -> u32 {
+        plugin.engine.borrow_mut().waits(&inputs);
+        if !plugin.caps.resume_from_timer {
+            let strict = plugin.engine.borrow().split(inputs);
+            return self.call_own(plugin, strict, now);
+        }
+        let timeout_ms = plugin
+            .engine
+            .borrow()
+            .config()
+            .quota_service
+            .as_ref()
+            .map_or(200, |q| q.timeout_ms);
+        plugin.queues.borrow_mut().wait(Waiting {
+            context_id: self.id,
+            deadline_ms: now / 1_000_000 + timeout_ms,
+            inputs,
+        });
+        plugin.add(ProcessStat::QuotaWaiting, 1);
+        ACTION_PAUSE
+    }
+
+    /// Ask the quota service for this request's global checks; the request waits for the answer.
+    fn call_own(&mut self, plugin: &Plugin, strict: Strict, now: u64) -> u32 {
+        let request = LeaseRequest {
+            instance: plugin.instance.clone(),
+            items: plugin.engine.borrow().strict_items(&strict),
+        };
+        match quota_client::call(plugin, self.id, &request) {
+            Some(token) => {
+                self.own_call = Some((token, strict));
+                ACTION_PAUSE
+            }
+            None => {
+                let step = plugin
+                    .engine
+                    .borrow_mut()
+                    .finish_strict(&SharedData, strict, None, now);
+                self.carry_out(plugin, step, now, false)
+            }
+        }
+    }
+
+    /// The answer to this request's own call.
+    pub fn on_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let ours = self.own_call.as_ref().is_some_and(|(t, _)| *t == token);
+        let (Some(plugin), true) = (self.plugin.clone(), ours) else {
+            return;
+        };
+        let Some((_, strict)) = self.own_call.take() else {
+            return;
+        };
+        let answer = quota_client::answer(num_headers, body_size, strict.globals.len());
+        let now = host::now_ns().unwrap_or(0);
+        let step =
+            plugin
+                .engine
+                .borrow_mut()
+                .finish_strict(&SharedData, strict, answer.as_ref(), now);
+        if step == Step::Wait {
+            // The remaining checks hold no leased allowance: nothing to wait for.
+            let _ = host::continue_request();
+            return;
+        }
+        self.carry_out(&plugin, step, now, true);
+    }
+
+    /// Admit (with its headers, holds and any leaky-bucket hold) or reject the request; resume
+    /// it if it was `paused` and may go on.
+    fn carry_out(&mut self, plugin: &Plugin, step: Step, now: u64, paused: bool) -> u32 {
+        match step {
+            Step::Admit(a) => {
+                self.report = a.report;
+                self.holds.extend(a.holds);
+                // The configuration was checked against the host: only hosts that can resume
+                // from the timer get delays.
+                if a.delay_ns > 0 && plugin.caps.resume_from_timer {
+                    let due = now.saturating_add(a.delay_ns);
+                    plugin.queues.borrow_mut().hold(due, self.id);
+                    self.held_until = Some(due);
+                    plugin.add(ProcessStat::QueueHeld, 1);
+                    return ACTION_PAUSE;
+                }
+                if paused {
+                    if let Err(s) = host::continue_request() {
+                        debug!("cannot resume request {}: {s}", self.id);
+                    }
+                }
+                ACTION_CONTINUE
+            }
+            Step::Reject(r) => {
+                respond::reject(plugin, &r);
+                ACTION_PAUSE
+            }
+            Step::Wait => ACTION_PAUSE,
+        }
+    }
+
+    pub fn on_response_headers(&mut self) -> u32 {
+        #[cfg(feature = "probe")]
+        let _t = crate::probe::start("response");
+        self.take_resumed();
+        if let (Some(report), Some(plugin)) = (self.report.take(), &self.plugin) {
+            respond::add_quota_headers(plugin, report);
+        }
+        ACTION_CONTINUE
+    }
+
+    /// Take over what a decision made on the tick left for this request.
+    fn take_resumed(&mut self) {
+        let Some(plugin) = &self.plugin else {
+            return;
+        };
+        let mut queues = plugin.queues.borrow_mut();
+        if let Some(a) = queues.take_resumed(self.id) {
+            self.report = a.report;
+            self.holds.extend(a.holds);
+            if a.delay_ns > 0 {
+                // Its hold was queued by the tick.
+                self.held_until = queues.held_until(self.id);
+            }
+        }
+    }
+
+    /// Give back held quota and leave the queues: however the stream ended, exactly once.
+    pub fn end_of_stream(&mut self) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        let Some(plugin) = self.plugin.clone() else {
+            return;
+        };
+        self.take_resumed();
+        if let Some(due) = self.held_until.take() {
+            // Still queued means the client went away while held.
+            if plugin.queues.borrow_mut().unhold(due, self.id) {
+                plugin.add(ProcessStat::QueueHeld, -1);
+            }
+        }
+        if plugin.queues.borrow_mut().leave_waiting(self.id) {
+            plugin.add(ProcessStat::QuotaWaiting, -1);
+        }
+        if let Some((token, _)) = self.own_call.take() {
+            callbacks::forget_call(token);
+        }
+        if !self.holds.is_empty() {
+            let now = host::now_ns().unwrap_or(0);
+            let holds = std::mem::take(&mut self.holds);
+            plugin.engine.borrow_mut().release(&SharedData, holds, now);
+        }
+    }
+}

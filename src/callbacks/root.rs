@@ -1,0 +1,90 @@
+//! A root context: one configuration in one worker. It loads the configuration, runs the tick
+//! and takes the answers to the refills it sent.
+
+use crate::host::{self, SharedData};
+use crate::plugin::Plugin;
+use crate::quota_client;
+use log::{error, warn};
+use std::rc::Rc;
+
+pub struct Root {
+    id: u32,
+    plugin: Option<Rc<Plugin>>,
+    /// The tick period set so far (some hosts accept it only once).
+    tick_ms: Option<u32>,
+}
+
+impl Root {
+    pub fn new(id: u32) -> Self {
+        Self {
+            id,
+            plugin: None,
+            tick_ms: None,
+        }
+    }
+
+    /// The configuration new requests of this root run with (none: they pass unlimited).
+    pub fn plugin(&mut self) -> Option<Rc<Plugin>> {
+        self.plugin.clone()
+    }
+
+    pub fn configure(&mut self) -> bool {
+        let bytes = match host::plugin_configuration() {
+            Ok(bytes) => bytes,
+            Err(s) => {
+                error!("cannot read the plugin configuration: {s}");
+                return false;
+            }
+        };
+        let plugin = match Plugin::load(&bytes, host::caps()) {
+            Ok(plugin) => plugin,
+            Err(line) => {
+                error!("{line}");
+                return false;
+            }
+        };
+        let tick = plugin.tick_ms();
+        if self
+            .tick_ms
+            .is_none_or(|t| t > tick && plugin.caps.resume_from_timer)
+        {
+            match host::set_tick_period(tick) {
+                Ok(()) => self.tick_ms = Some(tick),
+                Err(s) => warn!("cannot set the tick period (held requests, stashes, stats): {s}"),
+            }
+        }
+        if let Some(old) = self.plugin.replace(Rc::new(plugin)) {
+            old.retire();
+        }
+        true
+    }
+
+    pub fn tick(&mut self) {
+        if let Some(plugin) = &self.plugin {
+            plugin.tick(self.id);
+        }
+    }
+
+    /// The answer to a call this root sent: refills to write into the keys' allowances.
+    pub fn on_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let Some(plugin) = &self.plugin else {
+            return;
+        };
+        let Some(refills) = plugin.queues.borrow_mut().call_answered(token) else {
+            return;
+        };
+        let answer = quota_client::answer(num_headers, body_size, refills.len());
+        let now = host::now_ns().unwrap_or(0);
+        plugin
+            .engine
+            .borrow_mut()
+            .apply_grants(&SharedData, &refills, answer.as_ref(), now);
+    }
+
+    /// The configuration goes away (reload, shutdown).
+    pub fn done(&mut self) {
+        if let Some(plugin) = self.plugin.take() {
+            plugin.retire();
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! The configuration's JSON shape, as serde reads it (validated into the model by `validate`).
+
+use super::model::{FailureMode, FirstLease, HeaderFormat, KeyPart, LogLevel, MissingKey};
+use super::period::Period;
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::num::{NonZeroU32, NonZeroU64};
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "TollgateConfig"))]
+pub(super) struct RawConfig {
+    /// Evaluated for every request; a request is refused if any matching rule refuses.
+    pub rules: Vec<RawRule>,
+    #[serde(default)]
+    pub response: RawResponse,
+    #[serde(default)]
+    /// Quota headers on responses: draft (IETF RateLimit), legacy (X-RateLimit-*), both or none.
+    pub rate_limit_headers: HeaderFormat,
+    #[serde(default)]
+    pub client_ip: RawClientIp,
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Where rules with "scope": "global" get their quota (tollgate-quota).
+    pub quota_service: Option<RawQuotaService>,
+    /// The filter's own log level (default info); debug adds one line per decision.
+    #[serde(default)]
+    pub log_level: LogLevel,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "QuotaService"))]
+pub(super) struct RawQuotaService {
+    /// Envoy: a cluster name. nginx: host:port (or a name its resolver knows).
+    pub upstream: String,
+    pub authority: Option<String>,
+    pub timeout: Option<Period>,
+    pub token: Option<String>,
+    #[serde(default)]
+    pub mode: QuotaMode,
+    #[serde(default)]
+    pub failure_mode: FailureMode,
+    pub instances_hint: Option<NonZeroU64>,
+    #[serde(default)]
+    pub first_lease: FirstLease,
+    pub retry: Option<Period>,
+    pub lease_size: Option<NonZeroU64>,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize, Default, PartialEq, Eq, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum QuotaMode {
+    #[default]
+    Lease,
+    Strict,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize, Default, PartialEq, Eq, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Scope {
+    #[default]
+    Local,
+    Global,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Rule"))]
+pub(super) struct RawRule {
+    pub name: RuleName,
+    /// Conditions that must all hold for the rule to apply; none = every request.
+    #[serde(rename = "match", default)]
+    pub matcher: RawMatch,
+    #[serde(default)]
+    /// Parts joined into the bucket key; none = one bucket for the whole rule.
+    pub key: Vec<KeyPart>,
+    /// requests per per, or {"concurrent": N} for the concurrency algorithm.
+    pub limit: RawLimit,
+    /// Token bucket: capacity (default limit.requests). Leaky bucket: excess accepted (default 0).
+    pub burst: Option<u64>,
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    pub delay: Option<Delay>,
+    pub max_delay: Option<Period>,
+    pub warmup: Option<Period>,
+    pub cost: Option<RawCost>,
+    #[serde(default)]
+    pub overrides: Vec<RawOverride>,
+    pub response: Option<RawResponse>,
+    #[serde(default)]
+    pub missing_key: MissingKey,
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Slots in the rule's table (default 10000): memory is bounded by it, not by clients.
+    pub max_keys: Option<NonZeroU32>,
+    #[serde(default)]
+    pub scope: Scope,
+    /// Token buckets: tokens a worker may take at once from a busy key's shared bucket and spend
+    /// without touching shared data (default 8; 0 turns batches off).
+    pub worker_batch: Option<u64>,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(untagged)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Cost"))]
+pub(super) enum RawCost {
+    Fixed(u64),
+    Header(RawHeaderCost),
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "HeaderCost"))]
+pub(super) struct RawHeaderCost {
+    pub header: String,
+    #[serde(default = "one")]
+    pub default: u64,
+    pub max: NonZeroU64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Override"))]
+pub(super) struct RawOverride {
+    pub values: Vec<String>,
+    pub limit: Option<RawLimit>,
+    pub burst: Option<u64>,
+    #[serde(default)]
+    pub unlimited: bool,
+    #[serde(default)]
+    pub block: bool,
+}
+
+/// nginx `delay=N` or `nodelay`.
+#[derive(Clone, Copy)]
+pub(super) enum Delay {
+    Requests(u64),
+    Never,
+}
+
+impl<'de> Deserialize<'de> for Delay {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Self::Requests(n)),
+            Raw::S(s) if s == "nodelay" => Ok(Self::Never),
+            Raw::S(s) => Err(de::Error::custom(format!(
+                "invalid delay {s:?} (expected a whole number of requests or \"nodelay\")"
+            ))),
+        }
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Match"))]
+pub(super) struct RawMatch {
+    pub path_prefix: Option<String>,
+    pub path: Option<String>,
+    pub methods: Option<Vec<String>>,
+    pub hosts: Option<Vec<String>>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Limit"))]
+pub(super) struct RawLimit {
+    pub requests: Option<NonZeroU64>,
+    pub per: Option<Period>,
+    pub concurrent: Option<NonZeroU64>,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Response"))]
+pub(super) struct RawResponse {
+    pub status: u32,
+    pub body: String,
+    pub headers: BTreeMap<String, String>,
+}
+
+impl Default for RawResponse {
+    fn default() -> Self {
+        Self {
+            status: 429,
+            body: "rate limited\n".into(),
+            headers: BTreeMap::from([("content-type".into(), "text/plain".into())]),
+        }
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "ClientIp"))]
+pub(super) struct RawClientIp {
+    #[serde(default)]
+    pub trusted_hops: u32,
+}
+
+/// `[a-z0-9_-]{1,64}`.
+pub(super) struct RuleName(pub String);
+
+impl<'de> Deserialize<'de> for RuleName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-'));
+        if ok {
+            Ok(Self(s))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid rule name {s:?}: use 1 to 64 of a-z, 0-9, _ and -"
+            )))
+        }
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Default, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Algorithm {
+    #[default]
+    TokenBucket,
+    FixedWindow,
+    SlidingWindow,
+    LeakyBucket,
+    Concurrency,
+}
+
+impl<'de> Deserialize<'de> for KeyPart {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let named = |prefix: &str| {
+            s.strip_prefix(prefix)
+                .filter(|n| !n.is_empty())
+                .map(str::to_ascii_lowercase)
+        };
+        match s.as_str() {
+            "client_ip" => Ok(Self::ClientIp),
+            "path" => Ok(Self::Path),
+            "method" => Ok(Self::Method),
+            "host" => Ok(Self::Host),
+            _ => {
+                if let Some(name) = named("header:") {
+                    Ok(Self::Header(name))
+                } else if let Some(name) = s.strip_prefix("query:").filter(|n| !n.is_empty()) {
+                    Ok(Self::Query(name.to_owned()))
+                } else {
+                    Err(de::Error::custom(format!(
+                        "unknown key part {s:?} (expected client_ip, path, method, host, \
+                         header:NAME or query:NAME)"
+                    )))
+                }
+            }
+        }
+    }
+}

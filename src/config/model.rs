@@ -1,0 +1,362 @@
+//! The validated configuration the filter runs with: rules, their quotas and slot tables.
+
+use super::period::format_duration;
+use serde::Deserialize;
+use tollgate_core::{Limit, SlotTable};
+
+/// Slots per rule when `max_keys` is not given.
+pub const DEFAULT_MAX_KEYS: u32 = 10_000;
+/// Upper bound of `max_keys`: every slot is created when the configuration loads.
+pub const MAX_MAX_KEYS: u32 = 1_000_000;
+/// Tokens a worker may stash per key when `worker_batch` is not given (token buckets).
+pub const DEFAULT_WORKER_BATCH: u64 = 8;
+/// Upper bound of `worker_batch`: what may sit in stashes is part of the accuracy bound.
+pub const MAX_WORKER_BATCH: u64 = 64;
+/// How long a leaky bucket may hold a request when `max_delay` is not given.
+pub const DEFAULT_MAX_DELAY_NS: u64 = 10_000_000_000;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub rules: Vec<Rule>,
+    pub response: Response,
+    pub rate_limit_headers: HeaderFormat,
+    pub trusted_hops: u32,
+    /// Required when a rule has `"scope": "global"`.
+    pub quota_service: Option<QuotaService>,
+    /// The filter's own log level: messages below it are never formatted.
+    pub log_level: LogLevel,
+}
+
+/// Where global rules get their quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaService {
+    /// An Envoy cluster name, or `host:port` on nginx.
+    pub upstream: String,
+    pub authority: String,
+    pub timeout_ms: u64,
+    pub token: Option<String>,
+    pub failure_mode: FailureMode,
+    /// How many proxies share the global limits (for `failure_mode: local` and provisional quota).
+    pub instances_hint: u64,
+    /// A key with no quota yet: wait for its first lease, or spend a provisional local allowance.
+    pub first_lease: FirstLease,
+    /// After a failed call, how long keys apply the failure mode before asking again.
+    pub retry_ms: u64,
+    /// One call per request (the request waits for it) instead of leased allowances.
+    pub strict: bool,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Global rules do not apply while the service fails.
+    #[default]
+    Allow,
+    /// Global rules refuse.
+    Deny,
+    /// Global rules are enforced locally at `limit / instances_hint`.
+    Local,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FirstLease {
+    #[default]
+    Wait,
+    Provisional,
+}
+
+/// What a global rule sends the quota service, and its local stand-in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalRule {
+    pub requests: u64,
+    pub per_ms: u64,
+    pub burst: u64,
+    /// Fingerprint of the limit: different configurations never share global state.
+    pub limit_id: String,
+    /// The rule at `limit / instances_hint`, used by `failure_mode: local` and provisional quota.
+    pub fallback: Quota,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    pub name: String,
+    pub matcher: Match,
+    pub key: Vec<KeyPart>,
+    pub missing_key: MissingKey,
+    pub quota: Quota,
+    pub cost: Cost,
+    /// Specific keys (encoded like request keys) with their own treatment.
+    pub overrides: Vec<Override>,
+    /// The rule's own rejection response, else the top-level one.
+    pub response: Option<Response>,
+    /// The rule's own `dry_run` or the top-level one.
+    pub dry_run: bool,
+    /// Set for `"scope": "global"`: `quota.limit` is then the leased allowance.
+    pub global: Option<GlobalRule>,
+    /// Token buckets (and global rules' leased allowance): most tokens a worker stashes at once
+    /// per key (0: none).
+    pub worker_batch: u64,
+}
+
+/// A limit with the slots that hold its state and how headers state it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quota {
+    pub limit: Limit,
+    pub table: SlotTable,
+    /// `RateLimit-Policy` quota `q` and window `w` seconds (none for concurrency).
+    pub policy: (u64, Option<u64>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    pub key: Vec<u8>,
+    pub action: OverrideAction,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum OverrideAction {
+    /// This key gets its own limit (and its own slot: no sharing).
+    Limit(Quota),
+    /// The rule does not apply to this key.
+    Unlimited,
+    /// Every request of this key is refused by this rule.
+    Block,
+}
+
+/// Tokens a request takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u64),
+    /// From a request header: absent or not a whole number → `default`; above `max` → `max`.
+    Header {
+        name: String,
+        default: u64,
+        max: u64,
+    },
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Match {
+    pub path: Option<PathMatch>,
+    /// Upper-case.
+    pub methods: Vec<String>,
+    /// Lower-case, without port.
+    pub hosts: Vec<String>,
+    /// Lower-case names, exact values.
+    pub headers: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    Exact(String),
+    Prefix(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum KeyPart {
+    ClientIp,
+    /// Lower-case name.
+    Header(String),
+    Query(String),
+    Path,
+    Method,
+    Host,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissingKey {
+    #[default]
+    Skip,
+    Limit,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeaderFormat {
+    #[default]
+    Draft,
+    Legacy,
+    Both,
+    None,
+}
+
+/// The filter's log level (the host filters again by its own).
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogLevel {
+    Error,
+    Warn,
+    #[default]
+    Info,
+    /// Adds one line per decision.
+    Debug,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub status: u32,
+    pub body: String,
+    /// Lower-case names.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Config {
+    /// Every quota with its rule: each rule's own, then its overrides' limits.
+    pub fn quotas(&self) -> impl Iterator<Item = (&Rule, &Quota)> {
+        self.rules
+            .iter()
+            .flat_map(|rule| rule.quotas().map(move |q| (rule, q)))
+    }
+
+    /// One line for the log: every rule and its limit.
+    pub fn summary(&self) -> String {
+        let rules: Vec<String> = self
+            .rules
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} ({}, {} slots{}{})",
+                    r.name,
+                    match (&r.global, &r.quota.limit) {
+                        (Some(g), Limit::Lease(l)) => format!(
+                            "global token_bucket {} per {}, burst {}, leases of {}",
+                            g.requests,
+                            format_duration(g.per_ms * 1_000_000),
+                            g.burst,
+                            l.lease_size
+                        ),
+                        _ => describe(&r.quota.limit),
+                    },
+                    r.quota.table.capacity(),
+                    match r.overrides.len() {
+                        0 => String::new(),
+                        n => format!(", {n} override(s)"),
+                    },
+                    if r.dry_run { ", dry run" } else { "" }
+                )
+            })
+            .collect();
+        format!("{} rule(s): {}", rules.len(), rules.join("; "))
+    }
+
+    /// Slots in shared data over all rules (their own, overrides' and global rules' stand-ins).
+    pub fn slots(&self) -> u64 {
+        let stand_ins = self.rules.iter().filter_map(|r| r.global.as_ref());
+        self.quotas().map(|(_, q)| q.table.capacity()).sum::<u64>()
+            + stand_ins.map(|g| g.fallback.table.capacity()).sum::<u64>()
+    }
+
+    /// The rejection a rule answers with: its own, else the top-level one.
+    pub fn response_of(&self, rule: usize) -> &Response {
+        self.rules
+            .get(rule)
+            .and_then(|r| r.response.as_ref())
+            .unwrap_or(&self.response)
+    }
+}
+
+impl Rule {
+    /// The rule's own quota, then its overrides' limits.
+    pub fn quotas(&self) -> impl Iterator<Item = &Quota> {
+        std::iter::once(&self.quota).chain(self.overrides.iter().filter_map(|o| match &o.action {
+            OverrideAction::Limit(q) => Some(q),
+            _ => None,
+        }))
+    }
+
+    /// True if an admitted request holds this rule's quota until it ends (concurrency).
+    pub fn holds_requests_open(&self) -> bool {
+        self.quotas().any(|q| q.limit.is_held())
+    }
+
+    /// True if this rule may hold a request before passing it on (a leaky bucket that delays).
+    pub fn delays(&self) -> bool {
+        self.quotas()
+            .any(|q| matches!(q.limit, Limit::LeakyBucket(l) if l.delay() != u64::MAX))
+    }
+}
+
+impl Quota {
+    /// `owner` names the slots (a rule, or a rule's override); the name carries the limit's
+    /// parameters: a reload that keeps them keeps the state, one that changes them starts fresh.
+    pub fn new(limit: Limit, owner: &str, max_keys: u32) -> Self {
+        let fingerprint =
+            tollgate_core::slot::fingerprint(format!("{limit:?}/{max_keys}").as_bytes());
+        let table = SlotTable::new(format!("tollgate.{owner}.{fingerprint:016x}."), max_keys);
+        Self {
+            policy: policy(&limit),
+            limit,
+            table,
+        }
+    }
+}
+
+/// A limit as the configuration would write it.
+pub fn describe(limit: &Limit) -> String {
+    match limit {
+        Limit::TokenBucket(a) => format!(
+            "token_bucket {} per {}, burst {}",
+            a.requests(),
+            format_duration(a.period_ns()),
+            a.burst()
+        ),
+        Limit::WarmUp(a) => format!(
+            "token_bucket {} per {}, warmup {}",
+            a.requests(),
+            format_duration(a.period_ns()),
+            format_duration(a.warmup_ns())
+        ),
+        Limit::FixedWindow(a) => format!(
+            "fixed_window {} per {}",
+            a.limit(),
+            format_duration(a.period_ns())
+        ),
+        Limit::SlidingWindow(a) => format!(
+            "sliding_window {} per {}",
+            a.limit(),
+            format_duration(a.period_ns())
+        ),
+        Limit::LeakyBucket(a) => format!(
+            "leaky_bucket {} per {}, burst {}, delay {}, max_delay {}",
+            a.requests(),
+            format_duration(a.period_ns()),
+            a.burst(),
+            if a.delay() == u64::MAX {
+                "nodelay".to_string()
+            } else {
+                a.delay().to_string()
+            },
+            format_duration(a.max_delay_ns())
+        ),
+        Limit::Concurrency(a) => format!("concurrency {} in flight", a.limit()),
+        Limit::Lease(a) => format!("global, leases of {}", a.lease_size),
+    }
+}
+
+/// The policy as quota `q` per window `w` seconds. A period that is not whole seconds is stated
+/// per second, rounded down (never promising more than the rule gives).
+fn policy(limit: &Limit) -> (u64, Option<u64>) {
+    const NS_PER_SEC: u64 = 1_000_000_000;
+    let (requests, period_ns) = match limit {
+        Limit::TokenBucket(a) => (a.requests(), a.period_ns()),
+        Limit::WarmUp(a) => (a.requests(), a.period_ns()),
+        Limit::FixedWindow(a) => (a.limit(), a.period_ns()),
+        Limit::SlidingWindow(a) => (a.limit(), a.period_ns()),
+        Limit::LeakyBucket(a) => (a.requests(), a.period_ns()),
+        Limit::Concurrency(a) => return (a.limit(), None),
+        Limit::Lease(a) => return (a.lease_size, None),
+    };
+    if period_ns % NS_PER_SEC == 0 {
+        (requests, Some(period_ns / NS_PER_SEC))
+    } else {
+        let per_sec = u128::from(requests) * u128::from(NS_PER_SEC) / u128::from(period_ns);
+        (u64::try_from(per_sec).unwrap_or(u64::MAX), Some(1))
+    }
+}

@@ -1,0 +1,383 @@
+//! Parsing and validation: documented examples, defaults, every option and every error message.
+
+use super::*;
+use tollgate_core::{Limit, TokenBucket};
+
+fn parse(s: &str) -> Result<Config, String> {
+    Config::parse(s.as_bytes()).map_err(|e| e.0)
+}
+
+const MIN: &str = r#"{"rules":[{"name":"r","limit":{"requests":10,"per":"1s"}}]}"#;
+
+#[test]
+fn the_documented_example_parses() {
+    let c = parse(
+        r#"{
+          "rules": [{
+            "name": "per-ip",
+            "match": { "path_prefix": "/api/", "methods": ["GET", "post"],
+                       "hosts": ["API.example.com"], "headers": { "X-Tier": "free" } },
+            "key": ["client_ip", "header:X-User", "query:page"],
+            "limit": { "requests": 100, "per": "1m" },
+            "burst": 20,
+            "algorithm": "token_bucket",
+            "missing_key": "limit",
+            "dry_run": false
+          }],
+          "response": { "status": 429, "body": "rate limited\n",
+                        "headers": { "content-type": "text/plain" } },
+          "rate_limit_headers": "both",
+          "client_ip": { "trusted_hops": 1 },
+          "dry_run": true
+        }"#,
+    )
+    .unwrap();
+    let r = &c.rules[0];
+    assert_eq!(
+        r.quota.limit,
+        Limit::TokenBucket(TokenBucket::new(100, 60_000_000_000, 20).unwrap())
+    );
+    assert_eq!(r.matcher.methods, ["GET", "POST"]);
+    assert_eq!(r.matcher.hosts, ["api.example.com"]);
+    assert_eq!(
+        r.matcher.headers,
+        [("x-tier".to_string(), "free".to_string())]
+    );
+    assert_eq!(
+        r.key,
+        [
+            KeyPart::ClientIp,
+            KeyPart::Header("x-user".into()),
+            KeyPart::Query("page".into())
+        ]
+    );
+    assert!(r.dry_run);
+    assert_eq!(r.missing_key, MissingKey::Limit);
+    assert_eq!(c.trusted_hops, 1);
+    assert_eq!(c.rate_limit_headers, HeaderFormat::Both);
+    assert!(!r.quota.table.prefix().contains('/'));
+}
+
+#[test]
+fn defaults() {
+    let c = parse(MIN).unwrap();
+    let r = &c.rules[0];
+    assert_eq!(describe(&r.quota.limit), "token_bucket 10 per 1s, burst 10");
+    assert_eq!(r.quota.table.capacity(), u64::from(DEFAULT_MAX_KEYS));
+    assert_eq!(r.quota.policy, (10, Some(1)));
+    assert_eq!(r.cost, Cost::Fixed(1));
+    assert_eq!(r.missing_key, MissingKey::Skip);
+    assert_eq!(c.response.status, 429);
+    assert_eq!(c.rate_limit_headers, HeaderFormat::Draft);
+    assert_eq!(c.trusted_hops, 0);
+    assert!(!r.dry_run);
+}
+
+#[test]
+fn changed_parameters_change_the_slot_names() {
+    let a = parse(MIN).unwrap();
+    let b = parse(&MIN.replace("10", "11")).unwrap();
+    assert_ne!(a.rules[0].quota.table, b.rules[0].quota.table);
+    assert_eq!(
+        a.rules[0].quota.table,
+        parse(MIN).unwrap().rules[0].quota.table
+    );
+}
+
+#[test]
+fn every_algorithm_and_option() {
+    let c = parse(
+        r#"{"rules":[
+          {"name":"fw","algorithm":"fixed_window","limit":{"requests":100,"per":"1m"}},
+          {"name":"sw","algorithm":"sliding_window","limit":{"requests":100,"per":"1m"}},
+          {"name":"lb","algorithm":"leaky_bucket","limit":{"requests":10,"per":"1s"},"burst":5,"delay":2,"max_delay":"3s"},
+          {"name":"nd","algorithm":"leaky_bucket","limit":{"requests":10,"per":"1s"},"delay":"nodelay"},
+          {"name":"cc","algorithm":"concurrency","limit":{"concurrent":8},"key":["client_ip"],
+           "overrides":[{"values":["10.0.0.1"],"limit":{"concurrent":50}},
+                        {"values":["::0001"],"unlimited":true},
+                        {"values":["192.0.2.7"],"block":true}]},
+          {"name":"wu","limit":{"requests":30,"per":"1s"},"warmup":"10s",
+           "cost":{"header":"X-Cost","max":10},"response":{"status":503}}
+        ]}"#,
+    )
+    .unwrap();
+    let d: Vec<String> = c.rules.iter().map(|r| describe(&r.quota.limit)).collect();
+    assert_eq!(
+        d,
+        [
+            "fixed_window 100 per 1m",
+            "sliding_window 100 per 1m",
+            "leaky_bucket 10 per 1s, burst 5, delay 2, max_delay 3s",
+            "leaky_bucket 10 per 1s, burst 0, delay nodelay, max_delay 10s",
+            "concurrency 8 in flight",
+            "token_bucket 30 per 1s, warmup 10s",
+        ]
+    );
+    let cc = &c.rules[4];
+    assert_eq!(cc.quota.policy, (8, None));
+    assert_eq!(cc.overrides.len(), 3);
+    assert_eq!(
+        cc.overrides[1].key,
+        crate::key::encode_key([Some(&b"::1"[..])].into_iter())
+    );
+    assert!(matches!(cc.overrides[2].action, OverrideAction::Block));
+    assert_eq!(c.quotas().count(), 7);
+    let wu = &c.rules[5];
+    assert_eq!(
+        wu.cost,
+        Cost::Header {
+            name: "x-cost".into(),
+            default: 1,
+            max: 10
+        }
+    );
+    assert_eq!(wu.response.as_ref().map(|r| r.status), Some(503));
+    assert!(c
+        .summary()
+        .starts_with("6 rule(s): fw (fixed_window 100 per 1m, 10000 slots)"));
+}
+
+#[test]
+fn global_rules() {
+    let c = parse(
+        r#"{"rules":[{"name":"g","scope":"global","key":["client_ip"],
+                      "limit":{"requests":100,"per":"1m"},"burst":80}],
+            "quota_service":{"upstream":"quota","timeout":"50ms","token":"t",
+                             "failure_mode":"local","instances_hint":4}}"#,
+    )
+    .unwrap();
+    let qs = c.quota_service.clone().unwrap();
+    assert_eq!(
+        (qs.authority.as_str(), qs.timeout_ms, qs.strict),
+        ("quota", 50, false)
+    );
+    let g = &c.rules[0];
+    let global = g.global.as_ref().unwrap();
+    assert_eq!(
+        (global.requests, global.per_ms, global.burst),
+        (100, 60_000, 80)
+    );
+    assert_eq!(
+        describe(&global.fallback.limit),
+        "token_bucket 25 per 1m, burst 20"
+    );
+    assert_eq!(describe(&g.quota.limit), "global, leases of 5");
+    assert_eq!(g.quota.policy, (100, Some(60)));
+    assert!(c
+        .summary()
+        .contains("global token_bucket 100 per 1m, burst 80, leases of 5"));
+}
+
+/// Every JSON example in the README and the configuration reference is a valid configuration.
+#[test]
+fn documented_examples_parse() {
+    let mut seen = 0;
+    for doc in ["README.md", "docs/configuration.md"] {
+        let path = format!("{}/{doc}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        for block in text.split("```json").skip(1) {
+            let json = block.split("```").next().unwrap();
+            if let Err(e) = Config::parse(json.as_bytes()) {
+                panic!("{doc}: {e} in\n{json}");
+            }
+            seen += 1;
+        }
+    }
+    assert!(seen >= 10, "{seen} examples");
+}
+
+#[test]
+fn errors_name_the_field_and_the_reason() {
+    let cases: &[(&str, &str)] = &[
+        ("{", "configuration: EOF"),
+        ("{}", "configuration: missing field `rules`"),
+        (r#"{"rules":[]}"#, "rules: at least one rule is required"),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"x":1}"#,
+            "x: unknown field `x`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}},{"name":"s","limit":{"requests":1,"per":"5x"}}]}"#,
+            r#"rules[1].limit.per: invalid duration "5x""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":0,"per":"1s"}}]}"#,
+            "rules[0].limit.requests: invalid value: integer `0`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":-3,"per":"1s"}}]}"#,
+            "rules[0].limit.requests: invalid value: integer `-3`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":"5","per":"1s"}}]}"#,
+            "rules[0].limit.requests: invalid type: string",
+        ),
+        (
+            r#"{"rules":[{"name":"r","burst":0,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].burst: must be at least 1",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}},{"name":"r","limit":{"requests":1,"per":"1s"}}]}"#,
+            r#"rules[1].name: duplicate rule name "r""#,
+        ),
+        (
+            r#"{"rules":[{"name":"Bad/Name","limit":{"requests":1,"per":"1s"}}]}"#,
+            r#"rules[0].name: invalid rule name "Bad/Name""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"gcra2","limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].algorithm: unknown variant `gcra2`, expected one of `token_bucket`, `fixed_window`, `sliding_window`, `leaky_bucket`, `concurrency`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["cookie"],"limit":{"requests":1,"per":"1s"}}]}"#,
+            r#"rules[0].key[0]: unknown key part "cookie""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["header:"],"limit":{"requests":1,"per":"1s"}}]}"#,
+            r#"rules[0].key[0]: unknown key part "header:""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["path","path"],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].key[1]: repeated key part",
+        ),
+        (
+            r#"{"rules":[{"name":"r","match":{"path":"/a","path_prefix":"/b"},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].match: give either path or path_prefix",
+        ),
+        (
+            r#"{"rules":[{"name":"r","match":{"path_prefix":"api"},"limit":{"requests":1,"per":"1s"}}]}"#,
+            r#"rules[0].match.path_prefix: "api" must start with "/""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","match":{"methods":[]},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].match.methods: must not be empty",
+        ),
+        (
+            r#"{"rules":[{"name":"r","match":{"method":["GET"]},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].match.method: unknown field `method`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","missing_key":"maybe","limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].missing_key: unknown variant `maybe`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","max_keys":2000000,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].max_keys: 2000000 is more than the maximum",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"response":{"status":99}}"#,
+            "response.status: 99 is not an HTTP status",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"rate_limit_headers":"ietf"}"#,
+            "rate_limit_headers: unknown variant `ietf`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"client_ip":{"trusted_hops":-1}}"#,
+            "client_ip.trusted_hops: invalid value: integer `-1`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"dry_run":"yes"}"#,
+            "dry_run: invalid type: string",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"fixed_window","burst":5,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].burst: does not apply to window algorithms",
+        ),
+        (
+            r#"{"rules":[{"name":"r","delay":2,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].delay: only applies to algorithm \"leaky_bucket\"",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","delay":"later","limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].delay: invalid delay \"later\"",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","max_delay":"1x","limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].max_delay: invalid duration \"1x\"",
+        ),
+        (
+            r#"{"rules":[{"name":"r","warmup":"10s","burst":3,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].burst: cannot be combined with warmup",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"concurrency","limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].limit: a concurrency limit is",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"concurrency","limit":{}}]}"#,
+            "rules[0].limit.concurrent: required",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"concurrent":3}}]}"#,
+            "rules[0].limit.concurrent: only applies to algorithm \"concurrency\"",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"per":"1s"}}]}"#,
+            "rules[0].limit.requests: required",
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"header":"x-cost"},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost: data did not match any variant",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","cost":2,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost: leaky_bucket requests cost 1",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["a","b"],"unlimited":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].overrides[0].values: gives 2 value(s) for a key of 1 part(s)",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["nope"],"block":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].overrides[0].values[0]: \"nope\" is not an IP address",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["::1"],"block":true,"unlimited":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].overrides[0]: give exactly one of",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["::1"],"block":true},{"values":["0::1"],"unlimited":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].overrides[1].values: another override has the same values",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["::1"],"limit":{"requests":0,"per":"1s"}}],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].overrides[0].limit.requests: invalid value: integer `0`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].scope: \"global\" needs a top-level quota_service",
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","algorithm":"fixed_window","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":"q"}}"#,
+            "rules[0].scope: \"global\" rules use the token_bucket algorithm",
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"everywhere","limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].scope: unknown variant `everywhere`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":"q","failure_mode":"panic"}}"#,
+            "quota_service.failure_mode: unknown variant `panic`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":"q","timeout":"soon"}}"#,
+            "quota_service.timeout: invalid duration \"soon\"",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":""}}"#,
+            "quota_service.upstream: must not be empty",
+        ),
+        (
+            r#"{"rules":[{"name":"r","response":{"status":42},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].response.status: 42 is not an HTTP status",
+        ),
+    ];
+    for (input, want) in cases {
+        let got = parse(input).expect_err(input);
+        assert!(
+            got.starts_with(want),
+            "for {input}\n got: {got}\nwant: {want}…"
+        );
+    }
+}

@@ -1,0 +1,501 @@
+//! Validation: the JSON shape into the model, with errors that name the field and the reason.
+
+use super::json::{
+    Algorithm, Delay, QuotaMode, RawConfig, RawCost, RawLimit, RawMatch, RawQuotaService,
+    RawResponse, RawRule, Scope,
+};
+use super::model::{
+    Config, Cost, GlobalRule, KeyPart, Match, Override, OverrideAction, PathMatch, Quota,
+    QuotaService, Response, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH,
+    MAX_MAX_KEYS, MAX_WORKER_BATCH,
+};
+use super::{err, ConfigError};
+use std::collections::HashSet;
+use std::num::{NonZeroU32, NonZeroU64};
+use tollgate_core::{
+    Concurrency, FixedWindow, LeakyBucket, LeaseAllowance, Limit, SlidingWindow, TokenBucket,
+    WarmUp,
+};
+
+impl RawConfig {
+    pub(super) fn validate(self) -> Result<Config, ConfigError> {
+        if self.rules.is_empty() {
+            return Err(err("rules", "at least one rule is required"));
+        }
+        let quota_service = self
+            .quota_service
+            .map(|q| q.validate("quota_service"))
+            .transpose()?;
+        let mut seen = HashSet::new();
+        let mut rules = Vec::with_capacity(self.rules.len());
+        for (i, raw) in self.rules.into_iter().enumerate() {
+            let path = format!("rules[{i}]");
+            if !seen.insert(raw.name.0.clone()) {
+                return Err(err(
+                    format!("{path}.name"),
+                    format!("duplicate rule name {:?}", raw.name.0),
+                ));
+            }
+            let global = raw.scope == Scope::Global;
+            let mut rule = raw.validate(&path, self.dry_run)?;
+            if global {
+                let Some((qs, lease_size)) = &quota_service else {
+                    return Err(err(
+                        format!("{path}.scope"),
+                        "\"global\" needs a top-level quota_service",
+                    ));
+                };
+                rule.make_global(&path, qs, *lease_size)?;
+            }
+            rules.push(rule);
+        }
+        let response = self.response.validate("response")?;
+        Ok(Config {
+            rules,
+            response,
+            rate_limit_headers: self.rate_limit_headers,
+            trusted_hops: self.client_ip.trusted_hops,
+            quota_service: quota_service.map(|(q, _)| q),
+            log_level: self.log_level,
+        })
+    }
+}
+
+impl RawRule {
+    fn validate(self, path: &str, dry_run_all: bool) -> Result<Rule, ConfigError> {
+        let matcher = self.matcher.validate(&format!("{path}.match"))?;
+        let max_keys = self.max_keys.map_or(DEFAULT_MAX_KEYS, NonZeroU32::get);
+        if max_keys > MAX_MAX_KEYS {
+            return Err(err(
+                format!("{path}.max_keys"),
+                format!("{max_keys} is more than the maximum of {MAX_MAX_KEYS}"),
+            ));
+        }
+        let only = |given: bool, field: &str, algorithms: &str| {
+            if given {
+                Err(err(
+                    format!("{path}.{field}"),
+                    format!("only applies to {algorithms}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let algorithm = self.algorithm;
+        only(
+            self.delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.max_delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "max_delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.warmup.is_some() && algorithm != Algorithm::TokenBucket,
+            "warmup",
+            "algorithm \"token_bucket\"",
+        )?;
+        only(
+            self.worker_batch.is_some()
+                && (algorithm != Algorithm::TokenBucket || self.warmup.is_some()),
+            "worker_batch",
+            "algorithm \"token_bucket\" (no warmup)",
+        )?;
+        let worker_batch = match self.worker_batch {
+            Some(n) if n > MAX_WORKER_BATCH => {
+                return Err(err(
+                    format!("{path}.worker_batch"),
+                    format!("{n} is more than the maximum of {MAX_WORKER_BATCH}"),
+                ))
+            }
+            Some(n) => n,
+            None if algorithm == Algorithm::TokenBucket && self.warmup.is_none() => {
+                DEFAULT_WORKER_BATCH
+            }
+            None => 0,
+        };
+        if self.warmup.is_some() && self.burst.is_some() {
+            return Err(err(
+                format!("{path}.burst"),
+                "cannot be combined with warmup (a warming bucket admits one request at a time)",
+            ));
+        }
+        let params = LimitParams {
+            algorithm,
+            delay: self.delay,
+            max_delay_ns: self.max_delay.map_or(DEFAULT_MAX_DELAY_NS, |p| p.ns),
+            warmup_ns: self.warmup.map(|p| p.ns),
+        };
+        let name = self.name.0;
+        let limit = params.limit(&self.limit, self.burst, path)?;
+        let quota = Quota::new(limit, &name, max_keys);
+
+        let mut seen = HashSet::new();
+        for (j, part) in self.key.iter().enumerate() {
+            if !seen.insert(part) {
+                return Err(err(format!("{path}.key[{j}]"), "repeated key part"));
+            }
+        }
+        let cost = match self.cost {
+            None => Cost::Fixed(1),
+            Some(RawCost::Fixed(n)) => Cost::Fixed(n),
+            Some(RawCost::Header(h)) => {
+                if h.header.is_empty() {
+                    return Err(err(format!("{path}.cost.header"), "empty header name"));
+                }
+                Cost::Header {
+                    name: h.header.to_ascii_lowercase(),
+                    default: h.default.min(h.max.get()),
+                    max: h.max.get(),
+                }
+            }
+        };
+        if algorithm == Algorithm::LeakyBucket && !matches!(cost, Cost::Fixed(1)) {
+            // A held request's delay is decided for the whole cost at once; keep nginx's model.
+            return Err(err(format!("{path}.cost"), "leaky_bucket requests cost 1"));
+        }
+
+        let mut overrides = Vec::with_capacity(self.overrides.len());
+        let mut override_keys = HashSet::new();
+        for (j, o) in self.overrides.into_iter().enumerate() {
+            let at = format!("{path}.overrides[{j}]");
+            if o.values.len() != self.key.len() {
+                return Err(err(
+                    format!("{at}.values"),
+                    format!(
+                        "gives {} value(s) for a key of {} part(s)",
+                        o.values.len(),
+                        self.key.len()
+                    ),
+                ));
+            }
+            let mut values = Vec::with_capacity(o.values.len());
+            for (k, (v, part)) in o.values.iter().zip(&self.key).enumerate() {
+                values.push(match part {
+                    KeyPart::ClientIp => v
+                        .parse::<std::net::IpAddr>()
+                        .map(|ip| ip.to_string())
+                        .map_err(|_| {
+                            err(
+                                format!("{at}.values[{k}]"),
+                                format!("{v:?} is not an IP address"),
+                            )
+                        })?,
+                    KeyPart::Host => v.to_ascii_lowercase(),
+                    _ => v.clone(),
+                });
+            }
+            let key = crate::key::encode_key(values.iter().map(|v| Some(v.as_bytes())));
+            if !override_keys.insert(key.clone()) {
+                return Err(err(
+                    format!("{at}.values"),
+                    "another override has the same values",
+                ));
+            }
+            let action = match (o.limit, o.unlimited, o.block) {
+                (Some(l), false, false) => {
+                    let limit = params.limit(&l, o.burst, &at)?;
+                    OverrideAction::Limit(Quota::new(limit, &format!("{name}.o{j}"), 1))
+                }
+                (None, true, false) if o.burst.is_none() => OverrideAction::Unlimited,
+                (None, false, true) if o.burst.is_none() => OverrideAction::Block,
+                _ => {
+                    return Err(err(
+                        at,
+                        "give exactly one of limit (with optional burst), unlimited or block",
+                    ))
+                }
+            };
+            overrides.push(Override { key, action });
+        }
+        let response = self
+            .response
+            .map(|r| r.validate(&format!("{path}.response")))
+            .transpose()?;
+        Ok(Rule {
+            name,
+            matcher,
+            key: self.key,
+            missing_key: self.missing_key,
+            quota,
+            cost,
+            overrides,
+            response,
+            dry_run: self.dry_run || dry_run_all,
+            global: None,
+            worker_batch,
+        })
+    }
+}
+
+impl RawQuotaService {
+    /// The service settings, and the lease size if one was given.
+    fn validate(self, path: &str) -> Result<(QuotaService, Option<u64>), ConfigError> {
+        if self.upstream.is_empty() {
+            return Err(err(format!("{path}.upstream"), "must not be empty"));
+        }
+        let service = QuotaService {
+            authority: self.authority.unwrap_or_else(|| self.upstream.clone()),
+            upstream: self.upstream,
+            timeout_ms: self.timeout.map_or(200, |p| p.ms()),
+            token: self.token,
+            failure_mode: self.failure_mode,
+            instances_hint: self.instances_hint.map_or(1, NonZeroU64::get),
+            first_lease: self.first_lease,
+            retry_ms: self.retry.map_or(1_000, |p| p.ms()),
+            strict: self.mode == QuotaMode::Strict,
+        };
+        Ok((service, self.lease_size.map(NonZeroU64::get)))
+    }
+}
+
+impl Rule {
+    /// Turn a validated local token-bucket rule into a global one.
+    fn make_global(
+        &mut self,
+        path: &str,
+        qs: &QuotaService,
+        lease_size: Option<u64>,
+    ) -> Result<(), ConfigError> {
+        let Limit::TokenBucket(tb) = self.quota.limit else {
+            return Err(err(
+                format!("{path}.scope"),
+                "\"global\" rules use the token_bucket algorithm, without warmup",
+            ));
+        };
+        if !self.overrides.is_empty() {
+            return Err(err(
+                format!("{path}.overrides"),
+                "not supported on global rules yet",
+            ));
+        }
+        if tb.period_ns() % 1_000_000 != 0 {
+            return Err(err(
+                format!("{path}.limit.per"),
+                "global limits need whole milliseconds",
+            ));
+        }
+        let (requests, per_ms, burst) = (tb.requests(), tb.period_ns() / 1_000_000, tb.burst());
+        // A refill covers a slice of the burst each proxy may hold: small enough to share, large
+        // enough that calls stay rare.
+        let lease_size =
+            lease_size.unwrap_or_else(|| (burst / (4 * qs.instances_hint)).clamp(1, 1_000));
+        let lease = LeaseAllowance {
+            lease_size,
+            low_water: lease_size.div_ceil(2),
+            claim_ms: qs.timeout_ms,
+        };
+        let share = |n: u64| (n / qs.instances_hint).max(1);
+        let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))
+            .map(Limit::TokenBucket)
+            .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
+        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
+        let limit_id = format!(
+            "{:016x}",
+            tollgate_core::slot::fingerprint(
+                format!("{}/{requests}/{per_ms}/{burst}", self.name).as_bytes()
+            )
+        );
+        self.global = Some(GlobalRule {
+            requests,
+            per_ms,
+            burst,
+            limit_id,
+            fallback: Quota::new(fallback_limit, &format!("{}.local", self.name), max_keys),
+        });
+        let mut quota = Quota::new(
+            Limit::Lease(lease),
+            &format!("{}.lease", self.name),
+            max_keys,
+        );
+        quota.policy = self.quota.policy;
+        self.quota = quota;
+        Ok(())
+    }
+}
+
+/// A rule's algorithm settings, applied to its own limit and to its overrides' limits.
+struct LimitParams {
+    algorithm: Algorithm,
+    delay: Option<Delay>,
+    max_delay_ns: u64,
+    warmup_ns: Option<u64>,
+}
+
+impl LimitParams {
+    fn limit(&self, raw: &RawLimit, burst: Option<u64>, path: &str) -> Result<Limit, ConfigError> {
+        let field = |f: &str| format!("{path}.limit.{f}");
+        if self.algorithm == Algorithm::Concurrency {
+            if raw.requests.is_some() || raw.per.is_some() {
+                return Err(err(
+                    format!("{path}.limit"),
+                    "a concurrency limit is {\"concurrent\": N}, without requests or per",
+                ));
+            }
+            if burst.is_some() {
+                return Err(err(
+                    format!("{path}.burst"),
+                    "does not apply to concurrency",
+                ));
+            }
+            let n = raw.concurrent.ok_or_else(|| {
+                err(
+                    field("concurrent"),
+                    "required for algorithm \"concurrency\"",
+                )
+            })?;
+            return Concurrency::new(n.get())
+                .map(Limit::Concurrency)
+                .ok_or_else(|| err(field("concurrent"), "must be at least 1"));
+        }
+        if raw.concurrent.is_some() {
+            return Err(err(
+                field("concurrent"),
+                "only applies to algorithm \"concurrency\"",
+            ));
+        }
+        let requests = raw
+            .requests
+            .ok_or_else(|| err(field("requests"), "required"))?
+            .get();
+        let per = raw.per.ok_or_else(|| err(field("per"), "required"))?.ns;
+        let positive = || err(format!("{path}.limit"), "must be positive");
+        let zero_burst = || err(format!("{path}.burst"), "must be at least 1");
+        match self.algorithm {
+            Algorithm::TokenBucket => match self.warmup_ns {
+                Some(w) => WarmUp::new(requests, per, w)
+                    .map(Limit::WarmUp)
+                    .ok_or_else(positive),
+                None => {
+                    let burst = burst.unwrap_or(requests);
+                    if burst == 0 {
+                        return Err(zero_burst());
+                    }
+                    TokenBucket::new(requests, per, burst)
+                        .map(Limit::TokenBucket)
+                        .ok_or_else(positive)
+                }
+            },
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                if burst.is_some() {
+                    return Err(err(
+                        format!("{path}.burst"),
+                        "does not apply to window algorithms (the limit is the window's quota)",
+                    ));
+                }
+                if self.algorithm == Algorithm::FixedWindow {
+                    FixedWindow::new(requests, per).map(Limit::FixedWindow)
+                } else {
+                    SlidingWindow::new(requests, per).map(Limit::SlidingWindow)
+                }
+                .ok_or_else(positive)
+            }
+            Algorithm::LeakyBucket => {
+                let delay = match self.delay {
+                    None => 0,
+                    Some(Delay::Requests(n)) => n,
+                    Some(Delay::Never) => u64::MAX,
+                };
+                LeakyBucket::new(requests, per, burst.unwrap_or(0), delay, self.max_delay_ns)
+                    .map(Limit::LeakyBucket)
+                    .ok_or_else(positive)
+            }
+            Algorithm::Concurrency => Err(positive()),
+        }
+    }
+}
+
+impl RawMatch {
+    fn validate(self, path: &str) -> Result<Match, ConfigError> {
+        let path_match = match (self.path, self.path_prefix) {
+            (Some(_), Some(_)) => {
+                return Err(err(path, "give either path or path_prefix, not both"));
+            }
+            (Some(p), None) => Some(PathMatch::Exact(check_path(&format!("{path}.path"), p)?)),
+            (None, Some(p)) => Some(PathMatch::Prefix(check_path(
+                &format!("{path}.path_prefix"),
+                p,
+            )?)),
+            (None, None) => None,
+        };
+        let list = |field: &str, values: Option<Vec<String>>, upper: bool| {
+            let Some(values) = values else {
+                return Ok(Vec::new());
+            };
+            if values.is_empty() {
+                return Err(err(
+                    format!("{path}.{field}"),
+                    "must not be empty (leave it out to match any)",
+                ));
+            }
+            values
+                .into_iter()
+                .enumerate()
+                .map(|(j, v)| {
+                    if v.is_empty() || v.contains(|c: char| c.is_whitespace() || c == ':') {
+                        Err(err(
+                            format!("{path}.{field}[{j}]"),
+                            format!("invalid value {v:?}"),
+                        ))
+                    } else if upper {
+                        Ok(v.to_ascii_uppercase())
+                    } else {
+                        Ok(v.to_ascii_lowercase())
+                    }
+                })
+                .collect()
+        };
+        let methods = list("methods", self.methods, true)?;
+        let hosts = list("hosts", self.hosts, false)?;
+        let mut headers = Vec::with_capacity(self.headers.len());
+        for (name, value) in self.headers {
+            if name.is_empty() {
+                return Err(err(format!("{path}.headers"), "empty header name"));
+            }
+            headers.push((name.to_ascii_lowercase(), value));
+        }
+        Ok(Match {
+            path: path_match,
+            methods,
+            hosts,
+            headers,
+        })
+    }
+}
+
+fn check_path(field: &str, p: String) -> Result<String, ConfigError> {
+    if p.starts_with('/') {
+        Ok(p)
+    } else {
+        Err(err(field, format!("{p:?} must start with \"/\"")))
+    }
+}
+
+impl RawResponse {
+    fn validate(self, path: &str) -> Result<Response, ConfigError> {
+        if !(200..=599).contains(&self.status) {
+            return Err(err(
+                format!("{path}.status"),
+                format!("{} is not an HTTP status between 200 and 599", self.status),
+            ));
+        }
+        let mut headers = Vec::with_capacity(self.headers.len());
+        for (name, value) in self.headers {
+            let lower = name.to_ascii_lowercase();
+            if lower.is_empty() || lower.starts_with(':') || lower == "content-length" {
+                return Err(err(
+                    format!("{path}.headers.{name}"),
+                    "this header cannot be set",
+                ));
+            }
+            headers.push((lower, value));
+        }
+        Ok(Response {
+            status: self.status,
+            body: self.body,
+            headers,
+        })
+    }
+}

@@ -1,0 +1,249 @@
+//! Deciding a request's checks: from the worker's stashes where they can, from the shared slots
+//! otherwise (all or nothing), then the stats, logs and headers of the outcome.
+
+use super::{quota_of, saturating_i64, Admitted, CheckInput, Engine, QuotaRef, Rejection, Step};
+use crate::config::Config;
+use crate::headers::{ceil_secs, retry_after_secs};
+use crate::stats::RuleStat;
+use log::{debug, info};
+use smallvec::SmallVec;
+use tollgate_core::limiter::INLINE_RULES;
+use tollgate_core::{
+    admit, CasStore, Check, CheckOutcome, CheckOutcomes, Lookup, Outcome, SlotEvent, Verdict,
+};
+
+/// The stash name of an input's quota if a worker may stash for it: an enforced check of a rule
+/// with `worker_batch`.
+fn stashed_quota(config: &Config, input: &CheckInput) -> Option<u32> {
+    let batches = config
+        .rules
+        .get(input.which.rule())
+        .is_some_and(|r| r.worker_batch > 0);
+    input.which.stash_id().filter(|_| batches && input.enforced)
+}
+
+impl Engine {
+    /// Decide `inputs` as one all-or-nothing outcome aligned with them. `None` if a quota is gone.
+    pub(super) fn decide<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        inputs: &[CheckInput],
+        now: u64,
+    ) -> Option<Outcome> {
+        let (config, stash) = (&self.config, &mut self.stash);
+        let mut results = CheckOutcomes::new();
+        let mut checks: SmallVec<[Check; INLINE_RULES]> = SmallVec::new();
+        let mut asked: SmallVec<[usize; INLINE_RULES]> = SmallVec::new();
+        let mut refused = None;
+        // Dry-run rules count would-be refusals of every request: a remembered refusal would hide
+        // them.
+        let any_dry_run = inputs.iter().any(|i| !i.enforced);
+        for (n, input) in inputs.iter().enumerate() {
+            let quota = quota_of(config, input.which)?;
+            let max_batch = config.rules.get(input.which.rule())?.worker_batch;
+            let lookup = match stashed_quota(config, input) {
+                Some(id) => stash.lookup(id, input.slot, input.cost, max_batch, now),
+                None => Lookup::Ask { batch: 0 },
+            };
+            let lookup = match lookup {
+                Lookup::Refused { .. } if any_dry_run => Lookup::Ask { batch: 0 },
+                other => other,
+            };
+            let verdict = match lookup {
+                Lookup::Spent {
+                    remaining,
+                    reset_ns,
+                } => Verdict::Allowed {
+                    remaining,
+                    reset_ns,
+                    delay_ns: 0,
+                },
+                Lookup::Refused {
+                    retry_after_ns,
+                    reset_ns,
+                } => {
+                    refused.get_or_insert(n);
+                    Verdict::Limited {
+                        retry_after_ns,
+                        remaining: 0,
+                        reset_ns,
+                    }
+                }
+                Lookup::Ask { batch } => {
+                    asked.push(n);
+                    checks.push(Check {
+                        limit: &quota.limit,
+                        table: &quota.table,
+                        slot: input.slot,
+                        cost: input.cost,
+                        enforced: input.enforced,
+                        batch,
+                    });
+                    Verdict::Skipped
+                }
+            };
+            results.push(CheckOutcome {
+                verdict,
+                slot: SlotEvent::Own,
+                hold: None,
+                refill: false,
+                stashed: 0,
+            });
+        }
+        let mut outcome = Outcome {
+            admitted: refused.is_none(),
+            rejected_by: refused,
+            checks: results,
+        };
+        if refused.is_none() && !checks.is_empty() {
+            let shared = admit(store, &checks, now);
+            outcome.admitted = shared.admitted;
+            outcome.rejected_by = shared.rejected_by.map(|i| asked[i]);
+            for (&n, result) in asked.iter().zip(shared.checks) {
+                outcome.checks[n] = result;
+            }
+        }
+        drop(checks);
+        self.keep_stashes(store, inputs, &outcome, &asked, now);
+        Some(outcome)
+    }
+
+    /// Stash what the bucket gave beyond the request, remember refusals, and put back stash
+    /// spending of a request that goes no further.
+    fn keep_stashes<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        inputs: &[CheckInput],
+        outcome: &Outcome,
+        asked: &[usize],
+        now: u64,
+    ) {
+        for (n, (input, result)) in inputs.iter().zip(&outcome.checks).enumerate() {
+            let Some(id) = stashed_quota(&self.config, input) else {
+                continue;
+            };
+            let was_asked = asked.contains(&n);
+            match result.verdict {
+                Verdict::Allowed {
+                    remaining,
+                    reset_ns,
+                    ..
+                } if outcome.admitted && was_asked => {
+                    let kept =
+                        self.stash
+                            .stash(id, input.slot, result.stashed, remaining, reset_ns, now);
+                    if !kept && result.stashed > 0 {
+                        self.return_leftover(store, input.which, input.slot, result.stashed, now);
+                    }
+                }
+                // Spent from the stash, but the request goes no further: back into the stash.
+                Verdict::Allowed { .. } if !outcome.admitted && !was_asked => {
+                    self.stash.put_back(id, input.slot, input.cost)
+                }
+                Verdict::Limited {
+                    retry_after_ns,
+                    reset_ns,
+                    ..
+                } if was_asked => {
+                    self.stash
+                        .refused(id, input.slot, input.cost, retry_after_ns, reset_ns, now)
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Stats, logs and headers of a decided request.
+    pub(super) fn conclude(&mut self, inputs: &[CheckInput], outcome: &Outcome) -> Step {
+        // The quota to report: the refusing rule, else the one with the least left.
+        let mut report: Option<(QuotaRef, u64, u64)> = None;
+        let mut admitted = Admitted::default();
+        for (n, result) in outcome.checks.iter().enumerate() {
+            let (input, which) = (&inputs[n], inputs[n].which);
+            let rule = which.rule();
+            match result.slot {
+                SlotEvent::Own => {}
+                SlotEvent::TakenOver => self.stats.bump(rule, RuleStat::SlotTakenOver),
+                SlotEvent::Shared => self.stats.bump(rule, RuleStat::SlotShared),
+            }
+            let (remaining, reset_secs) = match result.verdict {
+                Verdict::Allowed {
+                    remaining,
+                    reset_ns,
+                    delay_ns: d,
+                } => {
+                    if outcome.admitted {
+                        self.stats.bump(rule, RuleStat::Allowed);
+                        if d > 0 && input.enforced {
+                            self.stats.bump(rule, RuleStat::Delayed);
+                            admitted.delay_ns = admitted.delay_ns.max(d);
+                        }
+                    }
+                    (remaining, ceil_secs(reset_ns))
+                }
+                Verdict::Limited {
+                    retry_after_ns,
+                    remaining,
+                    ..
+                } => {
+                    if input.enforced {
+                        self.stats.bump(rule, RuleStat::Limited);
+                    } else {
+                        self.stats.bump(rule, RuleStat::DryRunLimited);
+                        info!(
+                            "dry run: rule {} would reject (key {:016x})",
+                            self.config.rules[rule].name, input.slot.tag
+                        );
+                    }
+                    (remaining, retry_after_secs(retry_after_ns))
+                }
+                Verdict::Contended => {
+                    self.stats.bump(rule, RuleStat::Contended);
+                    if input.enforced {
+                        self.stats.bump(rule, RuleStat::Limited);
+                    }
+                    (0, 1)
+                }
+                Verdict::Unavailable => {
+                    self.stats.bump(rule, RuleStat::StoreErrors);
+                    continue;
+                }
+                // Dry-run global rules without quota yet: no opinion; or not asked.
+                Verdict::Waiting | Verdict::Fallback | Verdict::Skipped => continue,
+            };
+            debug!(
+                "rule {} key {:016x} group {} {:?} {:?}",
+                self.config.rules[rule].name,
+                input.slot.tag,
+                input.slot.group,
+                result.verdict,
+                result.slot
+            );
+            if let Some(hold) = result.hold {
+                self.stats
+                    .add(rule, RuleStat::InFlight, saturating_i64(hold.cost));
+                admitted.holds.push((which, hold));
+            }
+            let refusing = outcome.rejected_by == Some(n);
+            let tighter =
+                report.is_none_or(|(_, r, t)| remaining < r || (remaining == r && reset_secs > t));
+            if refusing || (outcome.admitted && tighter) {
+                report = Some((which, remaining, reset_secs));
+            }
+        }
+        let report = report.map(|(which, remaining, reset_secs)| super::QuotaReport {
+            which,
+            remaining,
+            reset_secs,
+        });
+        if let (false, Some(r)) = (outcome.admitted, report) {
+            return Step::Reject(Rejection {
+                rule: r.which.rule(),
+                quota: Some(r),
+                retry_after_secs: Some(r.reset_secs),
+            });
+        }
+        admitted.report = report;
+        Step::Admit(admitted)
+    }
+}

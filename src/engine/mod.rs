@@ -1,0 +1,336 @@
+//! The per-request decision, host-independent: gather a request's checks from its view, decide them
+//! against the slots (through the core's `CasStore`) and the worker's stashes, and answer admit,
+//! reject or wait — global rules' leases, strict answers and failure modes included. The host
+//! layer only gathers what the engine asks for and carries out its answer.
+
+mod decide;
+mod failure;
+mod lease;
+mod reply;
+mod strict;
+#[cfg(test)]
+mod tests;
+
+pub use lease::{read_answer, Refill};
+pub use strict::Strict;
+
+use crate::config::{Config, Cost, OverrideAction, Quota};
+use crate::request::{header_cost, Request, RequestView};
+use crate::stats::{ProcessStat, RuleStat, Stats};
+use log::{debug, info};
+use smallvec::SmallVec;
+use tollgate_core::limiter::INLINE_RULES;
+use tollgate_core::slot::key_hash;
+use tollgate_core::{release, return_stash, CasStore, Hold, SlotId, StashTable};
+
+/// Which quota a check runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaRef {
+    /// The rule's own.
+    Rule(usize),
+    /// An override's own limit.
+    Override(usize, usize),
+    /// A global rule's local stand-in (failure mode `local`, provisional quota).
+    Fallback(usize),
+}
+
+impl QuotaRef {
+    pub fn rule(self) -> usize {
+        match self {
+            Self::Rule(i) | Self::Override(i, _) | Self::Fallback(i) => i,
+        }
+    }
+
+    /// The quota's name in worker stashes (fallback quotas take no batches).
+    fn stash_id(self) -> Option<u32> {
+        let (rule, sub) = match self {
+            Self::Rule(i) => (i, 0),
+            Self::Override(i, j) => (i, j.checked_add(1)?),
+            Self::Fallback(_) => return None,
+        };
+        let (rule, sub) = (u16::try_from(rule).ok()?, u16::try_from(sub).ok()?);
+        Some(u32::from(rule) << 16 | u32::from(sub))
+    }
+
+    fn from_stash_id(id: u32) -> Self {
+        let (rule, sub) = ((id >> 16) as usize, (id & 0xffff) as usize);
+        match sub {
+            0 => Self::Rule(rule),
+            j => Self::Override(rule, j - 1),
+        }
+    }
+}
+
+/// One rule's part in a request, kept so that a paused request can be decided again later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckInput {
+    pub which: QuotaRef,
+    /// The client key's hash: its slot in any table, and its name at the quota service.
+    pub key: u128,
+    pub slot: SlotId,
+    pub cost: u64,
+    pub enforced: bool,
+}
+
+/// A request's checks: on the stack for the usual few rules.
+pub type Inputs = SmallVec<[CheckInput; INLINE_RULES]>;
+
+/// Quota a request holds until it ends (concurrency rules), kept inline for one or two rules.
+pub type Holds = SmallVec<[(QuotaRef, Hold); 2]>;
+
+/// The quota a response describes in its rate-limit headers (rendered only when they are added).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaReport {
+    pub which: QuotaRef,
+    pub remaining: u64,
+    pub reset_secs: u64,
+}
+
+/// What an admitted request takes along.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Admitted {
+    pub report: Option<QuotaReport>,
+    pub holds: Holds,
+    /// Hold the request this long before passing it on (leaky buckets).
+    pub delay_ns: u64,
+}
+
+/// Why a request is refused, and what its answer says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rejection {
+    /// The refusing rule: its response and its `x-tollgate-rule`.
+    pub rule: usize,
+    pub quota: Option<QuotaReport>,
+    pub retry_after_secs: Option<u64>,
+}
+
+/// The decision for a request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    Admit(Admitted),
+    Reject(Rejection),
+    /// Some global rule has no quota yet: decide again once it may have some.
+    Wait,
+}
+
+/// One configuration's decisions in one worker: the rules, the worker's stashes, its stats and
+/// the refills its requests claimed.
+pub struct Engine {
+    config: Config,
+    stash: StashTable,
+    stats: Stats,
+    refills: Vec<Refill>,
+    /// What this worker last reported of its stashed tokens (the gauge is process-wide).
+    stash_reported: i64,
+}
+
+impl Engine {
+    pub fn new(config: Config) -> Self {
+        Self {
+            stats: Stats::new(config.rules.len()),
+            config,
+            stash: StashTable::default(),
+            refills: Vec::new(),
+            stash_reported: 0,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn stats_mut(&mut self) -> &mut Stats {
+        &mut self.stats
+    }
+
+    /// Create every slot group of every rule that does not exist yet (existing ones keep their
+    /// state: a reload of unchanged rules).
+    pub fn initialize<S: CasStore + ?Sized>(&self, store: &S) -> Result<(), String> {
+        let stand_ins = self.config.rules.iter().filter_map(|r| {
+            let g = r.global.as_ref()?;
+            Some((r, &g.fallback))
+        });
+        for (rule, quota) in self.config.quotas().chain(stand_ins) {
+            quota
+                .table
+                .initialize(store)
+                .map_err(|e| format!("cannot create the slots of rule {}: {e:?}", rule.name))?;
+        }
+        Ok(())
+    }
+
+    pub fn quota_of(&self, which: QuotaRef) -> Option<&Quota> {
+        quota_of(&self.config, which)
+    }
+
+    /// Put in `inputs` the checks of every rule that applies to `request`, in rule order; or
+    /// return the rejection of a `block` override, which refuses the request outright.
+    pub fn gather<V: RequestView>(
+        &mut self,
+        request: &Request<V>,
+        inputs: &mut Inputs,
+    ) -> Option<Rejection> {
+        inputs.clear();
+        for (i, rule) in self.config.rules.iter().enumerate() {
+            if !request.matches(&rule.matcher) {
+                continue;
+            }
+            let Some(key) = request.key(&rule.key, rule.missing_key) else {
+                continue;
+            };
+            let overridden = rule.overrides.iter().position(|o| o.key[..] == key[..]);
+            let (which, quota) = match overridden.map(|j| (j, &rule.overrides[j].action)) {
+                None => (QuotaRef::Rule(i), &rule.quota),
+                Some((_, OverrideAction::Unlimited)) => continue,
+                Some((_, OverrideAction::Block)) => {
+                    if rule.dry_run {
+                        self.stats.bump(i, RuleStat::DryRunLimited);
+                        info!("dry run: rule {} would block its key", rule.name);
+                        continue;
+                    }
+                    self.stats.bump(i, RuleStat::Blocked);
+                    return Some(Rejection {
+                        rule: i,
+                        quota: None,
+                        retry_after_secs: None,
+                    });
+                }
+                Some((j, OverrideAction::Limit(q))) => (QuotaRef::Override(i, j), q),
+            };
+            let key = key_hash(&key);
+            let cost = match &rule.cost {
+                Cost::Fixed(n) => *n,
+                Cost::Header { name, default, max } => {
+                    header_cost(request.view().header(name).as_deref(), *default, *max)
+                }
+            };
+            inputs.push(CheckInput {
+                which,
+                slot: quota.table.locate_hash(key),
+                key,
+                cost,
+                enforced: !rule.dry_run,
+            });
+        }
+        None
+    }
+
+    /// Decide a request from its checks. Global rules without quota yet make it wait, or (when
+    /// their source failed, or once `timed_out`) follow the failure mode, which may rewrite
+    /// `inputs`.
+    pub fn evaluate<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        inputs: &mut Inputs,
+        now: u64,
+        timed_out: bool,
+    ) -> Step {
+        loop {
+            let Some(outcome) = self.decide(store, inputs, now) else {
+                return Step::Admit(Admitted::default());
+            };
+            self.record_claims(inputs, &outcome);
+            if outcome.admitted || outcome.rejected_by.is_some() {
+                return self.conclude(inputs, &outcome);
+            }
+            match self.fall_back(inputs, &outcome, timed_out) {
+                failure::Undecided::Wait => return Step::Wait,
+                failure::Undecided::Reject(r) => return Step::Reject(r),
+                failure::Undecided::Again if inputs.is_empty() => {
+                    return Step::Admit(Admitted::default())
+                }
+                failure::Undecided::Again => {}
+            }
+        }
+    }
+
+    /// Count a request that waits for global quota.
+    pub fn waits(&mut self, inputs: &Inputs) {
+        for input in inputs {
+            self.stats.bump(input.which.rule(), RuleStat::Waited);
+        }
+    }
+
+    /// Give back what an admitted request held, at its end (concurrency rules).
+    pub fn release<S: CasStore + ?Sized>(&mut self, store: &S, holds: Holds, now: u64) {
+        for (which, hold) in holds {
+            let Some(quota) = self.quota_of(which) else {
+                continue;
+            };
+            let result = release(store, &quota.limit, &quota.table, &hold, now);
+            let rule = which.rule();
+            self.stats
+                .add(rule, RuleStat::InFlight, -saturating_i64(hold.cost));
+            if let Err(e) = result {
+                self.stats.add_process(ProcessStat::ReleaseErrors, 1);
+                log::error!(
+                    "rule {}: in-flight count not released: {e:?}",
+                    self.config.rules[rule].name
+                );
+            }
+        }
+    }
+
+    /// Give back to their buckets the tokens this worker stashed and did not spend in time (all
+    /// of them with `u64::MAX`), and note what the stashes hold now.
+    pub fn return_stashes<S: CasStore + ?Sized>(&mut self, store: &S, now: u64) {
+        let leftovers = self.stash.expired(now);
+        let held = saturating_i64(self.stash.held());
+        let reported = std::mem::replace(&mut self.stash_reported, held);
+        self.stats
+            .add_process(ProcessStat::StashHeld, held - reported);
+        for l in leftovers {
+            self.return_leftover(
+                store,
+                QuotaRef::from_stash_id(l.quota),
+                l.slot,
+                l.tokens,
+                now,
+            );
+        }
+    }
+
+    fn return_leftover<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        which: QuotaRef,
+        slot: SlotId,
+        tokens: u64,
+        now: u64,
+    ) {
+        let Some(quota) = self.quota_of(which) else {
+            return;
+        };
+        match return_stash(store, &quota.limit, &quota.table, slot, tokens, now) {
+            Ok(()) => self.stats.add(
+                which.rule(),
+                RuleStat::StashReturned,
+                saturating_i64(tokens),
+            ),
+            // Lost tokens only make the key stricter until its bucket refills.
+            Err(e) => debug!("stashed tokens not returned: {e:?}"),
+        }
+    }
+
+    /// Tokens sitting in this worker's stashes.
+    pub fn stashed(&self) -> u64 {
+        self.stash.held()
+    }
+}
+
+/// The quota a check runs against, if the configuration still has it.
+fn quota_of(config: &Config, which: QuotaRef) -> Option<&Quota> {
+    let rule = config.rules.get(which.rule())?;
+    match which {
+        QuotaRef::Rule(_) => Some(&rule.quota),
+        QuotaRef::Override(_, j) => match &rule.overrides.get(j)?.action {
+            OverrideAction::Limit(q) => Some(q),
+            _ => None,
+        },
+        QuotaRef::Fallback(_) => rule.global.as_ref().map(|g| &g.fallback),
+    }
+}
+
+fn saturating_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}

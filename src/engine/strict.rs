@@ -1,0 +1,139 @@
+//! Requests whose global rules are asked with a call of their own: strict mode, and lease-mode
+//! waits on hosts that can only resume a request from its own callbacks.
+
+use super::{CheckInput, Engine, Inputs, QuotaRef, QuotaReport, Rejection, Step};
+use crate::config::FailureMode;
+use crate::headers::{ceil_secs, retry_after_secs};
+use crate::stats::{ProcessStat, RuleStat};
+use tollgate_core::lease::{LeaseItem, LeaseResponse};
+use tollgate_core::CasStore;
+
+/// A request waiting for its own call to the quota service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Strict {
+    /// Checks of global rules, asked for `cost` tokens each.
+    pub globals: Inputs,
+    /// Local rules (and stand-ins), decided once the global ones have granted.
+    pub locals: Inputs,
+}
+
+impl Engine {
+    fn is_global(&self, input: &CheckInput) -> bool {
+        matches!(input.which, QuotaRef::Rule(i)
+            if self.config.rules.get(i).is_some_and(|r| r.global.is_some()))
+    }
+
+    /// Strict mode: true if the request makes a call of its own (an enforced global rule applies).
+    pub fn is_strict(&self, inputs: &Inputs) -> bool {
+        let strict = self.config.quota_service.as_ref().is_some_and(|q| q.strict);
+        strict && inputs.iter().any(|i| i.enforced && self.is_global(i))
+    }
+
+    /// The checks split into those asked by a call of the request's own and the rest.
+    pub fn split(&self, inputs: Inputs) -> Strict {
+        let (globals, locals) = inputs.into_iter().partition(|i| self.is_global(i));
+        Strict { globals, locals }
+    }
+
+    /// The call's items: each global check's cost.
+    pub fn strict_items(&self, strict: &Strict) -> Vec<LeaseItem> {
+        strict
+            .globals
+            .iter()
+            .filter_map(|g| self.lease_item(g.which.rule(), g.key, g.cost, g.cost))
+            .collect()
+    }
+
+    /// Decide a request once its own call answered (`None`: the call failed).
+    pub fn finish_strict<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        strict: Strict,
+        answer: Option<&LeaseResponse>,
+        now: u64,
+    ) -> Step {
+        let Strict {
+            globals,
+            mut locals,
+        } = strict;
+        let Some(answer) = answer else {
+            return self.strict_failed(store, globals, locals, now);
+        };
+        let mut refusal = None;
+        for (g, grant) in globals.iter().zip(&answer.items) {
+            if grant.granted >= g.cost {
+                continue;
+            }
+            let rule = g.which.rule();
+            if !g.enforced {
+                self.stats.bump(rule, RuleStat::DryRunLimited);
+                log::info!(
+                    "dry run: rule {} would reject (key {:016x})",
+                    self.config.rules[rule].name,
+                    g.slot.tag
+                );
+                continue;
+            }
+            if refusal.is_some() {
+                continue;
+            }
+            self.stats.bump(rule, RuleStat::Limited);
+            let global = self.config.rules.get(rule).and_then(|r| r.global.as_ref());
+            // The time `cost` tokens take to come back.
+            let wait_ms = global.map_or(1_000, |gl| {
+                g.cost.max(1).saturating_mul(gl.per_ms) / gl.requests
+            });
+            refusal = Some(Rejection {
+                rule,
+                quota: Some(QuotaReport {
+                    which: QuotaRef::Rule(rule),
+                    remaining: grant.remaining,
+                    reset_secs: ceil_secs(grant.reset_ms.saturating_mul(1_000_000)),
+                }),
+                retry_after_secs: Some(retry_after_secs(wait_ms.saturating_mul(1_000_000))),
+            });
+        }
+        if let Some(r) = refusal {
+            return Step::Reject(r);
+        }
+        for (g, grant) in globals.iter().zip(&answer.items) {
+            if grant.granted >= g.cost {
+                self.stats.bump(g.which.rule(), RuleStat::Allowed);
+            }
+        }
+        self.evaluate(store, &mut locals, now, false)
+    }
+
+    /// The call failed: the failure mode decides the global rules.
+    fn strict_failed<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        globals: Inputs,
+        mut locals: Inputs,
+        now: u64,
+    ) -> Step {
+        self.stats.add_process(ProcessStat::QuotaFailures, 1);
+        for g in &globals {
+            self.stats.bump(g.which.rule(), RuleStat::Fallback);
+        }
+        let enforced = globals.iter().find(|g| g.enforced);
+        match (self.failure_mode(), enforced) {
+            (FailureMode::Deny, Some(g)) => {
+                let rule = g.which.rule();
+                self.stats.bump(rule, RuleStat::Limited);
+                Step::Reject(Rejection::failure_mode(
+                    rule,
+                    self.config.quota_service.as_ref(),
+                ))
+            }
+            (FailureMode::Local, _) => {
+                for mut g in globals {
+                    self.to_stand_in(&mut g);
+                    locals.push(g);
+                }
+                self.evaluate(store, &mut locals, now, false)
+            }
+            _ => self.evaluate(store, &mut locals, now, false),
+        }
+    }
+}

@@ -1,0 +1,416 @@
+//! The engine without a proxy: every algorithm path, leases, strict answers and failure modes,
+//! over an in-memory store with the strict CAS semantics of nginx-like hosts.
+
+use super::*;
+use crate::headers::HeaderSet;
+use crate::stats::Stat;
+use tollgate_core::lease::{LeaseGrant, LeaseResponse};
+use tollgate_core::MemoryStore;
+
+const SEC: u64 = 1_000_000_000;
+const NOW: u64 = 1_700_000_000 * SEC;
+
+/// A request as a fake host shows it.
+#[derive(Default, Clone)]
+struct Req {
+    headers: Vec<(&'static str, Vec<u8>)>,
+    peer: &'static str,
+}
+
+impl RequestView for Req {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.clone())
+    }
+    fn source_address(&self) -> Option<Vec<u8>> {
+        Some(self.peer.as_bytes().to_vec())
+    }
+}
+
+fn req(headers: &[(&'static str, &[u8])]) -> Req {
+    Req {
+        headers: headers.iter().map(|(n, v)| (*n, v.to_vec())).collect(),
+        peer: "10.0.0.1:4000",
+    }
+}
+
+struct Rig {
+    engine: Engine,
+    store: MemoryStore,
+}
+
+impl Rig {
+    fn new(json: &str) -> Self {
+        let config = Config::parse(json.as_bytes()).unwrap();
+        let engine = Engine::new(config);
+        let store = MemoryStore::new();
+        engine.initialize(&store).unwrap();
+        Self { engine, store }
+    }
+
+    fn inputs(&mut self, r: &Req) -> Inputs {
+        let trusted = self.engine.config().trusted_hops;
+        let mut inputs = Inputs::new();
+        if let Some(b) = self.engine.gather(&Request::new(r, trusted), &mut inputs) {
+            panic!("blocked: {b:?}");
+        }
+        inputs
+    }
+
+    fn step(&mut self, r: &Req, now: u64) -> Step {
+        let mut inputs = self.inputs(r);
+        self.engine.evaluate(&self.store, &mut inputs, now, false)
+    }
+
+    fn admitted(&mut self, r: &Req, now: u64, n: usize) -> usize {
+        (0..n)
+            .filter(|_| matches!(self.step(r, now), Step::Admit(_)))
+            .count()
+    }
+
+    fn stat(&self, rule: usize, stat: RuleStat) -> i64 {
+        self.engine.stats.pending(Stat::Rule(rule, stat))
+    }
+}
+
+fn admit(step: Step) -> Admitted {
+    match step {
+        Step::Admit(a) => a,
+        other => panic!("not admitted: {other:?}"),
+    }
+}
+
+fn reject(step: Step) -> Rejection {
+    match step {
+        Step::Reject(r) => r,
+        other => panic!("not rejected: {other:?}"),
+    }
+}
+
+const ONE_RULE: &str = r#"{"rules":[{"name":"r","key":["header:x-user"],"limit":{"requests":1,"per":"1m"},"burst":3,"worker_batch":0}]}"#;
+
+#[test]
+fn a_token_bucket_admits_its_burst_then_refuses_with_the_time_to_wait() {
+    let mut rig = Rig::new(ONE_RULE);
+    let alice = req(&[("x-user", b"alice")]);
+    for left in [2, 1, 0] {
+        let a = admit(rig.step(&alice, NOW));
+        assert_eq!(a.report.map(|r| r.remaining), Some(left));
+    }
+    let r = reject(rig.step(&alice, NOW));
+    assert_eq!((r.rule, r.retry_after_secs), (0, Some(60)));
+    // Another key has its own bucket.
+    assert_eq!(rig.admitted(&req(&[("x-user", b"bob")]), NOW, 5), 3);
+    // Refilled at the rate.
+    assert!(matches!(rig.step(&alice, NOW + 60 * SEC), Step::Admit(_)));
+    assert_eq!(rig.stat(0, RuleStat::Allowed), 7);
+    assert_eq!(rig.stat(0, RuleStat::Limited), 3);
+
+    let mut h = HeaderSet::default();
+    let response = rig.engine.render_rejection(&mut h, &r);
+    assert_eq!(response.status, 429);
+    let headers: Vec<_> = h.iter().collect();
+    assert_eq!(
+        headers,
+        [
+            ("content-type", "text/plain"),
+            ("ratelimit-policy", "\"r\";q=1;w=60"),
+            ("ratelimit", "\"r\";r=0;t=60"),
+            ("retry-after", "60"),
+            ("x-tollgate-rule", "r"),
+        ]
+    );
+}
+
+#[test]
+fn key_values_are_bytes_and_requests_without_the_key_are_skipped() {
+    let mut rig = Rig::new(ONE_RULE);
+    let latin1 = req(&[("x-user", b"caf\xe9")]);
+    let utf8 = req(&[("x-user", "café".as_bytes())]);
+    assert_eq!(rig.admitted(&latin1, NOW, 5), 3);
+    assert_eq!(rig.admitted(&utf8, NOW, 5), 3);
+    assert!(rig.inputs(&req(&[])).is_empty());
+}
+
+#[test]
+fn windows_warm_up_and_leaky_buckets_follow_their_formulas() {
+    let mut rig = Rig::new(
+        r#"{"rules":[
+          {"name":"fw","match":{"path":"/fw"},"algorithm":"fixed_window","limit":{"requests":4,"per":"10s"}},
+          {"name":"sw","match":{"path":"/sw"},"algorithm":"sliding_window","limit":{"requests":4,"per":"10s"}},
+          {"name":"wu","match":{"path":"/wu"},"limit":{"requests":30,"per":"1s"},"warmup":"10s"},
+          {"name":"lb","match":{"path":"/lb"},"algorithm":"leaky_bucket","limit":{"requests":10,"per":"1s"},"burst":3}
+        ]}"#,
+    );
+    let at = |p: &'static [u8]| req(&[(":path", p)]);
+    let edge = (NOW / (10 * SEC) + 1) * 10 * SEC;
+    assert_eq!(rig.admitted(&at(b"/fw"), edge - 1, 6), 4);
+    assert_eq!(rig.admitted(&at(b"/fw"), edge, 6), 4, "fixed: a new window");
+    assert_eq!(rig.admitted(&at(b"/sw"), edge - 1, 6), 4);
+    assert_eq!(
+        rig.admitted(&at(b"/sw"), edge, 6),
+        0,
+        "sliding: no second burst"
+    );
+    // A cold warm-up bucket admits one request at a time, at a third of the rate.
+    assert_eq!(rig.admitted(&at(b"/wu"), NOW, 5), 1);
+    // nginx limit_req: the first in rate, the next three delayed 100, 200, 300 ms, then refused.
+    let delays: Vec<u64> = (0..4)
+        .map(|_| admit(rig.step(&at(b"/lb"), NOW)).delay_ns)
+        .collect();
+    assert_eq!(delays, [0, 100_000_000, 200_000_000, 300_000_000]);
+    assert!(matches!(rig.step(&at(b"/lb"), NOW), Step::Reject(_)));
+    assert_eq!(rig.stat(3, RuleStat::Delayed), 3);
+}
+
+#[test]
+fn concurrency_holds_until_released() {
+    let mut rig =
+        Rig::new(r#"{"rules":[{"name":"c","algorithm":"concurrency","limit":{"concurrent":2}}]}"#);
+    let r = req(&[]);
+    let first = admit(rig.step(&r, NOW));
+    let second = admit(rig.step(&r, NOW));
+    assert_eq!(first.holds.len(), 1);
+    assert!(matches!(rig.step(&r, NOW), Step::Reject(_)));
+    assert_eq!(rig.stat(0, RuleStat::InFlight), 2);
+    rig.engine.release(&rig.store, first.holds, NOW);
+    assert!(matches!(rig.step(&r, NOW), Step::Admit(_)));
+    rig.engine.release(&rig.store, second.holds, NOW);
+    assert_eq!(rig.stat(0, RuleStat::InFlight), 1);
+}
+
+#[test]
+fn overrides_dry_run_and_all_or_nothing() {
+    let mut rig = Rig::new(
+        r#"{"rules":[
+          {"name":"ip","key":["client_ip"],"limit":{"requests":1,"per":"1h"},"burst":2,"worker_batch":0,
+           "overrides":[{"values":["10.0.0.2"],"unlimited":true},{"values":["10.0.0.3"],"block":true},
+                        {"values":["10.0.0.4"],"limit":{"requests":1,"per":"1h"},"burst":5}]},
+          {"name":"dry","limit":{"requests":1,"per":"1h"},"burst":1,"dry_run":true},
+          {"name":"narrow","match":{"path":"/narrow"},"limit":{"requests":1,"per":"1h"},"burst":1,"worker_batch":0}
+        ]}"#,
+    );
+    let from = |peer: &'static str| Req { peer, ..req(&[]) };
+    // The dry-run rule refuses from the second request on, but never refuses.
+    assert_eq!(rig.admitted(&from("10.0.0.1:1"), NOW, 4), 2);
+    assert!(rig.stat(1, RuleStat::DryRunLimited) >= 2);
+    assert_eq!(
+        rig.inputs(&from("10.0.0.2:1")).len(),
+        1,
+        "unlimited: only the dry rule"
+    );
+    let trusted = rig.engine.config().trusted_hops;
+    let blocked = rig.engine.gather(
+        &Request::new(&from("10.0.0.3:1"), trusted),
+        &mut Inputs::new(),
+    );
+    assert!(matches!(blocked, Some(Rejection { rule: 0, .. })));
+    assert_eq!(rig.admitted(&from("10.0.0.4:1"), NOW, 8), 5);
+    // "narrow" refuses its second request, which then charges "ip" nothing.
+    let narrow = Req {
+        peer: "10.0.0.9:1",
+        ..req(&[(":path", b"/narrow")])
+    };
+    assert_eq!(rig.admitted(&narrow, NOW, 3), 1);
+    let plain = from("10.0.0.9:1");
+    assert_eq!(rig.admitted(&plain, NOW, 3), 1, "one of the 2 tokens left");
+}
+
+#[test]
+fn busy_keys_stash_tokens_and_give_back_what_they_do_not_spend() {
+    let mut rig = Rig::new(
+        r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1h"},"burst":100,"worker_batch":8}]}"#,
+    );
+    let r = req(&[]);
+    // The second request within 20 ms is busy: its CAS takes 8 more.
+    assert_eq!(rig.admitted(&r, NOW, 2), 2);
+    assert_eq!(rig.engine.stashed(), 8);
+    assert_eq!(rig.admitted(&r, NOW, 3), 3);
+    assert_eq!(rig.engine.stashed(), 5);
+    rig.engine.return_stashes(&rig.store, NOW + SEC);
+    assert_eq!(rig.engine.stashed(), 0);
+    assert_eq!(rig.stat(0, RuleStat::StashReturned), 5);
+    // 5 spent + 5 returned: 95 left in the shared bucket.
+    assert_eq!(rig.admitted(&req(&[]), NOW + SEC, 200), 95);
+}
+
+const GLOBAL: &str = r#"{"rules":[{"name":"g","scope":"global","key":["header:x-user"],
+    "limit":{"requests":100,"per":"1m"},"burst":40,"worker_batch":0}],
+  "quota_service":{"upstream":"quota","failure_mode":"FAILURE","first_lease":"FIRST","instances_hint":2}}"#;
+
+fn global(failure: &str, first: &str) -> Rig {
+    Rig::new(&GLOBAL.replace("FAILURE", failure).replace("FIRST", first))
+}
+
+fn grant(granted: u64) -> LeaseResponse {
+    LeaseResponse {
+        items: vec![LeaseGrant {
+            granted,
+            ttl_ms: 10_000,
+            remaining: 7,
+            reset_ms: 30_000,
+        }],
+    }
+}
+
+#[test]
+fn a_global_key_waits_for_its_first_lease_then_spends_it() {
+    let mut rig = global("deny", "wait");
+    let u = req(&[("x-user", b"u")]);
+    assert_eq!(rig.step(&u, NOW), Step::Wait);
+    assert_eq!(rig.step(&u, NOW), Step::Wait, "one claim per key");
+    let (refills, call) = rig.engine.take_refills("me").unwrap();
+    assert!(rig.engine.take_refills("me").is_none());
+    assert_eq!((refills.len(), call.items.len()), (1, 1));
+    assert_eq!(call.instance, "me");
+    let item = &call.items[0];
+    assert_eq!((item.rule.as_str(), item.wanted, item.burst), ("g", 5, 40));
+    assert_eq!(item.key, format!("{:032x}", refills[0].key));
+    rig.engine
+        .apply_grants(&rig.store, &refills, Some(&grant(5)), NOW);
+    assert_eq!(rig.admitted(&u, NOW, 8), 5);
+    assert_eq!(
+        rig.engine
+            .stats
+            .pending(Stat::Process(ProcessStat::QuotaGranted)),
+        5
+    );
+    // Nothing granted: refused until a token can come back, without asking again meanwhile.
+    let (refills, _) = rig.engine.take_refills("me").unwrap();
+    rig.engine
+        .apply_grants(&rig.store, &refills, Some(&grant(0)), NOW);
+    let r = reject(rig.step(&u, NOW));
+    assert_eq!(r.rule, 0);
+}
+
+#[test]
+fn failure_modes_decide_when_the_quota_service_fails() {
+    for (mode, admitted) in [("allow", 50), ("deny", 0), ("local", 20)] {
+        let mut rig = global(mode, "wait");
+        let u = req(&[("x-user", b"u")]);
+        assert_eq!(rig.step(&u, NOW), Step::Wait);
+        let (refills, _) = rig.engine.take_refills("me").unwrap();
+        rig.engine.apply_grants(&rig.store, &refills, None, NOW);
+        assert_eq!(rig.admitted(&u, NOW, 50), admitted, "{mode}");
+        assert!(rig.stat(0, RuleStat::Fallback) >= 1, "{mode}");
+        if mode == "deny" {
+            let r = reject(rig.step(&u, NOW));
+            assert_eq!(r.retry_after_secs, Some(1));
+        }
+    }
+}
+
+#[test]
+fn a_wait_that_times_out_applies_the_failure_mode_and_provisional_quota_spends_at_once() {
+    let mut rig = global("deny", "wait");
+    let mut inputs = rig.inputs(&req(&[("x-user", b"u")]));
+    assert_eq!(
+        rig.engine.evaluate(&rig.store, &mut inputs, NOW, false),
+        Step::Wait
+    );
+    let timed_out = rig.engine.evaluate(&rig.store, &mut inputs, NOW, true);
+    assert_eq!(reject(timed_out).rule, 0);
+
+    let mut rig = global("deny", "provisional");
+    // The stand-in: 40 / 2 instances.
+    assert_eq!(rig.admitted(&req(&[("x-user", b"u")]), NOW, 30), 20);
+}
+
+#[test]
+fn strict_answers_grant_refuse_or_fall_back() {
+    let strict = GLOBAL.replace(
+        r#""upstream":"quota""#,
+        r#""upstream":"quota","mode":"strict""#,
+    );
+    let with_local = strict.replace(
+        r#""worker_batch":0}]"#,
+        r#""worker_batch":0},{"name":"l","limit":{"requests":1,"per":"1h"},"burst":1,"worker_batch":0}]"#,
+    );
+    let u = req(&[("x-user", b"u")]);
+    let mut rig = Rig::new(
+        &with_local
+            .replace("FAILURE", "deny")
+            .replace("FIRST", "wait"),
+    );
+    let inputs = rig.inputs(&u);
+    assert!(rig.engine.is_strict(&inputs));
+    let s = rig.engine.split(inputs);
+    assert_eq!((s.globals.len(), s.locals.len()), (1, 1));
+    let items = rig.engine.strict_items(&s);
+    assert_eq!((items[0].wanted, items[0].used), (1, 1));
+    // Granted: the local rule decides (its one token, then refusals).
+    let step = rig
+        .engine
+        .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW);
+    assert!(matches!(step, Step::Admit(_)));
+    let step = rig
+        .engine
+        .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW);
+    assert_eq!(reject(step).rule, 1);
+    // Short: refused by the global rule, with the time a token takes (60 s / 100 = 0.6 s → 1).
+    let r = reject(
+        rig.engine
+            .finish_strict(&rig.store, s.clone(), Some(&grant(0)), NOW),
+    );
+    assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)));
+    assert_eq!(r.quota.map(|q| (q.remaining, q.reset_secs)), Some((7, 30)));
+    // Failed: deny.
+    let r = reject(rig.engine.finish_strict(&rig.store, s, None, NOW));
+    assert_eq!(r.retry_after_secs, Some(1));
+
+    for (mode, admitted) in [("allow", 10), ("local", 10)] {
+        let mut rig = Rig::new(&strict.replace("FAILURE", mode).replace("FIRST", "wait"));
+        let mut n = 0;
+        for _ in 0..10 {
+            let inputs = rig.inputs(&u);
+            let s = rig.engine.split(inputs);
+            n += usize::from(matches!(
+                rig.engine.finish_strict(&rig.store, s, None, NOW),
+                Step::Admit(_)
+            ));
+        }
+        assert_eq!(n, admitted, "{mode}");
+    }
+    // Lease mode: no call of its own.
+    let mut rig = global("allow", "wait");
+    let inputs = rig.inputs(&u);
+    assert!(!rig.engine.is_strict(&inputs));
+}
+
+#[test]
+fn a_dry_run_global_rule_never_refuses_in_strict_mode() {
+    let json = GLOBAL
+        .replace(
+            r#""upstream":"quota""#,
+            r#""upstream":"quota","mode":"strict""#,
+        )
+        .replace(
+            r#""worker_batch":0}"#,
+            r#""worker_batch":0,"dry_run":true}"#,
+        )
+        .replace("FAILURE", "deny")
+        .replace("FIRST", "wait");
+    let mut rig = Rig::new(&json);
+    let inputs = rig.inputs(&req(&[("x-user", b"u")]));
+    // Only dry-run globals: no call of its own.
+    assert!(!rig.engine.is_strict(&inputs));
+    let s = rig.engine.split(inputs);
+    let step = rig
+        .engine
+        .finish_strict(&rig.store, s, Some(&grant(0)), NOW);
+    assert!(matches!(step, Step::Admit(_)));
+    assert_eq!(rig.stat(0, RuleStat::DryRunLimited), 1);
+}
+
+#[test]
+fn lease_answers_are_checked_before_use() {
+    let ok = br#"{"items":[{"granted":1,"ttl_ms":1,"remaining":0,"reset_ms":1}]}"#;
+    assert!(read_answer(Some(b"200"), Some(ok), 1).is_some());
+    assert!(read_answer(Some(b"200"), Some(ok), 2).is_none());
+    assert!(read_answer(Some(b"503"), Some(ok), 1).is_none());
+    assert!(read_answer(None, None, 1).is_none());
+    assert!(read_answer(Some(b"200"), Some(b"\xff{"), 1).is_none());
+    assert!(read_answer(Some(b"2\xff0"), Some(ok), 1).is_none());
+}

@@ -1,0 +1,48 @@
+//! Bucket keys: each part's value tagged and length-prefixed, so that no two different combinations
+//! of values (or of present and absent parts) give the same bytes. Values are bytes, never text.
+
+use smallvec::SmallVec;
+
+/// A rule's bucket key for one request: on the stack for keys of usual length.
+pub type KeyBytes = SmallVec<[u8; 128]>;
+
+/// Append one part: `1, len (u32 LE), value` if present, `0` if absent.
+pub fn push_key_part(key: &mut KeyBytes, value: Option<&[u8]>) {
+    match value {
+        Some(v) => {
+            key.push(1);
+            // A value longer than 4 GiB cannot reach a filter; saturate rather than wrap.
+            let len = u32::try_from(v.len()).unwrap_or(u32::MAX);
+            key.extend_from_slice(&len.to_le_bytes());
+            key.extend_from_slice(v);
+        }
+        None => key.push(0),
+    }
+}
+
+/// Key bytes from part values, as requests make them (for override values).
+pub fn encode_key<'v>(values: impl Iterator<Item = Option<&'v [u8]>>) -> Vec<u8> {
+    let mut key = KeyBytes::new();
+    for value in values {
+        push_key_part(&mut key, value);
+    }
+    key.into_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Different part values (present or absent) never encode to the same key.
+        #[test]
+        fn keys_are_unambiguous(
+            a in proptest::collection::vec(proptest::option::of(proptest::collection::vec(any::<u8>(), 0..8)), 0..4),
+            b in proptest::collection::vec(proptest::option::of(proptest::collection::vec(any::<u8>(), 0..8)), 0..4),
+        ) {
+            let encode = |v: &Vec<Option<Vec<u8>>>| encode_key(v.iter().map(|p| p.as_deref()));
+            prop_assert_eq!(a == b, encode(&a) == encode(&b));
+        }
+    }
+}

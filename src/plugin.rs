@@ -1,0 +1,286 @@
+//! One configuration's state in one worker — what a root context owns: its engine, its paused
+//! requests, its stats' host ids and the buffers it reuses. Two configurations in one VM (two
+//! filters sharing a `vm_id`, several `proxy_wasm` directives) never share any of it.
+
+use crate::config::{Config, HostCaps};
+use crate::engine::{Engine, Step};
+use crate::headers::HeaderSet;
+use crate::host::{self, SharedData};
+use crate::queues::Queues;
+use crate::stats::{ProcessStat, RuleStat, Stat};
+use crate::{abi, quota_client, respond};
+use log::{debug, info, warn};
+use std::cell::RefCell;
+use tollgate_core::{CasStore, StoreError};
+
+/// How often a worker looks for held requests that are due: the spacing's resolution.
+const TICK_MS: u32 = 5;
+/// The tick otherwise: it returns unspent stashed tokens and hands the worker's stats over.
+const STATS_TICK_MS: u32 = 10;
+
+/// A stat's place at the host.
+#[derive(Clone)]
+struct Metric {
+    id: u32,
+    /// Gauges: the shared-data key holding the process-wide value (hosts differ in how gauges
+    /// change, so every host is given absolute values).
+    total_key: Option<String>,
+}
+
+/// Buffers a worker reuses from request to request.
+#[derive(Default)]
+pub struct Scratch {
+    pub headers: HeaderSet,
+    pub wire: Vec<u8>,
+}
+
+pub struct Plugin {
+    pub engine: RefCell<Engine>,
+    pub queues: RefCell<Queues>,
+    pub caps: HostCaps,
+    /// This process's name at the quota service.
+    pub instance: String,
+    pub scratch: RefCell<Scratch>,
+    rule_metrics: Vec<Vec<Option<Metric>>>,
+    process_metrics: Vec<Option<Metric>>,
+}
+
+impl Plugin {
+    /// Parse, check and set up a configuration: its slots and its stats. The error is the line
+    /// to log.
+    pub fn load(bytes: &[u8], caps: HostCaps) -> Result<Self, String> {
+        let config = Config::parse(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
+        config
+            .check_host(&caps)
+            .map_err(|e| format!("invalid configuration: {e}"))?;
+        host::set_log_level(config.log_level);
+        let engine = Engine::new(config);
+        engine.initialize(&SharedData)?;
+        let config = engine.config();
+        let rule_metrics = config
+            .rules
+            .iter()
+            .map(|rule| {
+                RuleStat::ALL
+                    .iter()
+                    .map(|&stat| {
+                        let wanted = stat != RuleStat::InFlight || rule.holds_requests_open();
+                        let name = format!("tollgate.rule.{}.{}", rule.name, stat.name());
+                        wanted.then(|| define(&name, stat.is_gauge())).flatten()
+                    })
+                    .collect()
+            })
+            .collect();
+        let process_metrics = ProcessStat::ALL
+            .iter()
+            .map(|&stat| define(stat.name(), stat.is_gauge()))
+            .collect();
+        info!(
+            "configuration loaded on {}: {}",
+            caps.name,
+            config.summary()
+        );
+        Ok(Self {
+            engine: RefCell::new(engine),
+            queues: RefCell::new(Queues::default()),
+            caps,
+            instance: instance_id(),
+            scratch: RefCell::new(Scratch::default()),
+            rule_metrics,
+            process_metrics,
+        })
+    }
+
+    /// How often this configuration needs its tick, in milliseconds.
+    pub fn tick_ms(&self) -> u32 {
+        let engine = self.engine.borrow();
+        let rules = &engine.config().rules;
+        if rules.iter().any(|r| r.delays() || r.global.is_some()) {
+            TICK_MS
+        } else {
+            STATS_TICK_MS
+        }
+    }
+
+    /// The periodic work of one worker: return stashes, send claimed refills, decide waiting
+    /// requests again, release held ones that are due, hand over stats.
+    pub fn tick(&self, root_id: u32) {
+        let Some(now) = host::now_ns() else {
+            return;
+        };
+        self.engine.borrow_mut().return_stashes(&SharedData, now);
+        quota_client::send_refills(self, root_id);
+        self.retry_waiting(now);
+        let due = self.queues.borrow_mut().due(now);
+        for id in due {
+            self.add(ProcessStat::QueueHeld, -1);
+            // The stream may be gone already; then there is nothing to resume.
+            if host::set_effective_context(id).is_ok() {
+                if let Err(s) = host::continue_request() {
+                    debug!("cannot resume held request {id}: {s}");
+                }
+            }
+        }
+        self.flush_stats();
+    }
+
+    /// Decide again the requests waiting for global quota; past their deadline, the failure mode.
+    fn retry_waiting(&self, now: u64) {
+        let waiting = self.queues.borrow_mut().take_waiting();
+        for mut w in waiting {
+            let timed_out = now / 1_000_000 >= w.deadline_ms;
+            let step =
+                self.engine
+                    .borrow_mut()
+                    .evaluate(&SharedData, &mut w.inputs, now, timed_out);
+            match step {
+                Step::Wait => self.queues.borrow_mut().wait(w),
+                step => {
+                    self.add(ProcessStat::QuotaWaiting, -1);
+                    self.finish_paused(w.context_id, step, now);
+                }
+            }
+        }
+    }
+
+    /// Carry out, from the timer, a decision for a paused request (hosts that can resume from
+    /// the timer only).
+    fn finish_paused(&self, context_id: u32, step: Step, now: u64) {
+        if host::set_effective_context(context_id).is_err() {
+            // The stream is gone; give back what the decision took.
+            if let Step::Admit(a) = step {
+                self.engine.borrow_mut().release(&SharedData, a.holds, now);
+            }
+            return;
+        }
+        match step {
+            Step::Admit(a) => {
+                let delay = a.delay_ns;
+                self.queues.borrow_mut().resumed(context_id, a);
+                if delay > 0 {
+                    self.queues
+                        .borrow_mut()
+                        .hold(now.saturating_add(delay), context_id);
+                    self.add(ProcessStat::QueueHeld, 1);
+                } else if let Err(s) = host::continue_request() {
+                    debug!("cannot resume request {context_id}: {s}");
+                }
+            }
+            Step::Reject(r) => respond::reject(self, &r),
+            Step::Wait => {}
+        }
+    }
+
+    /// The configuration goes away: requests it holds go on now, waiting ones are decided by
+    /// the failure mode, and stats are handed over.
+    pub fn retire(&self) {
+        let now = host::now_ns().unwrap_or(0);
+        let (held, waiting) = self.queues.borrow_mut().drain();
+        for id in held {
+            self.add(ProcessStat::QueueHeld, -1);
+            if host::set_effective_context(id).is_ok() {
+                let _ = host::continue_request();
+            }
+        }
+        for mut w in waiting {
+            self.add(ProcessStat::QuotaWaiting, -1);
+            let step = self
+                .engine
+                .borrow_mut()
+                .evaluate(&SharedData, &mut w.inputs, now, true);
+            self.finish_paused(w.context_id, step, now);
+        }
+        self.flush_stats();
+    }
+
+    pub fn add(&self, stat: ProcessStat, n: i64) {
+        self.engine.borrow_mut().stats_mut().add_process(stat, n);
+    }
+
+    /// Hand the worker's stat changes to the host.
+    pub fn flush_stats(&self) {
+        let mut changes: smallvec::SmallVec<[(Stat, i64); 16]> = smallvec::SmallVec::new();
+        self.engine
+            .borrow_mut()
+            .stats_mut()
+            .drain(|stat, delta| changes.push((stat, delta)));
+        for (stat, delta) in changes {
+            let metric = match stat {
+                Stat::Rule(rule, s) => self.rule_metrics.get(rule).and_then(|m| m.get(s as usize)),
+                Stat::Process(s) => self.process_metrics.get(s as usize),
+            };
+            let Some(Some(metric)) = metric else {
+                continue;
+            };
+            // A failed update only loses a count; nothing to do about it here.
+            let _ = match &metric.total_key {
+                None => host::increment_metric(metric.id, delta),
+                Some(key) => match add_to_total(key, delta) {
+                    Some(total) => host::record_metric(metric.id, total),
+                    None => Ok(()),
+                },
+            };
+        }
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        // Stashed tokens go back rather than being lost.
+        self.engine.get_mut().return_stashes(&SharedData, u64::MAX);
+    }
+}
+
+/// Define a stat at the host; gauges get their process-wide total in shared data.
+fn define(name: &str, gauge: bool) -> Option<Metric> {
+    let kind = if gauge {
+        abi::METRIC_GAUGE
+    } else {
+        abi::METRIC_COUNTER
+    };
+    let id = host::define_metric(kind, name)
+        .map_err(|s| warn!("cannot define metric {name}: {s}"))
+        .ok()?;
+    let total_key = gauge.then(|| {
+        let key = format!("tollgate.gauge.{name}");
+        if let Ok(None) = SharedData.read(&key) {
+            // Created before any request changes it: a lost race between workers loses nothing.
+            let _ = SharedData.write(&key, &0i64.to_le_bytes(), 0);
+        }
+        key
+    });
+    Some(Metric { id, total_key })
+}
+
+/// Add `delta` to a process-wide total in shared data; the new total (never below 0).
+fn add_to_total(key: &str, delta: i64) -> Option<u64> {
+    for _ in 0..tollgate_core::limiter::MAX_CAS_ATTEMPTS {
+        let (bytes, cas) = SharedData.read(key).ok()??;
+        let current = bytes
+            .get(..8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, i64::from_le_bytes);
+        let next = current.saturating_add(delta);
+        match SharedData.write(key, &next.to_le_bytes(), cas) {
+            Ok(()) => return Some(u64::try_from(next).unwrap_or(0)),
+            Err(StoreError::CasMismatch) => continue,
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+/// This process's name at the quota service: made once per process (shared by its workers).
+fn instance_id() -> String {
+    const KEY: &str = "tollgate.instance";
+    if let Ok(Some((id, _))) = SharedData.read(KEY) {
+        return String::from_utf8_lossy(&id).into_owned();
+    }
+    let id = format!("proxy-{:x}", host::now_ns().unwrap_or(0));
+    // Whoever writes first wins; everyone then reads the winner's.
+    let _ = SharedData.write(KEY, id.as_bytes(), 0);
+    match SharedData.read(KEY) {
+        Ok(Some((id, _))) => String::from_utf8_lossy(&id).into_owned(),
+        _ => id,
+    }
+}
