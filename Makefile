@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build probe quota schema test lint dist bench demo demo-keep clean
+.PHONY: setup build probe quota schema test test-nginx lint dist bench demo demo-keep clean
 
 setup:
 	@scripts/setup.sh
@@ -16,6 +16,7 @@ build: setup
 lint: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -p tollgate --test nginx -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate --features probe -- -D warnings
 
@@ -30,6 +31,15 @@ schema:
 test: build probe lint quota
 	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) TOLLGATE_PROBE_WASM=$(abspath $(PROBE_WASM)) \
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --workspace
+
+# The behaviour checks in nginx with Kong's ngx_wasm_module, against the nginx binary NGINX_BIN
+# names (docs/nginx.md says how to build one). Not part of `make test`: CI has no such nginx.
+test-nginx: build quota
+	@if [ -z "$(NGINX_BIN)" ]; then \
+		echo "test-nginx: skipped: NGINX_BIN is not set (an nginx built with ngx_wasm_module; see docs/nginx.md)"; \
+		exit 0; fi; \
+	TOLLGATE_WASM=$(abspath $(WASM)) NGINX_BIN=$(abspath $(NGINX_BIN)) \
+	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --test nginx -- --test-threads 2
 
 # The module with `--features probe` (time and heap allocations per callback, as Envoy counters):
 # the allocation test and the benchmark's profile use it.

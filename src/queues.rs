@@ -88,6 +88,10 @@ impl Queues {
         self.in_flight.insert(token, refills);
     }
 
+    pub fn is_sent(&self, token: u32) -> bool {
+        self.in_flight.contains_key(&token)
+    }
+
     /// The refills a call was for, if it is one of ours.
     pub fn call_answered(&mut self, token: u32) -> Option<Vec<Refill>> {
         self.in_flight.remove(&token)

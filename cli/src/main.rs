@@ -82,6 +82,12 @@ fn main() -> ExitCode {
         "shared data: {slots} slots; on nginx: shm_kv * {}k eviction=none; (or larger)",
         zone.div_ceil(1024)
     );
+    if parsed.rules.iter().any(|r| r.global.is_some()) && !matches!(host, Some(Host::Envoy)) {
+        println!(
+            "note: on nginx, global rules need `proxy_wasm_request_headers_in_access on;` \
+             (docs/nginx.md)"
+        );
+    }
     if host.is_none() {
         for caps in [HostCaps::ENVOY, HostCaps::NGINX] {
             if let Err(e) = parsed.check_host(&caps) {

@@ -90,3 +90,13 @@ fn a_missing_file_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("cannot read"));
 }
+
+#[test]
+fn global_rules_carry_the_nginx_note() {
+    let global = r#"{"rules":[{"name":"g","scope":"global","limit":{"requests":10,"per":"1s"}}],"quota_service":{"upstream":"127.0.0.1:8081"}}"#;
+    let out = check(&["--host", "nginx", "-"], Some(global));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("proxy_wasm_request_headers_in_access on;"));
+    let out = check(&["--host", "envoy", "-"], Some(global));
+    assert!(!text(&out.stdout).contains("proxy_wasm_request_headers_in_access"));
+}

@@ -145,11 +145,21 @@ pub extern "C" fn proxy_on_http_call_response(
     body_size: usize,
     _num_trailers: usize,
 ) {
-    let caller = CALLS
-        .with(|c| c.try_borrow_mut().ok()?.remove(&token))
-        .unwrap_or(context_id);
-    // Envoy delivers every answer through the root context: the caller must be made current
-    // before it can read the answer's context or resume itself (nginx ignores this call).
+    // ngx_wasm_module names the context that made the call (and numbers tokens per context);
+    // Envoy names the root context for every answer (and numbers tokens per VM), so a request's
+    // answer is found by its token.
+    let named_stream = STREAMS.with(|s| s.try_borrow().is_ok_and(|m| m.contains_key(&context_id)));
+    let named_root_call = !named_stream && with_root(context_id, false, |r| r.sent(token));
+    let caller = if named_stream || named_root_call {
+        forget_call(token);
+        context_id
+    } else {
+        CALLS
+            .with(|c| c.try_borrow_mut().ok()?.remove(&token))
+            .unwrap_or(context_id)
+    };
+    // The caller must be current before it can read the answer or resume itself (Envoy; nginx
+    // ignores this call, its current context is the caller already).
     if caller != context_id {
         let _ = host::set_effective_context(caller);
     }

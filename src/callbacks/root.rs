@@ -65,6 +65,13 @@ impl Root {
         }
     }
 
+    /// True if this root sent the call `token` and waits for its answer.
+    pub fn sent(&mut self, token: u32) -> bool {
+        self.plugin
+            .as_ref()
+            .is_some_and(|p| p.queues.borrow().is_sent(token))
+    }
+
     /// The answer to a call this root sent: refills to write into the keys' allowances.
     pub fn on_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
         let Some(plugin) = &self.plugin else {

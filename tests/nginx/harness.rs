@@ -1,0 +1,266 @@
+//! A real nginx with Kong's ngx_wasm_module (named by `NGINX_BIN`) running the built module, with
+//! 2 workers, started per test on free ports and always stopped; and a backend it proxies to.
+
+pub use crate::common::*;
+use serde_json::Value;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The nginx binary to test, if one was given.
+pub fn nginx_bin() -> Option<PathBuf> {
+    std::env::var_os("NGINX_BIN")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Tests call this first: without `NGINX_BIN` they say so and end.
+#[macro_export]
+macro_rules! nginx_or_skip {
+    () => {
+        if $crate::harness::nginx_bin().is_none() {
+            eprintln!("skipped: NGINX_BIN is not set (an nginx built with ngx_wasm_module, see docs/nginx.md)");
+            return;
+        }
+    };
+}
+
+fn scratch_dir() -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = repo().join("target/nginx-tests").join(format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(dir.join("logs")).unwrap();
+    dir
+}
+
+/// A plugin configuration as an nginx string argument: single-quoted, with `\` and `'` escaped
+/// (nginx unescapes `\\`, `\'`, `\n`, `\t` … in quoted arguments).
+pub fn nginx_string(plugin: &Value) -> String {
+    let text = match plugin {
+        Value::String(text) => text.clone(),
+        other => other.to_string(),
+    };
+    format!("'{}'", text.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// The slow backend: every request is answered "ok"; `/slow` requests after 600 ms (or
+/// `x-delay-ms`). It counts the most requests in flight at once.
+pub struct Backend {
+    pub port: u16,
+    pub peak: Arc<AtomicUsize>,
+}
+
+impl Backend {
+    pub fn start() -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let (now, most) = (in_flight.clone(), peak.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let (now, most) = (now.clone(), most.clone());
+                std::thread::spawn(move || {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        match stream.read(&mut byte) {
+                            Ok(1) => head.push(byte[0]),
+                            _ => return,
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                    let delay = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("x-delay-ms:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(if head.contains(" /slow") { 600 } else { 0 });
+                    let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(n, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(delay));
+                    now.fetch_sub(1, Ordering::SeqCst);
+                    let _ = stream.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n",
+                    );
+                });
+            }
+        });
+        Self { port, peak }
+    }
+}
+
+/// Where `proxy_wasm tollgate` runs, with which configuration.
+pub struct Location {
+    pub path: &'static str,
+    pub plugin: Value,
+    /// `proxy_wasm_request_headers_in_access on;` (docs/nginx.md: needed for global rules).
+    pub in_access: bool,
+}
+
+pub struct Nginx {
+    child: Option<Child>,
+    dir: PathBuf,
+    pub port: u16,
+    pub backend: Backend,
+}
+
+impl Nginx {
+    /// nginx with 2 workers and `plugin` on every path.
+    pub fn start(plugin: &Value) -> Self {
+        Self::start_with(vec![Location {
+            path: "/",
+            plugin: plugin.clone(),
+            in_access: true,
+        }])
+    }
+
+    pub fn start_with(locations: Vec<Location>) -> Self {
+        let nginx = Self::spawn(&locations);
+        let expected = 2 * locations.len();
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let loaded = nginx.log().matches("configuration loaded on").count();
+            let ready = std::net::TcpStream::connect(("127.0.0.1", nginx.port)).is_ok();
+            if loaded >= expected && ready {
+                return nginx;
+            }
+            assert!(
+                !nginx.log().contains("cannot be respawned"),
+                "nginx refused the configuration:\n{}",
+                nginx.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "nginx not ready in time:\n{}",
+                nginx.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Start nginx with a configuration its workers must refuse; returns the error log once
+    /// they have.
+    pub fn expect_refusal(plugin: &Value) -> String {
+        let nginx = Self::spawn(&[Location {
+            path: "/",
+            plugin: plugin.clone(),
+            in_access: true,
+        }]);
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let log = nginx.log();
+            if log.matches("cannot be respawned").count() >= 2 {
+                return log;
+            }
+            assert!(
+                !log.contains("configuration loaded on"),
+                "nginx accepted a configuration it should refuse: {plugin}"
+            );
+            assert!(
+                Instant::now() < deadline,
+                "nginx neither refused nor started:\n{log}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn spawn(locations: &[Location]) -> Self {
+        let dir = scratch_dir();
+        let port = free_port();
+        let backend = Backend::start();
+        let d = dir.display();
+        let wasm = wasm_path();
+        let mut http_locations = String::new();
+        for l in locations {
+            http_locations += &format!(
+                "    location {} {{\n      proxy_wasm_request_headers_in_access {};\n      proxy_wasm tollgate {};\n      add_header x-worker $pid always;\n      proxy_pass http://127.0.0.1:{};\n    }}\n",
+                l.path,
+                if l.in_access { "on" } else { "off" },
+                nginx_string(&l.plugin),
+                backend.port
+            );
+        }
+        let conf = format!(
+            "daemon off;\nmaster_process on;\nworker_processes 2;\nerror_log {d}/logs/error.log info;\npid {d}/logs/nginx.pid;\n\
+             events {{ worker_connections 1024; }}\n\
+             wasm {{\n  module tollgate {};\n  shm_kv * 16m eviction=none;\n}}\n\
+             http {{\n  access_log off;\n  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;\n  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n\
+             \x20 server {{\n    listen 127.0.0.1:{port};\n{http_locations}  }}\n}}\n",
+            wasm.display()
+        );
+        fs::write(dir.join("nginx.conf"), conf).unwrap();
+        let mut cmd = Command::new(nginx_bin().expect("NGINX_BIN"));
+        cmd.arg("-p")
+            .arg(&dir)
+            .arg("-c")
+            .arg(dir.join("nginx.conf"))
+            .arg("-e")
+            .arg(dir.join("logs/error.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            // Its own process group: the master and its workers are stopped together.
+            .process_group(0);
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("start nginx");
+        Self {
+            child: Some(child),
+            dir,
+            port,
+            backend,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.join("logs/error.log")).unwrap_or_default()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    /// True if no worker has crashed or trapped so far.
+    pub fn workers_healthy(&self) -> bool {
+        let log = self.log();
+        !log.contains("exited on signal") && !log.contains("trap") && !log.contains("panicked")
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: signals the process group this harness created.
+            unsafe {
+                libc::kill(-(child.id() as i32), libc::SIGKILL);
+            }
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "--- nginx error.log ({}) ---\n{}",
+                self.dir.display(),
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+        } else {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
+    }
+}

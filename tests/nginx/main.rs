@@ -1,0 +1,331 @@
+//! The behaviour checks in nginx with Kong's ngx_wasm_module: the built `.wasm` in a real nginx
+//! (2 workers) named by `NGINX_BIN`. `make test-nginx` runs them; without `NGINX_BIN` every test
+//! says it skipped. CI has no such nginx (docs/nginx.md says how to build one).
+
+// Test code: a failed expectation is meant to panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "../common/mod.rs"]
+mod common;
+mod harness;
+
+use harness::{parallel, raw_status, statuses, Client, Location, Nginx, Quota};
+use serde_json::{json, Value};
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+fn count(statuses: &[u16], status: u16) -> usize {
+    statuses.iter().filter(|s| **s == status).count()
+}
+
+#[test]
+fn a_token_bucket_admits_exactly_its_burst_across_two_workers() {
+    nginx_or_skip!();
+    // Local rules make no calls: they work in nginx's default phase too (rewrite).
+    let nginx = Nginx::start_with(vec![Location {
+        path: "/",
+        plugin: json!({"rules": [
+            {"name": "burst", "limit": {"requests": 1, "per": "1h"}, "burst": 10}
+        ]}),
+        in_access: false,
+    }]);
+    let replies = parallel(50, |_| {
+        let r = Client::new().get(&nginx.url("/"), &[]);
+        (r.status, r.header("x-worker").map(str::to_string))
+    });
+    let codes: Vec<u16> = replies.iter().map(|(s, _)| *s).collect();
+    assert_eq!(count(&codes, 200), 10, "{codes:?}");
+    assert_eq!(count(&codes, 429), 40);
+    let workers: HashSet<_> = replies.iter().filter_map(|(_, w)| w.clone()).collect();
+    assert_eq!(workers.len(), 2, "both workers served: {workers:?}");
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
+fn an_invalid_configuration_is_refused_with_the_field_named() {
+    nginx_or_skip!();
+    let log = harness::Nginx::expect_refusal(&json!({"rules": [
+        {"name": "r", "limit": {"requests": 1, "per": "5x"}}
+    ]}));
+    assert!(
+        log.contains("invalid configuration: rules[0].limit.per: invalid duration \"5x\""),
+        "{log}"
+    );
+}
+
+#[test]
+fn holding_requests_is_refused_at_load_with_the_host_named_and_nodelay_works() {
+    nginx_or_skip!();
+    let log = Nginx::expect_refusal(&json!({"rules": [
+        {"name": "slow", "algorithm": "leaky_bucket", "limit": {"requests": 10, "per": "1s"},
+         "burst": 3}
+    ]}));
+    assert!(
+        log.contains("rules[0].delay: nginx (ngx_wasm_module) cannot resume a held request"),
+        "{log}"
+    );
+    let nginx = Nginx::start(&json!({"rules": [
+        {"name": "slow", "algorithm": "leaky_bucket", "limit": {"requests": 1, "per": "1h"},
+         "burst": 3, "delay": "nodelay"}
+    ]}));
+    // nginx limit_req nodelay: the first request and a burst of 3, the rest refused at once.
+    assert_eq!(statuses(&nginx.url("/"), &[], 10), (4, 6));
+}
+
+#[test]
+fn each_header_value_gets_its_own_bucket_with_headers_and_retry_after() {
+    nginx_or_skip!();
+    let nginx = Nginx::start(&json!({"rules": [
+        {"name": "per-user", "key": ["header:x-user"], "limit": {"requests": 2, "per": "1h"}}
+    ]}));
+    let c = Client::new();
+    let ok = c.get(&nginx.url("/"), &[("x-user", "alice")]);
+    assert_eq!(ok.status, 200);
+    assert_eq!(
+        ok.header("ratelimit-policy"),
+        Some("\"per-user\";q=2;w=3600")
+    );
+    assert_eq!(ok.header("ratelimit"), Some("\"per-user\";r=1;t=1800"));
+    assert_eq!(c.get(&nginx.url("/"), &[("x-user", "alice")]).status, 200);
+    let refused = c.get(&nginx.url("/"), &[("x-user", "alice")]);
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("retry-after"), Some("1800"));
+    assert_eq!(refused.header("x-tollgate-rule"), Some("per-user"));
+    assert!(refused.body.starts_with("rate limited"));
+    assert_eq!(statuses(&nginx.url("/"), &[("x-user", "bob")], 3), (2, 1));
+    // No header: the rule does not apply.
+    assert_eq!(statuses(&nginx.url("/"), &[], 5), (5, 0));
+}
+
+#[test]
+fn concurrency_slots_are_released_also_when_the_client_goes_away() {
+    nginx_or_skip!();
+    let nginx = Nginx::start(&json!({"rules": [
+        {"name": "slots", "algorithm": "concurrency", "limit": {"concurrent": 2},
+         "match": {"path_prefix": "/slow"}, "response": {"status": 503}}
+    ]}));
+    let first = parallel(4, |_| Client::new().get(&nginx.url("/slow"), &[]).status);
+    assert_eq!(
+        (count(&first, 200), count(&first, 503)),
+        (2, 2),
+        "{first:?}"
+    );
+    assert_eq!(
+        nginx.backend.peak.load(std::sync::atomic::Ordering::SeqCst),
+        2
+    );
+    // Two clients give up while their requests are at the backend.
+    let gave_up = parallel(2, |_| {
+        Client::with_timeout(Duration::from_millis(150))
+            .try_send("GET", &nginx.url("/slow"), &[])
+            .is_err()
+    });
+    assert_eq!(gave_up, [true, true]);
+    // Their slots come back: two requests are admitted again (retried until the aborts land).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let again = parallel(2, |_| {
+            Client::new()
+                .get(&nginx.url("/slow"), &[("x-delay-ms", "0")])
+                .status
+        });
+        if again == [200, 200] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots not released: {again:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
+fn hosts_match_and_key_by_the_host_header() {
+    nginx_or_skip!();
+    let nginx = Nginx::start(&json!({"rules": [
+        {"name": "a-only", "match": {"hosts": ["a.example"]}, "limit": {"requests": 1, "per": "1h"},
+         "burst": 2},
+        {"name": "per-host", "key": ["host"], "match": {"path": "/k"},
+         "limit": {"requests": 1, "per": "1h"}, "burst": 1}
+    ]}));
+    let url = nginx.url("/");
+    assert_eq!(statuses(&url, &[("host", "A.Example:8080")], 4), (2, 2));
+    assert_eq!(statuses(&url, &[("host", "b.example")], 4), (4, 0));
+    let k = nginx.url("/k");
+    assert_eq!(statuses(&k, &[("host", "c.example")], 2), (1, 1));
+    assert_eq!(statuses(&k, &[("host", "d.example")], 2), (1, 1));
+}
+
+fn global(rule: Value, service: Value) -> Value {
+    json!({"rules": [rule], "quota_service": service})
+}
+
+#[test]
+fn strict_global_mode_counts_every_request_at_the_quota_service() {
+    nginx_or_skip!();
+    let quota = Quota::start(&[]);
+    let nginx = Nginx::start(&global(
+        json!({"name": "exact", "scope": "global", "limit": {"requests": 1, "per": "1d"}, "burst": 7}),
+        json!({"upstream": format!("127.0.0.1:{}", quota.port), "mode": "strict"}),
+    ));
+    let codes = parallel(4, |_| {
+        let c = Client::new();
+        (0..5)
+            .map(|_| c.get(&nginx.url("/"), &[]).status)
+            .collect::<Vec<_>>()
+    })
+    .concat();
+    assert_eq!(
+        (count(&codes, 200), count(&codes, 429)),
+        (7, 13),
+        "{codes:?}"
+    );
+    let r = Client::new().get(&nginx.url("/"), &[]);
+    assert_eq!(r.header("x-tollgate-rule"), Some("exact"));
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
+fn lease_mode_waits_for_a_first_lease_by_a_call_of_the_requests_own() {
+    nginx_or_skip!();
+    let quota = Quota::start(&[]);
+    let upstream = format!("127.0.0.1:{}", quota.port);
+    for first_lease in ["wait", "provisional"] {
+        let nginx = Nginx::start(&global(
+            json!({"name": "leased", "scope": "global", "key": ["header:x-user"],
+                   "limit": {"requests": 1, "per": "1d"}, "burst": 40}),
+            json!({"upstream": upstream, "first_lease": first_lease, "failure_mode": "deny",
+                   "timeout": "1s"}),
+        ));
+        let user = format!("user-{first_lease}");
+        let codes = parallel(4, |_| {
+            let c = Client::new();
+            (0..15)
+                .map(|_| c.get(&nginx.url("/"), &[("x-user", &user)]).status)
+                .collect::<Vec<_>>()
+        })
+        .concat();
+        // Never more than the global bucket; with a provisional first lease, at most the local
+        // stand-in's 40 more.
+        let admitted = count(&codes, 200);
+        let bound = if first_lease == "wait" { 40 } else { 80 };
+        assert!(
+            admitted >= 30 && admitted <= bound,
+            "{first_lease}: {admitted} admitted: {codes:?}"
+        );
+        assert!(codes.iter().all(|s| *s == 200 || *s == 429), "{codes:?}");
+        assert!(nginx.workers_healthy(), "{}", nginx.log());
+    }
+}
+
+#[test]
+fn failure_mode_deny_answers_when_the_quota_service_is_down() {
+    nginx_or_skip!();
+    let nginx = Nginx::start(&global(
+        json!({"name": "g", "scope": "global", "limit": {"requests": 10, "per": "1s"}}),
+        json!({"upstream": format!("127.0.0.1:{}", harness::free_port()), "failure_mode": "deny",
+               "timeout": "200ms"}),
+    ));
+    let started = Instant::now();
+    let r = Client::new().get(&nginx.url("/"), &[]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-tollgate-rule"), Some("g"));
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// A raw HTTP/1.1 request closing its connection, with extra header lines.
+fn raw(path: &[u8], lines: &[&[u8]]) -> Vec<u8> {
+    let mut r = b"GET ".to_vec();
+    r.extend_from_slice(path);
+    r.extend_from_slice(b" HTTP/1.1\r\nHost: h\r\nConnection: close\r\n");
+    for line in lines {
+        r.extend_from_slice(line);
+        r.extend_from_slice(b"\r\n");
+    }
+    r.extend_from_slice(b"\r\n");
+    r
+}
+
+#[test]
+fn bytes_that_are_not_utf8_never_crash_a_worker() {
+    nginx_or_skip!();
+    let nginx = Nginx::start(&json!({
+        "client_ip": {"trusted_hops": 1},
+        "rules": [
+            {"name": "user", "key": ["header:x-user"], "limit": {"requests": 2, "per": "1h"},
+             "worker_batch": 0},
+            {"name": "tier", "match": {"headers": {"x-tier": "free"}}, "key": ["client_ip"],
+             "limit": {"requests": 1000, "per": "1h"}},
+            {"name": "query", "match": {"path_prefix": "/q"}, "key": ["query:q", "host"],
+             "limit": {"requests": 1000, "per": "1h"}},
+            {"name": "cost", "match": {"path": "/cost"}, "limit": {"requests": 1, "per": "1h"},
+             "burst": 8, "cost": {"header": "x-cost", "default": 3, "max": 5}, "worker_batch": 0}
+        ]
+    }));
+    let hostile: Vec<Vec<u8>> = vec![
+        raw(b"/", &[b"x-user: caf\xe9"]),
+        raw(b"/", &[b"x-user: \xff\xfe\xfd"]),
+        raw(b"/", &[b"x-tier: fr\xe9e", b"x-user: t"]),
+        raw(b"/q?q=%ff%fe&x=%e9", &[b"x-user: q"]),
+        raw(b"/q?\xe9=\xe9", &[b"x-user: r", b"host: h\xe9st"]),
+        raw(b"/cost", &[b"x-cost: \xff3", b"x-user: c"]),
+        raw(
+            b"/cost",
+            &[b"x-cost: 99999999999999999999999", b"x-user: d"],
+        ),
+        raw(
+            b"/",
+            &[b"x-forwarded-for: 1.2.3.4, \xff\xfe::1", b"x-user: f"],
+        ),
+        raw(b"/", &[b"x-forwarded-for: \xc3\x28", b"x-tier: free"]),
+    ];
+    for request in &hostile {
+        let status = raw_status(nginx.port, request);
+        assert!(
+            matches!(status, Some(200 | 429 | 400)),
+            "{status:?} for {}",
+            String::from_utf8_lossy(request)
+        );
+    }
+    assert_eq!(
+        raw_status(nginx.port, &raw(b"/", &[b"x-user: caf\xe9"])),
+        Some(200)
+    );
+    assert_eq!(
+        raw_status(nginx.port, &raw(b"/", &[b"x-user: caf\xe9"])),
+        Some(429)
+    );
+    assert_eq!(statuses(&nginx.url("/"), &[("x-user", "bob")], 3), (2, 1));
+    let c = Client::new();
+    assert_eq!(c.get(&nginx.url("/cost"), &[("x-cost", "1")]).status, 429);
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
+fn two_proxy_wasm_directives_keep_their_own_state() {
+    nginx_or_skip!();
+    let quota = Quota::start(&[]);
+    let service = json!({"upstream": format!("127.0.0.1:{}", quota.port), "failure_mode": "deny",
+                         "timeout": "1s"});
+    // Rule indexes line up on purpose: with per-VM queues one location's tick would send the
+    // other's refills under its own rule.
+    let nginx = Nginx::start_with(vec![
+        Location {
+            path: "/a",
+            plugin: json!({"rules": [{"name": "a", "scope": "global", "key": ["header:x-user"],
+                                      "limit": {"requests": 1, "per": "1d"}, "burst": 20}],
+                           "quota_service": service}),
+            in_access: true,
+        },
+        Location {
+            path: "/b",
+            plugin: json!({"rules": [{"name": "b", "scope": "global", "key": ["header:x-user"],
+                                      "limit": {"requests": 1, "per": "1d"}, "burst": 6}],
+                           "quota_service": service}),
+            in_access: true,
+        },
+    ]);
+    let a = statuses(&nginx.url("/a"), &[("x-user", "u")], 30);
+    let b = statuses(&nginx.url("/b"), &[("x-user", "u")], 30);
+    assert_eq!((a.0, b.0), (20, 6), "a {a:?}, b {b:?}");
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
