@@ -20,9 +20,13 @@ pub fn reject(plugin: &Plugin, rejection: &Rejection) {
         .iter()
         .map(|(n, v)| (n.as_bytes(), v.as_bytes()));
     header_map::serialize(pairs, &mut scratch.wire);
-    if let Err(s) =
-        host::send_local_response(response.status, &scratch.wire, response.body.as_bytes())
-    {
+    // A host that appends a newline gets the body without its own last one: the client then
+    // receives the configured body exactly.
+    let body = match plugin.caps.appends_newline_to_body {
+        true => response.body.strip_suffix('\n').unwrap_or(&response.body),
+        false => &response.body,
+    };
+    if let Err(s) = host::send_local_response(response.status, &scratch.wire, body.as_bytes()) {
         error!("cannot send the rejection: {s}");
     }
 }

@@ -15,6 +15,8 @@ pub struct HostCaps {
     /// `:authority` is the request's host (Envoy); elsewhere it may be the server's own name, and
     /// the request's host is the `host` header (nginx).
     pub authority_is_request_host: bool,
+    /// The host appends a newline to a non-empty local response body (nginx).
+    pub appends_newline_to_body: bool,
 }
 
 impl HostCaps {
@@ -22,11 +24,13 @@ impl HostCaps {
         name: "Envoy",
         resume_from_timer: true,
         authority_is_request_host: true,
+        appends_newline_to_body: false,
     };
     pub const NGINX: Self = Self {
         name: "nginx (ngx_wasm_module)",
         resume_from_timer: false,
         authority_is_request_host: false,
+        appends_newline_to_body: true,
     };
 }
 

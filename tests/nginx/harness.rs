@@ -175,11 +175,7 @@ impl Nginx {
     }
 
     fn spawn(locations: &[Location]) -> Self {
-        let dir = scratch_dir();
-        let port = free_port();
         let backend = Backend::start();
-        let d = dir.display();
-        let wasm = wasm_path();
         let mut http_locations = String::new();
         for l in locations {
             http_locations += &format!(
@@ -191,12 +187,45 @@ impl Nginx {
             );
         }
         let conf = format!(
-            "daemon off;\nmaster_process on;\nworker_processes 2;\nerror_log {d}/logs/error.log info;\npid {d}/logs/nginx.pid;\n\
-             events {{ worker_connections 1024; }}\n\
+            "worker_processes 2;\nevents {{ worker_connections 1024; }}\n\
              wasm {{\n  module tollgate {};\n  shm_kv * 16m eviction=none;\n}}\n\
-             http {{\n  access_log off;\n  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;\n  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n\
-             \x20 server {{\n    listen 127.0.0.1:{port};\n{http_locations}  }}\n}}\n",
-            wasm.display()
+             http {{\n  server {{\n    listen 127.0.0.1:PORT;\n{http_locations}  }}\n}}\n",
+            wasm_path().display()
+        );
+        Self::spawn_conf(&conf, backend)
+    }
+
+    /// nginx with a whole configuration of its own (`PORT` is replaced by the port it listens
+    /// on); this harness adds where its files go and runs it in the foreground.
+    pub fn start_conf(conf: &str, backend: Backend, workers_loaded: usize) -> Self {
+        let nginx = Self::spawn_conf(conf, backend);
+        let deadline = Instant::now() + START_TIMEOUT;
+        while nginx.log().matches("configuration loaded on").count() < workers_loaded
+            || std::net::TcpStream::connect(("127.0.0.1", nginx.port)).is_err()
+        {
+            assert!(
+                Instant::now() < deadline && !nginx.log().contains("cannot be respawned"),
+                "nginx did not start:\n{}",
+                nginx.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        nginx
+    }
+
+    fn spawn_conf(conf: &str, backend: Backend) -> Self {
+        let dir = scratch_dir();
+        let port = free_port();
+        let d = dir.display();
+        let conf = format!(
+            "daemon off;\nmaster_process on;\nerror_log {d}/logs/error.log info;\npid {d}/logs/nginx.pid;\n{}",
+            conf.replace("PORT", &port.to_string()).replacen(
+                "http {",
+                &format!(
+                    "http {{\n  access_log off;\n  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;"
+                ),
+                1
+            )
         );
         fs::write(dir.join("nginx.conf"), conf).unwrap();
         let mut cmd = Command::new(nginx_bin().expect("NGINX_BIN"));
@@ -224,6 +253,25 @@ impl Nginx {
             dir,
             port,
             backend,
+        }
+    }
+
+    /// `nginx -s reload`: returns once the new workers have loaded the configuration.
+    pub fn reload(&self) {
+        let before = self.log().matches("configuration loaded on").count();
+        let pid = self.child.as_ref().unwrap().id() as i32;
+        // SAFETY: signals the master process this harness started.
+        unsafe {
+            libc::kill(pid, libc::SIGHUP);
+        }
+        let deadline = Instant::now() + START_TIMEOUT;
+        while self.log().matches("configuration loaded on").count() < before + 2 {
+            assert!(Instant::now() < deadline, "no reload:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The old workers finish what they serve and exit; new connections go to the new ones.
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

@@ -329,3 +329,67 @@ fn two_proxy_wasm_directives_keep_their_own_state() {
     assert_eq!((a.0, b.0), (20, 6), "a {a:?}, b {b:?}");
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
+
+#[test]
+fn a_reload_starts_every_limit_fresh() {
+    nginx_or_skip!();
+    let nginx = Nginx::start(&json!({"rules": [
+        {"name": "r", "limit": {"requests": 1, "per": "1h"}, "burst": 2}
+    ]}));
+    assert_eq!(statuses(&nginx.url("/"), &[], 3), (2, 1));
+    nginx.reload();
+    // nginx recreates the shm_kv zone on a reload: the bucket is full again.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while statuses(&nginx.url("/"), &[], 1) != (1, 0) {
+        assert!(Instant::now() < deadline, "the limit did not start fresh");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The `nginx` block of docs/nginx.md, with this machine's paths and ports.
+fn documented_conf(backend: u16, quota: u16) -> String {
+    let doc = std::fs::read_to_string(harness::repo().join("docs/nginx.md")).unwrap();
+    let block = doc
+        .split("```nginx")
+        .nth(1)
+        .unwrap()
+        .split("```")
+        .next()
+        .unwrap();
+    block
+        .replace(
+            "/etc/nginx/tollgate.wasm",
+            &harness::wasm_path().display().to_string(),
+        )
+        .replace("listen 80;", "listen 127.0.0.1:PORT;")
+        .replace("127.0.0.1:8080", &format!("127.0.0.1:{backend}"))
+        .replace("127.0.0.1:8081", &format!("127.0.0.1:{quota}"))
+}
+
+#[test]
+fn the_documented_nginx_conf_works_as_described() {
+    nginx_or_skip!();
+    let quota = Quota::start(&[]);
+    let backend = harness::Backend::start();
+    let conf = documented_conf(backend.port, quota.port);
+    let nginx = Nginx::start_conf(&conf, backend, 2);
+    // The global per-user rule leases from the quota service (5 requests of user u).
+    assert_eq!(statuses(&nginx.url("/"), &[("x-user", "u")], 5), (5, 0));
+    assert!(
+        !quota
+            .metrics()
+            .contains("tollgate_quota_lease_items_total 0"),
+        "{}",
+        quota.metrics()
+    );
+    // per-ip: a burst of 20 for this client, 15 of them left.
+    assert_eq!(
+        statuses(&nginx.url("/search"), &[("x-api-key", "k")], 20),
+        (15, 5)
+    );
+    let refused = Client::new().get(&nginx.url("/"), &[]);
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.body, "rate limited\n");
+    assert_eq!(refused.header("x-tollgate-rule"), Some("per-ip"));
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
