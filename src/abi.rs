@@ -1,7 +1,7 @@
 //! The proxy-wasm ABI 0.2.1 as the module sees it: the host functions it imports (only those
 //! Envoy and ngx_wasm_module both implement with this signature) and the exports every host
 //! needs. Statuses are plain `u32`: a value the host returns can never be an invalid enum.
-//! Only `host` calls the imports.
+//! Only `host` (and the `probe` build's timers) call the imports; `callbacks` has the callbacks.
 
 use std::mem::MaybeUninit;
 
@@ -118,20 +118,4 @@ pub extern "C" fn proxy_on_memory_allocate(size: usize) -> *mut u8 {
     // SAFETY: MaybeUninit needs no initialisation; the host writes the bytes before we read them.
     unsafe { buffer.set_len(size) };
     Box::into_raw(buffer.into_boxed_slice()) as *mut u8
-}
-
-#[cfg(target_os = "wasi")]
-extern "C" {
-    fn __wasm_call_ctors();
-}
-
-/// The reactor's entry: run static constructors, then set up logging and the panic hook.
-#[no_mangle]
-pub extern "C" fn _initialize() {
-    #[cfg(target_os = "wasi")]
-    // SAFETY: called once, by the host, before any other export.
-    unsafe {
-        __wasm_call_ctors()
-    };
-    crate::host::install_logger();
 }

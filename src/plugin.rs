@@ -3,12 +3,12 @@
 //! filters sharing a `vm_id`, several `proxy_wasm` directives) never share any of it.
 
 use crate::config::{Config, HostCaps};
-use crate::engine::{Engine, Step};
-use crate::headers::HeaderSet;
+use crate::engine::{Engine, Rejection, Step};
 use crate::host::{self, SharedData};
 use crate::queues::Queues;
+use crate::respond::{self, Scratch};
 use crate::stats::{ProcessStat, RuleStat, Stat};
-use crate::{abi, quota_client, respond};
+use crate::{abi, quota_client};
 use log::{debug, info, warn};
 use std::cell::RefCell;
 use tollgate_core::{CasStore, StoreError};
@@ -27,20 +27,13 @@ struct Metric {
     total_key: Option<String>,
 }
 
-/// Buffers a worker reuses from request to request.
-#[derive(Default)]
-pub struct Scratch {
-    pub headers: HeaderSet,
-    pub wire: Vec<u8>,
-}
-
 pub struct Plugin {
     pub engine: RefCell<Engine>,
     pub queues: RefCell<Queues>,
     pub caps: HostCaps,
     /// This process's name at the quota service.
     pub instance: String,
-    pub scratch: RefCell<Scratch>,
+    scratch: RefCell<Scratch>,
     rule_metrics: Vec<Vec<Option<Metric>>>,
     process_metrics: Vec<Option<Metric>>,
 }
@@ -104,12 +97,12 @@ impl Plugin {
 
     /// The periodic work of one worker: return stashes, send claimed refills, decide waiting
     /// requests again, release held ones that are due, hand over stats.
-    pub fn tick(&self, root_id: u32) {
+    pub fn tick(&self) {
         let Some(now) = host::now_ns() else {
             return;
         };
         self.engine.borrow_mut().return_stashes(&SharedData, now);
-        quota_client::send_refills(self, root_id);
+        self.send_refills();
         self.retry_waiting(now);
         let due = self.queues.borrow_mut().due(now);
         for id in due {
@@ -122,6 +115,65 @@ impl Plugin {
             }
         }
         self.flush_stats();
+    }
+
+    /// Send the refills this worker's requests claimed, in one call from the root context (its
+    /// answer is found by [`Self::sent`]).
+    fn send_refills(&self) {
+        let claimed = self.engine.borrow_mut().take_refills(&self.instance);
+        let Some((refills, request)) = claimed else {
+            return;
+        };
+        match self.call(&request) {
+            Some(token) => self.queues.borrow_mut().call_sent(token, refills),
+            None => {
+                let now = host::now_ns().unwrap_or(0);
+                self.engine
+                    .borrow_mut()
+                    .apply_grants(&SharedData, &refills, None, now);
+            }
+        }
+    }
+
+    /// Start a lease call from the current context; `None` if it could not be made.
+    pub fn call(&self, request: &tollgate_core::lease::LeaseRequest) -> Option<u32> {
+        self.add(ProcessStat::QuotaCalls, 1);
+        let engine = self.engine.borrow();
+        quota_client::call(engine.config().quota_service.as_ref()?, request)
+    }
+
+    /// True if this configuration's root context sent the call `token`.
+    pub fn sent(&self, token: u32) -> bool {
+        self.queues.borrow().is_sent(token)
+    }
+
+    /// The answer to a refill call this configuration's root context sent.
+    pub fn refills_answered(&self, token: u32, num_headers: usize, body_size: usize) {
+        let Some(refills) = self.queues.borrow_mut().call_answered(token) else {
+            return;
+        };
+        let answer = quota_client::answer(num_headers, body_size, refills.len());
+        let now = host::now_ns().unwrap_or(0);
+        self.engine
+            .borrow_mut()
+            .apply_grants(&SharedData, &refills, answer.as_ref(), now);
+    }
+
+    /// Refuse the current request.
+    pub fn reject(&self, rejection: &Rejection) {
+        let engine = self.engine.borrow();
+        respond::reject(
+            &engine,
+            &mut self.scratch.borrow_mut(),
+            &self.caps,
+            rejection,
+        );
+    }
+
+    /// Add the rate-limit headers of `report` to the current response.
+    pub fn add_quota_headers(&self, report: crate::engine::QuotaReport) {
+        let engine = self.engine.borrow();
+        respond::add_quota_headers(&engine, &mut self.scratch.borrow_mut(), report);
     }
 
     /// Decide again the requests waiting for global quota; past their deadline, the failure mode.
@@ -166,7 +218,7 @@ impl Plugin {
                     debug!("cannot resume request {context_id}: {s}");
                 }
             }
-            Step::Reject(r) => respond::reject(self, &r),
+            Step::Reject(r) => self.reject(&r),
             Step::Wait => {}
         }
     }

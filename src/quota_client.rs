@@ -1,40 +1,17 @@
-//! Calls to the quota service: the tick's batched refills, answered in the root context, and a
-//! request's own call (strict mode, and waits on hosts that cannot resume from the timer),
-//! answered in the request's context.
+//! Calls to the quota service at the host: a lease request sent (from whichever context makes
+//! it: the root context for the tick's batched refills, a request's context for a call of its
+//! own) and its answer read in the call-response callback.
 
-use crate::callbacks;
+use crate::config::QuotaService;
 use crate::engine::read_answer;
 use crate::header_map;
-use crate::host::{self, SharedData};
-use crate::plugin::Plugin;
-use crate::stats::ProcessStat;
+use crate::host;
 use log::{error, warn};
 use tollgate_core::lease::{LeaseRequest, LeaseResponse};
 
-/// Send the refills this worker's requests claimed, in one call from the root context.
-pub fn send_refills(plugin: &Plugin, root_id: u32) {
-    let claimed = plugin.engine.borrow_mut().take_refills(&plugin.instance);
-    let Some((refills, request)) = claimed else {
-        return;
-    };
-    match call(plugin, root_id, &request) {
-        Some(token) => plugin.queues.borrow_mut().call_sent(token, refills),
-        None => {
-            let now = host::now_ns().unwrap_or(0);
-            plugin
-                .engine
-                .borrow_mut()
-                .apply_grants(&SharedData, &refills, None, now);
-        }
-    }
-}
-
-/// Start a lease call from context `context_id`; its answer comes to that context's
-/// call-response callback. `None` if the call could not be made.
-pub fn call(plugin: &Plugin, context_id: u32, request: &LeaseRequest) -> Option<u32> {
-    plugin.add(ProcessStat::QuotaCalls, 1);
-    let engine = plugin.engine.borrow();
-    let service = engine.config().quota_service.as_ref()?;
+/// Start a lease call; its answer comes to the calling context's call-response callback. `None`
+/// if the call could not be made.
+pub fn call(service: &QuotaService, request: &LeaseRequest) -> Option<u32> {
     let body = serde_json::to_vec(request)
         .map_err(|e| error!("cannot encode a lease request: {e}"))
         .ok()?;
@@ -51,16 +28,9 @@ pub fn call(plugin: &Plugin, context_id: u32, request: &LeaseRequest) -> Option<
     let mut wire = Vec::new();
     header_map::serialize(headers.iter().copied(), &mut wire);
     let timeout = u32::try_from(service.timeout_ms).unwrap_or(u32::MAX);
-    match host::http_call(&service.upstream, &wire, &body, timeout) {
-        Ok(token) => {
-            callbacks::register_call(token, context_id);
-            Some(token)
-        }
-        Err(s) => {
-            warn!("cannot call the quota service ({}): {s}", service.upstream);
-            None
-        }
-    }
+    host::http_call(&service.upstream, &wire, &body, timeout)
+        .map_err(|s| warn!("cannot call the quota service ({}): {s}", service.upstream))
+        .ok()
 }
 
 /// The answer to a lease call for `items` items, read in its response callback; `None` if the

@@ -1,17 +1,22 @@
 //! Carrying out an answer at the host: a rejection sent as a local response, rate-limit headers
 //! added to an admitted request's response. Both render into buffers the worker reuses.
 
-use crate::engine::{QuotaReport, Rejection};
+use crate::config::HostCaps;
+use crate::engine::{Engine, QuotaReport, Rejection};
 use crate::header_map;
+use crate::headers::HeaderSet;
 use crate::host;
-use crate::plugin::Plugin;
 use log::{debug, error};
 
+/// Buffers a worker reuses from response to response.
+#[derive(Default)]
+pub struct Scratch {
+    headers: HeaderSet,
+    wire: Vec<u8>,
+}
+
 /// Refuse the current request with its rule's response and headers saying why.
-pub fn reject(plugin: &Plugin, rejection: &Rejection) {
-    let engine = plugin.engine.borrow();
-    let mut scratch = plugin.scratch.borrow_mut();
-    let scratch = &mut *scratch;
+pub fn reject(engine: &Engine, scratch: &mut Scratch, caps: &HostCaps, rejection: &Rejection) {
     scratch.headers.clear();
     scratch.wire.clear();
     let response = engine.render_rejection(&mut scratch.headers, rejection);
@@ -22,7 +27,7 @@ pub fn reject(plugin: &Plugin, rejection: &Rejection) {
     header_map::serialize(pairs, &mut scratch.wire);
     // A host that appends a newline gets the body without its own last one: the client then
     // receives the configured body exactly.
-    let body = match plugin.caps.appends_newline_to_body {
+    let body = match caps.appends_newline_to_body {
         true => response.body.strip_suffix('\n').unwrap_or(&response.body),
         false => &response.body,
     };
@@ -32,9 +37,7 @@ pub fn reject(plugin: &Plugin, rejection: &Rejection) {
 }
 
 /// Add the rate-limit headers describing `report` to the current response.
-pub fn add_quota_headers(plugin: &Plugin, report: QuotaReport) {
-    let engine = plugin.engine.borrow();
-    let mut scratch = plugin.scratch.borrow_mut();
+pub fn add_quota_headers(engine: &Engine, scratch: &mut Scratch, report: QuotaReport) {
     scratch.headers.clear();
     engine.render_report(&mut scratch.headers, report);
     for (name, value) in scratch.headers.iter() {

@@ -2,15 +2,15 @@
 //! the engine, and carries out the answer: go on, a rejection, a hold, a wait, or a call of its
 //! own; at the end of the stream it gives back what the request held.
 
+use super::calls;
 use crate::abi::{ACTION_CONTINUE, ACTION_PAUSE};
-use crate::callbacks;
 use crate::engine::{Holds, Inputs, QuotaReport, Step, Strict};
 use crate::host::{self, HostRequest, SharedData};
 use crate::plugin::Plugin;
 use crate::queues::Waiting;
+use crate::quota_client;
 use crate::request::Request;
 use crate::stats::ProcessStat;
-use crate::{quota_client, respond};
 use log::{debug, warn};
 use std::rc::Rc;
 use tollgate_core::lease::LeaseRequest;
@@ -59,7 +59,7 @@ impl Http {
             .borrow_mut()
             .gather(&Request::new(&view, trusted_hops), &mut inputs);
         if let Some(rejection) = blocked {
-            respond::reject(&plugin, &rejection);
+            plugin.reject(&rejection);
             return ACTION_PAUSE;
         }
         if inputs.is_empty() {
@@ -118,8 +118,9 @@ impl Http {
             instance: plugin.instance.clone(),
             items: plugin.engine.borrow().strict_items(&strict),
         };
-        match quota_client::call(plugin, self.id, &request) {
+        match plugin.call(&request) {
             Some(token) => {
+                calls::register(token, self.id);
                 self.own_call = Some((token, strict));
                 ACTION_PAUSE
             }
@@ -181,7 +182,7 @@ impl Http {
                 ACTION_CONTINUE
             }
             Step::Reject(r) => {
-                respond::reject(plugin, &r);
+                plugin.reject(&r);
                 ACTION_PAUSE
             }
             Step::Wait => ACTION_PAUSE,
@@ -193,7 +194,7 @@ impl Http {
         let _t = crate::probe::start("response");
         self.take_resumed();
         if let (Some(report), Some(plugin)) = (self.report.take(), &self.plugin) {
-            respond::add_quota_headers(plugin, report);
+            plugin.add_quota_headers(report);
         }
         ACTION_CONTINUE
     }
@@ -233,7 +234,7 @@ impl Http {
             plugin.add(ProcessStat::QuotaWaiting, -1);
         }
         if let Some((token, _)) = self.own_call.take() {
-            callbacks::forget_call(token);
+            calls::forget(token);
         }
         if !self.holds.is_empty() {
             let now = host::now_ns().unwrap_or(0);

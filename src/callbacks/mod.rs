@@ -2,6 +2,7 @@
 //! and HTTP contexts (one per request). A context the host names that is unknown, or one that is
 //! busy (a re-entered callback), gets the neutral answer: nothing here can panic.
 
+mod calls;
 mod http;
 mod root;
 
@@ -16,26 +17,6 @@ thread_local! {
     static ROOTS: RefCell<HashMap<u32, Root>> = RefCell::new(HashMap::new());
     /// Requests in progress. The map keeps its capacity: a new request allocates nothing.
     static STREAMS: RefCell<HashMap<u32, Http>> = RefCell::new(HashMap::new());
-    /// Which context started each call in flight (by token): its answer goes there.
-    static CALLS: RefCell<HashMap<u32, u32>> = RefCell::new(HashMap::new());
-}
-
-/// Note that context `context_id` started the call `token`.
-pub fn register_call(token: u32, context_id: u32) {
-    CALLS.with(|c| {
-        if let Ok(mut calls) = c.try_borrow_mut() {
-            calls.insert(token, context_id);
-        }
-    });
-}
-
-/// Forget a call whose context went away (hosts cancel such calls).
-pub fn forget_call(token: u32) {
-    CALLS.with(|c| {
-        if let Ok(mut calls) = c.try_borrow_mut() {
-            calls.remove(&token);
-        }
-    });
 }
 
 fn with_root<R>(id: u32, default: R, f: impl FnOnce(&mut Root) -> R) -> R {
@@ -58,12 +39,28 @@ fn with_stream<R>(id: u32, default: R, f: impl FnOnce(&mut Http) -> R) -> R {
     })
 }
 
+#[cfg(target_os = "wasi")]
+extern "C" {
+    fn __wasm_call_ctors();
+}
+
+/// The reactor's entry: run static constructors, then set up logging and the panic hook.
+#[no_mangle]
+pub extern "C" fn _initialize() {
+    #[cfg(target_os = "wasi")]
+    // SAFETY: called once, by the host, before any other export.
+    unsafe {
+        __wasm_call_ctors()
+    };
+    host::install_logger();
+}
+
 #[no_mangle]
 pub extern "C" fn proxy_on_context_create(context_id: u32, parent_id: u32) {
     if parent_id == 0 {
         ROOTS.with(|r| {
             if let Ok(mut roots) = r.try_borrow_mut() {
-                roots.insert(context_id, Root::new(context_id));
+                roots.insert(context_id, Root::new());
             }
         });
         return;
@@ -151,12 +148,10 @@ pub extern "C" fn proxy_on_http_call_response(
     let named_stream = STREAMS.with(|s| s.try_borrow().is_ok_and(|m| m.contains_key(&context_id)));
     let named_root_call = !named_stream && with_root(context_id, false, |r| r.sent(token));
     let caller = if named_stream || named_root_call {
-        forget_call(token);
+        calls::forget(token);
         context_id
     } else {
-        CALLS
-            .with(|c| c.try_borrow_mut().ok()?.remove(&token))
-            .unwrap_or(context_id)
+        calls::take(token).unwrap_or(context_id)
     };
     // The caller must be current before it can read the answer or resume itself (Envoy; nginx
     // ignores this call, its current context is the caller already).

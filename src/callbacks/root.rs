@@ -1,23 +1,20 @@
 //! A root context: one configuration in one worker. It loads the configuration, runs the tick
 //! and takes the answers to the refills it sent.
 
-use crate::host::{self, SharedData};
+use crate::host;
 use crate::plugin::Plugin;
-use crate::quota_client;
 use log::{error, warn};
 use std::rc::Rc;
 
 pub struct Root {
-    id: u32,
     plugin: Option<Rc<Plugin>>,
     /// The tick period set so far (some hosts accept it only once).
     tick_ms: Option<u32>,
 }
 
 impl Root {
-    pub fn new(id: u32) -> Self {
+    pub fn new() -> Self {
         Self {
-            id,
             plugin: None,
             tick_ms: None,
         }
@@ -61,31 +58,20 @@ impl Root {
 
     pub fn tick(&mut self) {
         if let Some(plugin) = &self.plugin {
-            plugin.tick(self.id);
+            plugin.tick();
         }
     }
 
     /// True if this root sent the call `token` and waits for its answer.
     pub fn sent(&mut self, token: u32) -> bool {
-        self.plugin
-            .as_ref()
-            .is_some_and(|p| p.queues.borrow().is_sent(token))
+        self.plugin.as_ref().is_some_and(|p| p.sent(token))
     }
 
     /// The answer to a call this root sent: refills to write into the keys' allowances.
     pub fn on_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
-        let Some(plugin) = &self.plugin else {
-            return;
-        };
-        let Some(refills) = plugin.queues.borrow_mut().call_answered(token) else {
-            return;
-        };
-        let answer = quota_client::answer(num_headers, body_size, refills.len());
-        let now = host::now_ns().unwrap_or(0);
-        plugin
-            .engine
-            .borrow_mut()
-            .apply_grants(&SharedData, &refills, answer.as_ref(), now);
+        if let Some(plugin) = &self.plugin {
+            plugin.refills_answered(token, num_headers, body_size);
+        }
     }
 
     /// The configuration goes away (reload, shutdown).

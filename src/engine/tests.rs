@@ -414,3 +414,19 @@ fn lease_answers_are_checked_before_use() {
     assert!(read_answer(Some(b"200"), Some(b"\xff{"), 1).is_none());
     assert!(read_answer(Some(b"2\xff0"), Some(ok), 1).is_none());
 }
+
+proptest::proptest! {
+    /// Whatever a quota service (or something posing as one) answers, reading it never panics
+    /// and only a well-formed answer for the right number of items is used.
+    #[test]
+    fn any_lease_answer_is_read_safely(
+        status in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4),
+        body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..96),
+        items in 0usize..3,
+    ) {
+        if let Some(answer) = read_answer(Some(&status), Some(&body), items) {
+            proptest::prop_assert_eq!(answer.items.len(), items);
+            proptest::prop_assert_eq!(&status[..], b"200");
+        }
+    }
+}

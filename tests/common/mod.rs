@@ -8,6 +8,7 @@ use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// Generous: the V8 or Wasmtime compile of the module and the slot tables take well under this.
@@ -37,6 +38,19 @@ pub fn built_artifact(var: &str, default: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A fresh directory for one proxy of a test, under `target/<kind>/`.
+pub fn scratch_dir(kind: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = repo().join("target").join(kind).join(format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("logs")).unwrap();
+    dir
 }
 
 pub fn repo() -> PathBuf {
@@ -128,6 +142,59 @@ impl Client {
     pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
         self.send("GET", url, headers)
     }
+}
+
+/// A raw HTTP/1.1 request closing its connection, with extra header lines (any bytes).
+pub fn raw(path: &[u8], lines: &[&[u8]]) -> Vec<u8> {
+    let mut r = b"GET ".to_vec();
+    r.extend_from_slice(path);
+    r.extend_from_slice(b" HTTP/1.1\r\nHost: h\r\nConnection: close\r\n");
+    for line in lines {
+        r.extend_from_slice(line);
+        r.extend_from_slice(b"\r\n");
+    }
+    r.extend_from_slice(b"\r\n");
+    r
+}
+
+/// The configuration the hostile-bytes checks run with (both proxies).
+pub fn hostile_plugin() -> Value {
+    json!({
+        "client_ip": {"trusted_hops": 1},
+        "rules": [
+            {"name": "user", "key": ["header:x-user"], "limit": {"requests": 2, "per": "1h"},
+             "worker_batch": 0},
+            {"name": "tier", "match": {"headers": {"x-tier": "free"}}, "key": ["client_ip"],
+             "limit": {"requests": 1000, "per": "1h"}},
+            {"name": "query", "match": {"path_prefix": "/q"}, "key": ["query:q", "host"],
+             "limit": {"requests": 1000, "per": "1h"}},
+            {"name": "cost", "match": {"path": "/cost"}, "limit": {"requests": 1, "per": "1h"},
+             "burst": 8, "cost": {"header": "x-cost", "default": 3, "max": 5}, "worker_batch": 0}
+        ]
+    })
+}
+
+/// One request for each header the filter reads with bytes that are not UTF-8: a keyed header, a
+/// matched header, the cost header, a query key, the host and the forwarded-for address a
+/// trusted hop reads. (A proxy may refuse raw bytes in the request line with 400 itself.)
+pub fn hostile_requests() -> Vec<Vec<u8>> {
+    vec![
+        raw(b"/", &[b"x-user: caf\xe9"]),
+        raw(b"/", &[b"x-user: \xff\xfe\xfd"]),
+        raw(b"/", &[b"x-tier: fr\xe9e", b"x-user: t"]),
+        raw(b"/q?q=%ff%fe&x=%e9", &[b"x-user: q"]),
+        raw(b"/q?\xe9=\xe9", &[b"x-user: r", b"host: h\xe9st"]),
+        raw(b"/cost", &[b"x-cost: \xff3", b"x-user: c"]),
+        raw(
+            b"/cost",
+            &[b"x-cost: 99999999999999999999999", b"x-user: d"],
+        ),
+        raw(
+            b"/",
+            &[b"x-forwarded-for: 1.2.3.4, \xff\xfe::1", b"x-user: f"],
+        ),
+        raw(b"/", &[b"x-forwarded-for: \xc3\x28", b"x-tier: free"]),
+    ]
 }
 
 /// Send raw bytes as a request on a new connection (no HTTP library in between, so any byte

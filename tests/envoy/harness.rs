@@ -5,25 +5,12 @@ use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub use crate::common::*;
 
 pub fn envoy_bin() -> PathBuf {
     built_artifact("ENVOY_BIN", ".venv/bin/envoy")
-}
-
-fn scratch_dir() -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let dir = repo().join("target/envoy-tests").join(format!(
-        "{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// What a test can vary around the plugin configuration.
@@ -253,7 +240,7 @@ impl Envoy {
     }
 
     pub fn start_with(plugin: &Value, opts: &Options) -> Self {
-        let dir = scratch_dir();
+        let dir = scratch_dir("envoy-tests");
         let child = spawn(&dir, &bootstrap(plugin, opts, &dir), opts);
         let mut envoy = Envoy {
             child: Some(child),
@@ -268,7 +255,7 @@ impl Envoy {
 
     /// Start Envoy with a configuration it must refuse; returns its exit status and log.
     pub fn expect_refusal(plugin: &Value) -> Refused {
-        let dir = scratch_dir();
+        let dir = scratch_dir("envoy-tests");
         let opts = Options {
             concurrency: 1,
             ..Options::default()

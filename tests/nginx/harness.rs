@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,18 +28,6 @@ macro_rules! nginx_or_skip {
             return;
         }
     };
-}
-
-fn scratch_dir() -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let dir = repo().join("target/nginx-tests").join(format!(
-        "{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(dir.join("logs")).unwrap();
-    dir
 }
 
 /// A plugin configuration as an nginx string argument: single-quoted, with `\` and `'` escaped
@@ -214,7 +202,7 @@ impl Nginx {
     }
 
     fn spawn_conf(conf: &str, backend: Backend) -> Self {
-        let dir = scratch_dir();
+        let dir = scratch_dir("nginx-tests");
         let port = free_port();
         let d = dir.display();
         let conf = format!(
