@@ -1,6 +1,6 @@
 //! What a proxy-wasm host can do, and the options that need what it cannot.
 
-use super::model::Config;
+use super::model::{Config, FailureMode, FirstLease};
 use super::{err, ConfigError};
 
 /// The capabilities tollgate relies on that differ between hosts.
@@ -17,6 +17,9 @@ pub struct HostCaps {
     pub authority_is_request_host: bool,
     /// The host appends a newline to a non-empty local response body (nginx).
     pub appends_newline_to_body: bool,
+    /// A request whose own call failed (timeout, reset) can still be refused from that call's
+    /// callback. ngx_wasm_module drops the connection instead; it can only let the request go on.
+    pub refuses_after_failed_call: bool,
 }
 
 impl HostCaps {
@@ -25,32 +28,64 @@ impl HostCaps {
         resume_from_timer: true,
         authority_is_request_host: true,
         appends_newline_to_body: false,
+        refuses_after_failed_call: true,
     };
     pub const NGINX: Self = Self {
         name: "nginx (ngx_wasm_module)",
         resume_from_timer: false,
         authority_is_request_host: false,
         appends_newline_to_body: true,
+        refuses_after_failed_call: false,
     };
 }
 
 impl Config {
     /// Refuse options `host` cannot carry out, with the field named as a parse error names it.
     pub fn check_host(&self, host: &HostCaps) -> Result<(), ConfigError> {
-        if host.resume_from_timer {
-            return Ok(());
+        if !host.resume_from_timer {
+            if let Some(i) = self.rules.iter().position(|r| r.delays()) {
+                return Err(err(
+                    format!("rules[{i}].delay"),
+                    format!(
+                        "{} cannot resume a held request from a timer, so a leaky bucket cannot \
+                         delay requests there: set \"delay\": \"nodelay\" (requests beyond the \
+                         burst are then refused, not delayed)",
+                        host.name
+                    ),
+                ));
+            }
         }
-        match self.rules.iter().position(|r| r.delays()) {
-            Some(i) => Err(err(
-                format!("rules[{i}].delay"),
-                format!(
-                    "{} cannot resume a held request from a timer, so a leaky bucket cannot \
-                     delay requests there: set \"delay\": \"nodelay\" (requests beyond the burst \
-                     are then refused, not delayed)",
-                    host.name
-                ),
-            )),
-            None => Ok(()),
+        if let (false, Some(qs)) = (host.refuses_after_failed_call, &self.quota_service) {
+            // Requests call the service themselves in strict mode, and (where the host cannot
+            // resume them from a timer) when they would wait for a key's quota.
+            let own_calls =
+                qs.strict || (!host.resume_from_timer && qs.first_lease == FirstLease::Wait);
+            let global = self.rules.iter().any(|r| r.global.is_some());
+            if global && own_calls && qs.failure_mode != FailureMode::Allow {
+                return Err(err(
+                    "quota_service.failure_mode",
+                    format!(
+                        "{} drops the connection of a request whose own call to the quota \
+                         service fails (timeout, reset) instead of letting the filter refuse it, \
+                         so such a request can only go on: with {} use \"failure_mode\": \
+                         \"allow\"{}",
+                        host.name,
+                        if qs.strict {
+                            "\"mode\": \"strict\""
+                        } else {
+                            "\"first_lease\": \"wait\""
+                        },
+                        if qs.strict {
+                            ""
+                        } else {
+                            ", or \"first_lease\": \"provisional\" (a new key spends its local \
+                             stand-in while its first lease is fetched, and requests never call \
+                             the service themselves)"
+                        }
+                    ),
+                ));
+            }
         }
+        Ok(())
     }
 }

@@ -381,3 +381,48 @@ fn errors_name_the_field_and_the_reason() {
         );
     }
 }
+
+#[test]
+fn options_a_proxy_cannot_carry_out_are_refused_with_the_proxy_named() {
+    let held = parse(
+        r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","limit":{"requests":1,"per":"1s"},"burst":2}]}"#,
+    )
+    .unwrap();
+    assert_eq!(held.check_host(&HostCaps::ENVOY), Ok(()));
+    let e = held.check_host(&HostCaps::NGINX).unwrap_err().0;
+    assert!(
+        e.starts_with("rules[0].delay: nginx (ngx_wasm_module) cannot resume"),
+        "{e}"
+    );
+    let global = |qs: &str| {
+        parse(&format!(
+            r#"{{"rules":[{{"name":"g","scope":"global","limit":{{"requests":1,"per":"1s"}}}}],"quota_service":{{"upstream":"q"{qs}}}}}"#
+        ))
+        .unwrap()
+    };
+    let refused = |qs: &str| global(qs).check_host(&HostCaps::NGINX).unwrap_err().0;
+    // Requests that call the service themselves can only go on if the call fails.
+    for qs in [
+        r#","failure_mode":"deny""#,
+        r#","failure_mode":"local""#,
+        r#","mode":"strict","failure_mode":"deny""#,
+    ] {
+        let e = refused(qs);
+        assert!(
+            e.starts_with(
+                "quota_service.failure_mode: nginx (ngx_wasm_module) drops the connection"
+            ),
+            "{e}"
+        );
+        assert_eq!(global(qs).check_host(&HostCaps::ENVOY), Ok(()), "{qs}");
+    }
+    assert!(refused(r#","failure_mode":"deny""#).contains("\"first_lease\": \"provisional\""));
+    for qs in [
+        "",
+        r#","mode":"strict""#,
+        r#","failure_mode":"deny","first_lease":"provisional""#,
+        r#","failure_mode":"local","first_lease":"provisional""#,
+    ] {
+        assert_eq!(global(qs).check_host(&HostCaps::NGINX), Ok(()), "{qs}");
+    }
+}

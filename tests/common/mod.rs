@@ -358,6 +358,24 @@ impl Quota {
         }
     }
 
+    /// Stop the service without closing its socket (SIGSTOP): calls hang until [`Self::resume`].
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, signal: i32) {
+        if let Some(child) = &self.child {
+            // SAFETY: signals the child process this harness started.
+            unsafe {
+                libc::kill(child.id() as i32, signal);
+            }
+        }
+    }
+
     pub fn metrics(&self) -> String {
         ureq::get(&format!("http://127.0.0.1:{}/metrics", self.port))
             .call()

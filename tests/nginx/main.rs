@@ -104,7 +104,12 @@ fn concurrency_slots_are_released_also_when_the_client_goes_away() {
         {"name": "slots", "algorithm": "concurrency", "limit": {"concurrent": 2},
          "match": {"path_prefix": "/slow"}, "response": {"status": 503}}
     ]}));
-    let first = parallel(4, |_| Client::new().get(&nginx.url("/slow"), &[]).status);
+    // 1.5 s at the backend: all four overlap even on a loaded machine.
+    let first = parallel(4, |_| {
+        Client::new()
+            .get(&nginx.url("/slow"), &[("x-delay-ms", "1500")])
+            .status
+    });
     assert_eq!(
         (count(&first, 200), count(&first, 503)),
         (2, 2),
@@ -193,8 +198,7 @@ fn lease_mode_waits_for_a_first_lease_by_a_call_of_the_requests_own() {
         let nginx = Nginx::start(&global(
             json!({"name": "leased", "scope": "global", "key": ["header:x-user"],
                    "limit": {"requests": 1, "per": "1d"}, "burst": 40}),
-            json!({"upstream": upstream, "first_lease": first_lease, "failure_mode": "deny",
-                   "timeout": "1s"}),
+            json!({"upstream": upstream, "first_lease": first_lease, "timeout": "1s"}),
         ));
         let user = format!("user-{first_lease}");
         let codes = parallel(4, |_| {
@@ -223,13 +227,65 @@ fn failure_mode_deny_answers_when_the_quota_service_is_down() {
     let nginx = Nginx::start(&global(
         json!({"name": "g", "scope": "global", "limit": {"requests": 10, "per": "1s"}}),
         json!({"upstream": format!("127.0.0.1:{}", harness::free_port()), "failure_mode": "deny",
+               "first_lease": "provisional", "timeout": "200ms"}),
+    ));
+    // The provisional stand-in serves while the refill is asked for; once that call has failed,
+    // the failure mode refuses.
+    let started = Instant::now();
+    let c = Client::new();
+    let refused = loop {
+        let r = c.get(&nginx.url("/"), &[]);
+        if r.status == 429 {
+            break r;
+        }
+        assert_eq!(r.status, 200);
+        assert!(started.elapsed() < Duration::from_secs(3), "never refused");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(refused.header("x-tollgate-rule"), Some("g"));
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
+fn refusing_after_a_failed_call_of_the_requests_own_is_refused_at_load() {
+    nginx_or_skip!();
+    let log = Nginx::expect_refusal(&global(
+        json!({"name": "g", "scope": "global", "limit": {"requests": 10, "per": "1s"}}),
+        json!({"upstream": "127.0.0.1:1", "mode": "strict", "failure_mode": "deny"}),
+    ));
+    assert!(
+        log.contains("quota_service.failure_mode: nginx (ngx_wasm_module) drops the connection"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_hung_quota_service_lets_strict_requests_go_on_after_the_timeout() {
+    nginx_or_skip!();
+    let quota = Quota::start(&[]);
+    let nginx = Nginx::start(&global(
+        json!({"name": "exact", "scope": "global", "limit": {"requests": 1, "per": "1d"}, "burst": 3}),
+        json!({"upstream": format!("127.0.0.1:{}", quota.port), "mode": "strict",
                "timeout": "200ms"}),
     ));
+    let c = Client::new();
+    assert_eq!(c.get(&nginx.url("/"), &[]).status, 200);
+    quota.pause();
+    // failure_mode allow: each request goes on once its own call has timed out.
     let started = Instant::now();
-    let r = Client::new().get(&nginx.url("/"), &[]);
-    assert_eq!(r.status, 429);
-    assert_eq!(r.header("x-tollgate-rule"), Some("g"));
-    assert!(started.elapsed() < Duration::from_secs(2));
+    let during = parallel(4, |_| Client::new().get(&nginx.url("/"), &[]).status);
+    let took = started.elapsed();
+    quota.resume();
+    assert_eq!(during, [200, 200, 200, 200]);
+    assert!(
+        took >= Duration::from_millis(150) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    // The service is back and counts again. (The calls that timed out reach it when it wakes up
+    // and take tokens too: stricter, never looser.)
+    let (admitted, refused) = statuses(&nginx.url("/"), &[], 4);
+    assert!(admitted <= 2 && refused >= 2, "{admitted} admitted");
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
 
 #[test]
@@ -263,8 +319,7 @@ fn bytes_that_are_not_utf8_never_crash_a_worker() {
 fn two_proxy_wasm_directives_keep_their_own_state() {
     nginx_or_skip!();
     let quota = Quota::start(&[]);
-    let service = json!({"upstream": format!("127.0.0.1:{}", quota.port), "failure_mode": "deny",
-                         "timeout": "1s"});
+    let service = json!({"upstream": format!("127.0.0.1:{}", quota.port), "timeout": "1s"});
     // Rule indexes line up on purpose: with per-VM queues one location's tick would send the
     // other's refills under its own rule.
     let nginx = Nginx::start_with(vec![
@@ -334,13 +389,19 @@ fn the_documented_nginx_conf_works_as_described() {
     let nginx = Nginx::start_conf(&conf, backend, 2);
     // The global per-user rule leases from the quota service (5 requests of user u).
     assert_eq!(statuses(&nginx.url("/"), &[("x-user", "u")], 5), (5, 0));
-    assert!(
-        !quota
-            .metrics()
-            .contains("tollgate_quota_lease_items_total 0"),
-        "{}",
-        quota.metrics()
-    );
+    // (The refill goes out in the worker's next batched call.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while quota
+        .metrics()
+        .contains("tollgate_quota_lease_items_total 0")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no lease call:\n{}",
+            quota.metrics()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // per-ip: a burst of 20 for this client, 15 of them left.
     assert_eq!(
         statuses(&nginx.url("/search"), &[("x-api-key", "k")], 20),
