@@ -85,7 +85,7 @@ impl<'a, V: RequestView> Request<'a, V> {
     }
 
     /// The client address: the downstream peer, or with `trusted_hops = N > 0` the N-th entry from
-    /// the right of `x-forwarded-for`. When that entry is missing or is not an IP address, the
+    /// the right of `x-forwarded-for`; IPv4-mapped IPv6 addresses are the IPv4 address. When that entry is missing or is not an IP address, the
     /// downstream peer is used: a client cannot escape its limit by leaving the header out or
     /// sending garbage.
     pub fn client_ip(&self) -> Option<&[u8]> {
@@ -94,7 +94,7 @@ impl<'a, V: RequestView> Request<'a, V> {
                 if self.trusted_hops > 0 {
                     let xff = self.view.header("x-forwarded-for");
                     if let Some(ip) = xff.and_then(|x| forwarded_hop(&x, self.trusted_hops)) {
-                        return Some(ip.to_string().into_bytes());
+                        return Some(ip.to_canonical().to_string().into_bytes());
                     }
                 }
                 Some(peer_ip(self.view.source_address()?))
@@ -176,7 +176,8 @@ pub fn peer_ip(mut peer: Vec<u8>) -> Vec<u8> {
         .ok()
         .and_then(|s| s.parse::<SocketAddr>().ok());
     match parsed {
-        Some(addr) => addr.ip().to_string().into_bytes(),
+        // An IPv4 client on an IPv6 socket (`::ffff:a.b.c.d`) is the IPv4 address.
+        Some(addr) => addr.ip().to_canonical().to_string().into_bytes(),
         None => peer,
     }
 }
@@ -237,8 +238,9 @@ fn form_decode(input: &[u8]) -> Vec<u8> {
 }
 
 /// A request's cost from a header value: a whole number (ASCII digits, surrounding whitespace
-/// ignored) capped at `max` — a number too large for 64 bits is above any `max` — else `default`.
-pub fn header_cost(value: Option<&[u8]>, default: u64, max: u64) -> u64 {
+/// ignored) kept within `min..=max` — a number too large for 64 bits is above any `max` — else
+/// `default`.
+pub fn header_cost(value: Option<&[u8]>, default: u64, min: u64, max: u64) -> u64 {
     let Some(digits) = value.map(<[u8]>::trim_ascii) else {
         return default;
     };
@@ -255,7 +257,7 @@ pub fn header_cost(value: Option<&[u8]>, default: u64, max: u64) -> u64 {
             None => return max,
         }
     }
-    n.min(max)
+    n.clamp(min, max)
 }
 
 #[cfg(test)]
@@ -364,6 +366,13 @@ mod tests {
             .insert("x-forwarded-for", b"1.2.3.4, \xff\xfe".to_vec());
         assert_eq!(ip(&bytes, 1).as_deref(), Some(&b"10.0.0.9"[..]));
         assert_eq!(ip(&bytes, 2).as_deref(), Some(&b"1.2.3.4"[..]));
+        // IPv4-mapped IPv6 is the IPv4 address, from the peer or from a forwarded hop.
+        assert_eq!(
+            peer_ip(b"[::ffff:203.0.113.10]:80".to_vec()),
+            b"203.0.113.10"
+        );
+        let mapped = fake(&[("x-forwarded-for", "::ffff:203.0.113.10")], "10.0.0.1:1");
+        assert_eq!(ip(&mapped, 1).as_deref(), Some(&b"203.0.113.10"[..]));
         // A peer the host writes some other way is still one key per value.
         assert_eq!(peer_ip(b"unix:/tmp/s".to_vec()), b"unix:/tmp/s");
         assert_eq!(peer_ip(b"1.2.3.4:99999999".to_vec()), b"1.2.3.4:99999999");
@@ -371,14 +380,17 @@ mod tests {
 
     #[test]
     fn costs_from_header_bytes() {
-        assert_eq!(header_cost(None, 1, 10), 1);
-        assert_eq!(header_cost(Some(b" 7 "), 1, 10), 7);
-        assert_eq!(header_cost(Some(b"70"), 1, 10), 10);
-        assert_eq!(header_cost(Some(b"99999999999999999999999"), 1, 10), 10);
-        assert_eq!(header_cost(Some(b"18446744073709551615"), 1, 10), 10);
-        assert_eq!(header_cost(Some(b"-3"), 1, 10), 1);
-        assert_eq!(header_cost(Some(b"\xff3"), 2, 10), 2);
-        assert_eq!(header_cost(Some(b""), 2, 10), 2);
+        assert_eq!(header_cost(None, 1, 1, 10), 1);
+        assert_eq!(header_cost(Some(b" 7 "), 1, 1, 10), 7);
+        assert_eq!(header_cost(Some(b"70"), 1, 1, 10), 10);
+        assert_eq!(header_cost(Some(b"99999999999999999999999"), 1, 1, 10), 10);
+        assert_eq!(header_cost(Some(b"18446744073709551615"), 1, 1, 10), 10);
+        assert_eq!(header_cost(Some(b"-3"), 1, 1, 10), 1);
+        assert_eq!(header_cost(Some(b"\xff3"), 2, 1, 10), 2);
+        assert_eq!(header_cost(Some(b""), 2, 1, 10), 2);
+        // Zero is not free unless the configuration says so.
+        assert_eq!(header_cost(Some(b"0"), 3, 1, 10), 1);
+        assert_eq!(header_cost(Some(b"0"), 3, 0, 10), 0);
     }
 
     fn rule_of(json: &str) -> crate::config::Rule {
@@ -479,13 +491,13 @@ mod tests {
             changed.push(0);
             g.headers.insert("x-user", changed);
             prop_assert_ne!(Request::new(&g, hops).key(&parts, MissingKey::Limit), key);
-            let _ = header_cost(Some(&other), 1, 100);
+            let _ = header_cost(Some(&other), 1, 1, 100);
         }
 
         #[test]
-        fn header_costs_are_capped_or_default(value in any_bytes(), max in 1u64..1000) {
-            let cost = header_cost(Some(&value), 1, max);
-            prop_assert!(cost <= max);
+        fn header_costs_are_within_min_and_max(value in any_bytes(), max in 1u64..1000) {
+            let cost = header_cost(Some(&value), 1, 1, max);
+            prop_assert!((1..=max).contains(&cost));
         }
 
         #[test]

@@ -9,7 +9,12 @@ pub enum RuleStat {
     Delayed,
     DryRunLimited,
     Blocked,
+    /// Requests refused because they cost more than the rule can ever admit.
+    CostExceeded,
     SlotTakenOver,
+    /// A new key evicted the key closest to fresh (every slot of its group was active).
+    SlotEvicted,
+    /// Concurrency: a new key shares a slot with requests in flight.
     SlotShared,
     Contended,
     StoreErrors,
@@ -24,13 +29,15 @@ pub enum RuleStat {
 }
 
 impl RuleStat {
-    pub const ALL: [Self; 13] = [
+    pub const ALL: [Self; 15] = [
         Self::Allowed,
         Self::Limited,
         Self::Delayed,
         Self::DryRunLimited,
         Self::Blocked,
+        Self::CostExceeded,
         Self::SlotTakenOver,
+        Self::SlotEvicted,
         Self::SlotShared,
         Self::Contended,
         Self::StoreErrors,
@@ -47,7 +54,9 @@ impl RuleStat {
             Self::Delayed => "delayed",
             Self::DryRunLimited => "dry_run_limited",
             Self::Blocked => "blocked",
+            Self::CostExceeded => "cost_exceeded",
             Self::SlotTakenOver => "slot_taken_over",
+            Self::SlotEvicted => "slot_evicted",
             Self::SlotShared => "slot_shared",
             Self::Contended => "contended",
             Self::StoreErrors => "store_errors",

@@ -10,6 +10,14 @@ use crate::state::{read_u128, write_u128, Decision, State};
 use crate::token_bucket::TokenBucket;
 use crate::warm_up::WarmUp;
 
+/// How far a key's state is from fresh ([`Limit::standing`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Standing {
+    pub limited: bool,
+    pub spent: u64,
+    pub retry_after_ns: u64,
+}
+
 /// A rule's limit: which algorithm, with its parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Limit {
@@ -57,6 +65,30 @@ impl Limit {
         }
     }
 
+    /// How far a key's state is from fresh, for choosing a slot to evict: the key is being
+    /// limited now (a request of cost 1 would be refused), how many requests of cost 1 a reset
+    /// would give back, and how long until it could be admitted again.
+    pub fn standing(&self, state: &State, now_ns: u64) -> Standing {
+        let capacity = match self.decide(&[0; crate::state::STATE_BYTES], now_ns, 1) {
+            Decision::Allow { remaining, .. } => remaining.saturating_add(1),
+            _ => 0,
+        };
+        match self.decide(state, now_ns, 1) {
+            Decision::Allow { remaining, .. } => Standing {
+                limited: false,
+                spent: capacity.saturating_sub(remaining.saturating_add(1)),
+                retry_after_ns: 0,
+            },
+            Decision::Deny { retry_after_ns, .. } => Standing {
+                limited: true,
+                spent: capacity,
+                retry_after_ns,
+            },
+            // A leased allowance on its way or failed: nothing a reset would give back.
+            Decision::Wait { .. } | Decision::Fallback => Standing::default(),
+        }
+    }
+
     /// The state after giving back `cost` taken by an earlier `Allow` (all-or-nothing accounting,
     /// and the end of a request for `Concurrency`).
     pub fn refund(&self, state: &State, now_ns: u64, cost: u64) -> State {
@@ -72,6 +104,19 @@ impl Limit {
             Self::LeakyBucket(a) => a.refund(state, cost),
             Self::Concurrency(_) => Concurrency::release(state, cost),
             Self::Lease(_) => LeaseAllowance::refund(state, cost),
+        }
+    }
+
+    /// The largest cost a request can ever be admitted with, where there is one: a request that
+    /// costs more is refused however long it waits. (Leaky buckets take cost 1, a warming bucket
+    /// admits any cost once it may admit at all, a leased allowance is bounded by its global rule.)
+    pub fn capacity(&self) -> Option<u64> {
+        match self {
+            Self::TokenBucket(a) => Some(a.burst()),
+            Self::FixedWindow(a) => Some(a.limit()),
+            Self::SlidingWindow(a) => Some(a.limit()),
+            Self::Concurrency(a) => Some(a.limit()),
+            Self::WarmUp(_) | Self::LeakyBucket(_) | Self::Lease(_) => None,
         }
     }
 

@@ -19,7 +19,7 @@ pub mod store;
 pub mod token_bucket;
 pub mod warm_up;
 
-pub use algorithm::Limit;
+pub use algorithm::{Limit, Standing};
 pub use allowance::LeaseAllowance;
 pub use concurrency::Concurrency;
 pub use fixed_window::FixedWindow;

@@ -4,8 +4,8 @@
 //! (a 429 storm costs reads only). Phase two writes each decision with CAS; a lost race re-reads and
 //! re-decides, and a refusal found then gives back what earlier rules already took.
 
-use crate::algorithm::Limit;
-use crate::slot::{Group, Slot, SlotId, SlotTable, StoreKey};
+use crate::algorithm::{Limit, Standing};
+use crate::slot::{Group, Slot, SlotId, SlotTable, StoreKey, WAYS};
 use crate::state::Decision;
 use crate::store::{CasStore, StoreError};
 use smallvec::SmallVec;
@@ -69,8 +69,11 @@ pub enum SlotEvent {
     Own,
     /// A slot whose key was idle (as good as fresh): it is this key's now, losing nothing.
     TakenOver,
-    /// Every slot of the group holds another active key: it shares the one whose owner has made
-    /// the fewest requests (stricter for both, never looser).
+    /// Every slot of the group held an active key: the one closest to fresh was evicted for this
+    /// key (see [`choose`]).
+    Evicted,
+    /// Concurrency: every slot has requests in flight; this key shares the one with the fewest
+    /// (stricter for both, never looser).
     Shared,
 }
 
@@ -117,6 +120,13 @@ struct Plan {
 }
 
 /// Which slot of the group a key uses, what that means, and the slot as the decision starts from.
+///
+/// Its own slot, else a free one, else an idle one (as good as fresh: nothing lost). With every
+/// slot held by an active key, the slot whose reset gives back the least is evicted — never one
+/// whose key is being limited, unless all are; among equals the one whose refusal ends soonest,
+/// then the least recently admitted. A key that returns after its eviction starts fresh: it can be
+/// admitted at most what it had spent more than it would have been. Concurrency slots with
+/// requests in flight are never taken over: the new key shares the one with the fewest.
 fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEvent, Slot) {
     let slots = &group.slots;
     if let Some(i) = slots.iter().position(|s| s.tag == tag) {
@@ -132,13 +142,24 @@ fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEv
     if let Some(i) = slots.iter().position(|s| limit.is_idle(&s.state, now_ns)) {
         return (i, SlotEvent::TakenOver, fresh);
     }
-    let mut least = 0;
-    for i in 1..slots.len() {
-        if slots[i].hits < slots[least].hits {
-            least = i;
-        }
+    let standing: [Standing; WAYS] =
+        std::array::from_fn(|i| limit.standing(&slots[i].state, now_ns));
+    if limit.is_held() {
+        let least = (0..WAYS).min_by_key(|&i| standing[i].spent).unwrap_or(0);
+        return (least, SlotEvent::Shared, slots[least]);
     }
-    (least, SlotEvent::Shared, slots[least])
+    let all_limited = standing.iter().all(|s| s.limited);
+    let victim = (0..WAYS)
+        .filter(|&i| all_limited || !standing[i].limited)
+        .min_by_key(|&i| {
+            (
+                standing[i].spent,
+                standing[i].retry_after_ns,
+                slots[i].last_ns,
+            )
+        })
+        .unwrap_or(0);
+    (victim, SlotEvent::Evicted, fresh)
 }
 
 fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u64) -> Plan {
@@ -176,11 +197,14 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
                 (state, stashed) = (more, taken);
             }
             let mut next = group;
-            // Only the owner's own requests count as its hits.
-            let own = u64::from(slot != SlotEvent::Shared);
+            // Only the owner's own admissions make its slot recently used.
+            let last_ns = match slot {
+                SlotEvent::Shared => current.last_ns,
+                _ => now_ns,
+            };
             next.slots[index] = Slot {
                 tag: owner,
-                hits: current.hits.saturating_add(own),
+                last_ns,
                 state,
             };
             (
@@ -210,7 +234,7 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
                 let mut next = group;
                 next.slots[index] = Slot {
                     tag: owner,
-                    hits: current.hits,
+                    last_ns: current.last_ns,
                     state,
                 };
                 (next, cas)
@@ -552,33 +576,134 @@ mod tests {
     }
 
     #[test]
-    fn a_group_holds_four_keys_then_idle_slots_are_taken_over_then_busy_ones_shared() {
+    fn a_group_holds_four_keys_then_idle_slots_are_taken_over_then_the_freshest_is_evicted() {
         let store = MemoryStore::new();
         let r = rule(&store, "iso", 1, 2, 1); // one group: every key lands in it
-        for key in ["a", "b", "c", "d"] {
-            let out = admit(&store, &[check(&r, key, true)], NOW);
+        for (n, key) in ["a", "b", "c", "d"].into_iter().enumerate() {
+            let out = admit(&store, &[check(&r, key, true)], NOW + n as u64);
             assert!(out.admitted);
             assert_eq!(out.checks[0].slot, SlotEvent::Own);
         }
-        // "a" makes a second request: the slots with the fewest requests are now b, c, d.
-        assert!(admit(&store, &[check(&r, "a", true)], NOW).admitted);
-        // "e" finds no free or idle slot: it shares one of b/c/d (never a, the established key).
-        let out = admit(&store, &[check(&r, "e", true)], NOW);
-        assert_eq!(out.checks[0].slot, SlotEvent::Shared);
-        assert!(out.admitted);
+        // "a" spends its second token: it is being limited now.
+        assert!(admit(&store, &[check(&r, "a", true)], NOW + 10).admitted);
+        // "e" finds no free or idle slot: it evicts the least recently used of b/c/d (one token
+        // spent each), never a, which is being limited.
+        let out = admit(&store, &[check(&r, "e", true)], NOW + 20);
+        assert_eq!(out.checks[0].slot, SlotEvent::Evicted);
+        assert_eq!(remaining(&out), 1, "a fresh bucket");
         assert!(
-            !admit(&store, &[check(&r, "a", true)], NOW).admitted,
-            "a is exact"
+            !admit(&store, &[check(&r, "a", true)], NOW + 30).admitted,
+            "a is still limited"
         );
-        // Once every bucket is full again, "e" takes a slot over with a fresh bucket.
+        // b comes back with a fresh bucket: one more than it would have had (what it spent).
+        let out = admit(&store, &[check(&r, "b", true)], NOW + 40);
+        assert_eq!(out.checks[0].slot, SlotEvent::Evicted);
+        assert_eq!(remaining(&out), 1);
+        // Once every bucket is full again, a new key takes a slot over with a fresh bucket.
         let later = NOW + 120 * SEC;
-        let out = admit(&store, &[check(&r, "e", true)], later);
+        let out = admit(&store, &[check(&r, "f", true)], later);
         assert_eq!(out.checks[0].slot, SlotEvent::TakenOver);
         assert_eq!(remaining(&out), 1);
         assert_eq!(
-            admit(&store, &[check(&r, "e", true)], later).checks[0].slot,
+            admit(&store, &[check(&r, "f", true)], later).checks[0].slot,
             SlotEvent::Own
         );
+    }
+
+    #[test]
+    fn limited_keys_are_evicted_only_when_all_are_and_then_the_one_free_soonest() {
+        let store = MemoryStore::new();
+        let r = rule(&store, "lim", 1, 1, 1);
+        // Four keys, each limited (burst 1 spent), at different times: "a" refills first.
+        for (n, key) in ["a", "b", "c", "d"].into_iter().enumerate() {
+            assert!(admit(&store, &[check(&r, key, true)], NOW + n as u64 * SEC).admitted);
+        }
+        let out = admit(&store, &[check(&r, "e", true)], NOW + 5 * SEC);
+        assert_eq!(out.checks[0].slot, SlotEvent::Evicted);
+        for key in ["b", "c", "d"] {
+            assert!(
+                !admit(&store, &[check(&r, key, true)], NOW + 6 * SEC).admitted,
+                "{key} kept its state"
+            );
+        }
+    }
+
+    #[test]
+    fn concurrency_slots_in_flight_are_shared_never_taken_over() {
+        let store = MemoryStore::new();
+        let limit = Limit::Concurrency(Concurrency::new(2).unwrap());
+        let r = rule_with(&store, "cc", limit, 1);
+        for key in ["a", "b", "c", "d"] {
+            assert!(admit(&store, &[check(&r, key, true)], NOW).admitted);
+        }
+        let out = admit(&store, &[check(&r, "e", true)], NOW);
+        assert_eq!(out.checks[0].slot, SlotEvent::Shared);
+        assert!(out.admitted);
+        // The shared slot counts both: its key has one slot left no more.
+        let full = ["a", "b", "c", "d"]
+            .into_iter()
+            .filter(|k| !admit(&store, &[check(&r, k, true)], NOW).admitted)
+            .count();
+        assert_eq!(full, 1);
+    }
+
+    /// Admissions a key could have had: `burst` at once, the rate since its first request, and
+    /// what it had spent each time its slot was evicted.
+    struct KeyLedger {
+        first_ns: u64,
+        admitted: u64,
+        bonus: u64,
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn evictions_give_a_key_at_most_what_it_had_spent(
+            steps in proptest::collection::vec((0u8..8, 0u64..3_000_000_000), 1..200),
+            burst in 1u64..6,
+            requests in 1u64..4,
+        ) {
+            let store = MemoryStore::new();
+            let tb = TokenBucket::new(requests, 10 * SEC, burst).unwrap();
+            let r = rule_with(&store, "p", Limit::TokenBucket(tb), 1);
+            let key = r.table.store_key(0);
+            let mut ledger: std::collections::HashMap<u8, KeyLedger> = Default::default();
+            let mut now = NOW;
+            for (k, gap) in steps {
+                now += gap;
+                let name = format!("k{k}");
+                let c = check(&r, &name, true);
+                let before = Group::decode(&store.read(key.as_str()).unwrap().unwrap().0);
+                let out = admit(&store, &[c], now);
+                let entry = ledger.entry(k).or_insert(KeyLedger { first_ns: now, admitted: 0, bonus: 0 });
+                entry.admitted += u64::from(out.admitted);
+                if out.checks[0].slot == SlotEvent::Evicted {
+                    let after = Group::decode(&store.read(key.as_str()).unwrap().unwrap().0);
+                    let i = (0..WAYS).find(|&i| after.slots[i].tag == c.slot.tag).unwrap();
+                    let victim = before.slots[i];
+                    let standings: Vec<Standing> =
+                        before.slots.iter().map(|s| r.limit.standing(&s.state, now)).collect();
+                    let v = standings[i];
+                    // Never a limited key while another is not; never one further from fresh.
+                    proptest::prop_assert!(!v.limited || standings.iter().all(|s| s.limited));
+                    for s in &standings {
+                        if s.limited == v.limited {
+                            proptest::prop_assert!(v.spent <= s.spent);
+                        }
+                    }
+                    let victim_key = (0u8..8).find(|k| check(&r, &format!("k{k}"), true).slot.tag == victim.tag);
+                    if let Some(vk) = victim_key {
+                        ledger.entry(vk).or_insert(KeyLedger { first_ns: now, admitted: 0, bonus: 0 }).bonus += v.spent;
+                    }
+                }
+                for l in ledger.values() {
+                    let rate = u128::from(now - l.first_ns) * u128::from(requests) / u128::from(10 * SEC);
+                    proptest::prop_assert!(
+                        u128::from(l.admitted) <= u128::from(burst + l.bonus) + rate,
+                        "admitted {} > burst {burst} + bonus {} + rate {rate}", l.admitted, l.bonus
+                    );
+                }
+            }
+        }
     }
 
     /// A store in which the next `losses` writes to one rule's groups lose a race to another

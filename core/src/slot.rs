@@ -2,10 +2,9 @@
 //! the number of distinct client keys.
 //!
 //! Slots come in groups of [`WAYS`] stored under one store key: one read finds a key's own slot,
-//! a free or idle one to take, or failing that the one whose key has made the fewest requests, to
-//! share (so a flood of new keys piles onto itself, not onto established keys). Every group is written
-//! once at start-up, which also gives every later write a real CAS (hosts such as Envoy have no
-//! atomic create-if-absent).
+//! a free or idle one to take, or failing that the slot to evict (see [`crate::limiter`]). Every
+//! group is written once at start-up, which also gives every later write a real CAS (hosts such as
+//! Envoy have no atomic create-if-absent).
 
 use crate::state::{State, STATE_BYTES};
 use crate::store::{CasStore, StoreError};
@@ -14,7 +13,8 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 /// Slots per group.
 pub const WAYS: usize = 4;
-/// One slot: the owner's tag (u64 LE), its admitted requests (u64 LE), then the algorithm state.
+/// One slot: the owner's tag (u64 LE), when the owner was last admitted (ns, u64 LE), then the
+/// algorithm state.
 pub const SLOT_BYTES: usize = 16 + STATE_BYTES;
 /// One group as stored.
 pub const GROUP_BYTES: usize = WAYS * SLOT_BYTES;
@@ -48,8 +48,8 @@ pub struct SlotId {
 pub struct Slot {
     /// The owning key's tag; 0 = free.
     pub tag: u64,
-    /// Requests the owner had admitted here (not counting keys sharing the slot).
-    pub hits: u64,
+    /// When the owner was last admitted (ns): the least recently used of equals is evicted first.
+    pub last_ns: u64,
     pub state: State,
 }
 
@@ -67,7 +67,7 @@ impl Group {
             for (i, slot) in slots.iter_mut().enumerate() {
                 let at = i * SLOT_BYTES;
                 slot.tag = le_u64(&bytes[at..at + 8]);
-                slot.hits = le_u64(&bytes[at + 8..at + 16]);
+                slot.last_ns = le_u64(&bytes[at + 8..at + 16]);
                 slot.state.copy_from_slice(&bytes[at + 16..at + SLOT_BYTES]);
             }
         }
@@ -79,7 +79,7 @@ impl Group {
         for (i, slot) in self.slots.iter().enumerate() {
             let at = i * SLOT_BYTES;
             out[at..at + 8].copy_from_slice(&slot.tag.to_le_bytes());
-            out[at + 8..at + 16].copy_from_slice(&slot.hits.to_le_bytes());
+            out[at + 8..at + 16].copy_from_slice(&slot.last_ns.to_le_bytes());
             out[at + 16..at + SLOT_BYTES].copy_from_slice(&slot.state);
         }
         out
@@ -197,7 +197,7 @@ mod tests {
         let mut g = Group::decode(&EMPTY_GROUP);
         g.slots[2] = Slot {
             tag: 7,
-            hits: 3,
+            last_ns: 3,
             state: [9; STATE_BYTES],
         };
         assert_eq!(Group::decode(&g.encode()), g);

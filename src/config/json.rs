@@ -107,13 +107,37 @@ pub(super) struct RawRule {
     pub worker_batch: Option<u64>,
 }
 
+/// Tokens a request takes: a whole number, or from a request header.
+// Parsed by hand so that an error names the subfield that is wrong (serde's untagged enums only
+// say that nothing matched).
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Deserialize)]
-#[serde(untagged)]
-#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Cost"))]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(untagged, rename = "Cost"))]
 pub(super) enum RawCost {
     Fixed(u64),
     Header(RawHeaderCost),
+}
+
+impl<'de> Deserialize<'de> for RawCost {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct CostVisitor;
+        impl<'de> de::Visitor<'de> for CostVisitor {
+            type Value = RawCost;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(
+                    "a whole number of tokens, or {\"header\": NAME, \"max\": N} (optional \
+                     \"default\", \"min\")",
+                )
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<RawCost, E> {
+                Ok(RawCost::Fixed(n))
+            }
+            fn visit_map<M: de::MapAccess<'de>>(self, map: M) -> Result<RawCost, M::Error> {
+                RawHeaderCost::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(RawCost::Header)
+            }
+        }
+        d.deserialize_any(CostVisitor)
+    }
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
@@ -122,8 +146,14 @@ pub(super) enum RawCost {
 #[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "HeaderCost"))]
 pub(super) struct RawHeaderCost {
     pub header: String,
+    /// When the header is absent or not a whole number (default 1).
     #[serde(default = "one")]
     pub default: u64,
+    /// The least a request is charged whatever the header says (default 1; 0 lets clients send
+    /// free requests).
+    #[serde(default = "one")]
+    pub min: u64,
+    /// The most a request is charged whatever the header says.
     pub max: NonZeroU64,
 }
 
@@ -262,6 +292,11 @@ impl<'de> Deserialize<'de> for KeyPart {
                 .filter(|n| !n.is_empty())
                 .map(str::to_ascii_lowercase)
         };
+        if let Some(name) = named("header:").filter(|n| !super::validate::is_token(n)) {
+            return Err(de::Error::custom(format!(
+                "invalid header name {name:?} in key part {s:?}"
+            )));
+        }
         match s.as_str() {
             "client_ip" => Ok(Self::ClientIp),
             "path" => Ok(Self::Path),

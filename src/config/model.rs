@@ -130,10 +130,12 @@ pub enum OverrideAction {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cost {
     Fixed(u64),
-    /// From a request header: absent or not a whole number → `default`; above `max` → `max`.
+    /// From a request header: absent or not a whole number → `default`; else the number kept
+    /// within `min..=max`.
     Header {
         name: String,
         default: u64,
+        min: u64,
         max: u64,
     },
 }
@@ -340,10 +342,11 @@ pub fn describe(limit: &Limit) -> String {
     }
 }
 
-/// The policy as quota `q` per window `w` seconds. A period that is not whole seconds is stated
-/// per second, rounded down (never promising more than the rule gives).
+/// The policy as quota `q` per window `w` seconds, true of the configured rate and never zero: a
+/// period of whole seconds as it is; otherwise the shortest whole number of seconds that holds a
+/// whole number of periods ("1 per 1500ms" is `q=2;w=3`), or where that would be over an hour,
+/// the period rounded up to whole seconds and `q` rounded down (never promising more).
 fn policy(limit: &Limit) -> (u64, Option<u64>) {
-    const NS_PER_SEC: u64 = 1_000_000_000;
     let (requests, period_ns) = match limit {
         Limit::TokenBucket(a) => (a.requests(), a.period_ns()),
         Limit::WarmUp(a) => (a.requests(), a.period_ns()),
@@ -353,10 +356,30 @@ fn policy(limit: &Limit) -> (u64, Option<u64>) {
         Limit::Concurrency(a) => return (a.limit(), None),
         Limit::Lease(a) => return (a.lease_size, None),
     };
-    if period_ns % NS_PER_SEC == 0 {
-        (requests, Some(period_ns / NS_PER_SEC))
-    } else {
-        let per_sec = u128::from(requests) * u128::from(NS_PER_SEC) / u128::from(period_ns);
-        (u64::try_from(per_sec).unwrap_or(u64::MAX), Some(1))
+    let (q, w) = policy_of_rate(requests, period_ns);
+    (q, Some(w))
+}
+
+/// `requests` per `period_ns` as a quota per whole seconds (see [`policy`]).
+pub fn policy_of_rate(requests: u64, period_ns: u64) -> (u64, u64) {
+    const NS_PER_SEC: u64 = 1_000_000_000;
+    const LONGEST_EXACT_SECS: u64 = 3_600;
+    let gcd = {
+        let (mut a, mut b) = (period_ns.max(1), NS_PER_SEC);
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let exact_w = period_ns.max(1) / gcd;
+    let exact_q = requests.checked_mul(NS_PER_SEC / gcd);
+    match exact_q {
+        Some(q) if exact_w <= LONGEST_EXACT_SECS || period_ns % NS_PER_SEC == 0 => (q, exact_w),
+        _ => {
+            let w = period_ns.div_ceil(NS_PER_SEC).max(1);
+            let q = u128::from(requests) * u128::from(w) * u128::from(NS_PER_SEC)
+                / u128::from(period_ns.max(1));
+            (u64::try_from(q).unwrap_or(u64::MAX).max(1), w)
+        }
     }
 }

@@ -128,6 +128,7 @@ fn every_algorithm_and_option() {
         Cost::Header {
             name: "x-cost".into(),
             default: 1,
+            min: 1,
             max: 10
         }
     );
@@ -318,7 +319,51 @@ fn errors_name_the_field_and_the_reason() {
         ),
         (
             r#"{"rules":[{"name":"r","cost":{"header":"x-cost"},"limit":{"requests":1,"per":"1s"}}]}"#,
-            "rules[0].cost: data did not match any variant",
+            "rules[0].cost: missing field `max`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"header":"x-cost","max":"5"},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost.max: invalid type: string",
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"header":"x-cost","max":5,"mni":1},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost.mni: unknown field `mni`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":-1,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost: invalid type: integer `-1`, expected a whole number of tokens",
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"header":"x cost","max":5},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost.header: \"x cost\" is not a header name",
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"header":"x","max":5,"min":6},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost.min: 6 is more than max (5)",
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"header":"x","max":5,"default":9},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].cost.default: 9 is not within min..=max (1..=5)",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"response":{"headers":{"x-a":"b\r\nset-cookie: x=1"}}}"#,
+            "response.headers.x-a: the value contains '\\r'",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"response":{"headers":{"x a":"b"}}}"#,
+            "response.headers[\"x a\"]: not a header name",
+        ),
+        (
+            r#"{"rules":[{"name":"r","response":{"headers":{"":"b"}},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].response.headers[\"\"]: not a header name",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["header:x user"],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].key[0]: invalid header name \"x user\"",
+        ),
+        (
+            r#"{"rules":[{"name":"r","match":{"headers":{"x\ny":"1"}},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].match.headers[\"x\\ny\"]: not a header name",
         ),
         (
             r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","cost":2,"limit":{"requests":1,"per":"1s"}}]}"#,
@@ -425,4 +470,32 @@ fn options_a_proxy_cannot_carry_out_are_refused_with_the_proxy_named() {
     ] {
         assert_eq!(global(qs).check_host(&HostCaps::NGINX), Ok(()), "{qs}");
     }
+}
+
+#[test]
+fn rate_limit_policies_are_true_and_never_zero() {
+    let sec = 1_000_000_000;
+    assert_eq!(policy_of_rate(100, 60 * sec), (100, 60));
+    assert_eq!(policy_of_rate(1, 1_500_000_000), (2, 3));
+    assert_eq!(policy_of_rate(1, 250_000_000), (4, 1));
+    assert_eq!(policy_of_rate(3, 400_000_000), (15, 2));
+    assert_eq!(policy_of_rate(1, 1_001_000_000), (1000, 1001));
+    // Over an hour to be exact: rounded so as never to promise more, and never zero.
+    assert_eq!(policy_of_rate(1, 4_000_000_001), (1, 5));
+    assert_eq!(policy_of_rate(7, 86_400 * sec + 1), (7, 86_401));
+    let c = parse(r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1500ms"}}]}"#).unwrap();
+    assert_eq!(c.rules[0].quota.policy, (2, Some(3)));
+}
+
+#[test]
+fn overrides_match_ipv4_mapped_addresses_as_ipv4() {
+    let c = parse(
+        r#"{"rules":[{"name":"r","key":["client_ip"],"limit":{"requests":1,"per":"1s"},
+            "overrides":[{"values":["::ffff:10.0.0.1"],"block":true}]}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.rules[0].overrides[0].key,
+        crate::key::encode_key([Some(&b"10.0.0.1"[..])].into_iter())
+    );
 }

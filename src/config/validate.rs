@@ -142,13 +142,30 @@ impl RawRule {
             None => Cost::Fixed(1),
             Some(RawCost::Fixed(n)) => Cost::Fixed(n),
             Some(RawCost::Header(h)) => {
-                if h.header.is_empty() {
-                    return Err(err(format!("{path}.cost.header"), "empty header name"));
+                if !is_token(&h.header) {
+                    return Err(err(
+                        format!("{path}.cost.header"),
+                        format!("{:?} is not a header name", h.header),
+                    ));
+                }
+                let max = h.max.get();
+                if h.min > max {
+                    return Err(err(
+                        format!("{path}.cost.min"),
+                        format!("{} is more than max ({max})", h.min),
+                    ));
+                }
+                if !(h.min..=max).contains(&h.default) {
+                    return Err(err(
+                        format!("{path}.cost.default"),
+                        format!("{} is not within min..=max ({}..={max})", h.default, h.min),
+                    ));
                 }
                 Cost::Header {
                     name: h.header.to_ascii_lowercase(),
-                    default: h.default.min(h.max.get()),
-                    max: h.max.get(),
+                    default: h.default,
+                    min: h.min,
+                    max,
                 }
             }
         };
@@ -176,7 +193,7 @@ impl RawRule {
                 values.push(match part {
                     KeyPart::ClientIp => v
                         .parse::<std::net::IpAddr>()
-                        .map(|ip| ip.to_string())
+                        .map(|ip| ip.to_canonical().to_string())
                         .map_err(|_| {
                             err(
                                 format!("{at}.values[{k}]"),
@@ -451,8 +468,11 @@ impl RawMatch {
         let hosts = list("hosts", self.hosts, false)?;
         let mut headers = Vec::with_capacity(self.headers.len());
         for (name, value) in self.headers {
-            if name.is_empty() {
-                return Err(err(format!("{path}.headers"), "empty header name"));
+            if !is_token(&name) {
+                return Err(err(
+                    header_path(&format!("{path}.headers"), &name),
+                    "not a header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+                ));
             }
             headers.push((name.to_ascii_lowercase(), value));
         }
@@ -483,11 +503,24 @@ impl RawResponse {
         }
         let mut headers = Vec::with_capacity(self.headers.len());
         for (name, value) in self.headers {
+            let field = header_path(&format!("{path}.headers"), &name);
             let lower = name.to_ascii_lowercase();
-            if lower.is_empty() || lower.starts_with(':') || lower == "content-length" {
+            if lower.starts_with(':') || lower == "content-length" {
+                return Err(err(field, "this header cannot be set"));
+            }
+            if !is_token(&name) {
                 return Err(err(
-                    format!("{path}.headers.{name}"),
-                    "this header cannot be set",
+                    field,
+                    "not a header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+                ));
+            }
+            if let Some(c) = value
+                .chars()
+                .find(|&c| (c.is_ascii_control() && c != '\t') || c == '\u{7f}')
+            {
+                return Err(err(
+                    field,
+                    format!("the value contains {c:?}: a header value cannot hold control characters (CR, LF, NUL …)"),
                 ));
             }
             headers.push((lower, value));
@@ -497,5 +530,22 @@ impl RawResponse {
             body: self.body,
             headers,
         })
+    }
+}
+
+/// An HTTP field name: one or more token characters (RFC 9110 `tchar`).
+pub(super) fn is_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// A header's place in the configuration: `PATH.NAME`, or `PATH["NAME"]` when the name is not one.
+fn header_path(path: &str, name: &str) -> String {
+    if is_token(name) {
+        format!("{path}.{name}")
+    } else {
+        format!("{path}[{name:?}]")
     }
 }

@@ -164,6 +164,7 @@ impl Engine {
             match result.slot {
                 SlotEvent::Own => {}
                 SlotEvent::TakenOver => self.stats.bump(rule, RuleStat::SlotTakenOver),
+                SlotEvent::Evicted => self.stats.bump(rule, RuleStat::SlotEvicted),
                 SlotEvent::Shared => self.stats.bump(rule, RuleStat::SlotShared),
             }
             let (remaining, reset_secs) = match result.verdict {

@@ -164,7 +164,8 @@ impl Engine {
     }
 
     /// Put in `inputs` the checks of every rule that applies to `request`, in rule order; or
-    /// return the rejection of a `block` override, which refuses the request outright.
+    /// return the rejection that refuses the request outright: a `block` override, or a cost more
+    /// than the rule can ever admit.
     pub fn gather<V: RequestView>(
         &mut self,
         request: &Request<V>,
@@ -200,10 +201,33 @@ impl Engine {
             let key = key_hash(&key);
             let cost = match &rule.cost {
                 Cost::Fixed(n) => *n,
-                Cost::Header { name, default, max } => {
-                    header_cost(request.view().header(name).as_deref(), *default, *max)
-                }
+                Cost::Header {
+                    name,
+                    default,
+                    min,
+                    max,
+                } => header_cost(request.view().header(name).as_deref(), *default, *min, *max),
             };
+            // A cost no bucket of this rule can ever hold: refused at once, without a Retry-After
+            // that waiting would not honour.
+            let capacity = match &rule.global {
+                Some(g) => Some(g.burst),
+                None => quota.limit.capacity(),
+            };
+            if capacity.is_some_and(|c| cost > c) {
+                if rule.dry_run {
+                    self.stats.bump(i, RuleStat::DryRunLimited);
+                    info!("dry run: rule {} would refuse a cost of {cost}", rule.name);
+                    continue;
+                }
+                self.stats.bump(i, RuleStat::CostExceeded);
+                self.stats.bump(i, RuleStat::Limited);
+                return Some(Rejection {
+                    rule: i,
+                    quota: None,
+                    retry_after_secs: None,
+                });
+            }
             inputs.push(CheckInput {
                 which,
                 slot: quota.table.locate_hash(key),

@@ -430,3 +430,35 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn a_cost_no_bucket_can_hold_is_refused_without_a_retry_after() {
+    let mut rig = Rig::new(
+        r#"{"rules":[{"name":"c","limit":{"requests":1,"per":"1s"},"burst":2,
+            "cost":{"header":"x-cost","max":100},"worker_batch":0}]}"#,
+    );
+    let trusted = rig.engine.config().trusted_hops;
+    let five = req(&[("x-cost", b"5")]);
+    let refused = rig
+        .engine
+        .gather(&Request::new(&five, trusted), &mut Inputs::new());
+    assert_eq!(
+        refused,
+        Some(Rejection {
+            rule: 0,
+            quota: None,
+            retry_after_secs: None
+        })
+    );
+    assert_eq!(rig.stat(0, RuleStat::CostExceeded), 1);
+    // A cost the bucket can hold: refused while it refills, with the true wait.
+    let two = req(&[("x-cost", b"2")]);
+    assert!(matches!(rig.step(&two, NOW), Step::Admit(_)));
+    let r = reject(rig.step(&two, NOW));
+    assert_eq!(r.retry_after_secs, Some(2));
+    assert!(matches!(rig.step(&two, NOW + 2 * SEC), Step::Admit(_)));
+    // x-cost: 0 costs the minimum, 1.
+    let zero = req(&[("x-cost", b"0")]);
+    assert!(matches!(rig.step(&zero, NOW + 3 * SEC), Step::Admit(_)));
+    assert!(matches!(rig.step(&zero, NOW + 3 * SEC), Step::Reject(_)));
+}

@@ -216,7 +216,8 @@ fn cost_overrides_and_per_rule_responses() {
     // Above the cap counts as the cap; not a number counts as the default (1).
     assert_eq!(w("100"), (200, Some("\"weighted\";r=1;t=777600".into())));
     assert_eq!(w("lots"), (200, Some("\"weighted\";r=0;t=864000".into())));
-    assert_eq!(w("0").0, 200, "cost 0 is free");
+    // Zero costs the minimum (1), so the bucket is empty either way.
+    assert_eq!(w("0").0, 429, "cost 0 is not free");
     assert_eq!(w("1").0, 429);
 
     let u = |user: &str| c.get(&envoy.url("/u"), &[("x-user", user)]);

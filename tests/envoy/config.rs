@@ -94,6 +94,23 @@ fn invalid_configurations_are_refused_with_the_field_named() {
             json!({"rules": [rule(json!({}))], "client_ip": {"trusted_hops": "1"}}),
             "client_ip.trusted_hops: invalid type: string",
         ),
+        (
+            json!({"rules": [rule(json!({}))],
+                   "response": {"headers": {"x-why": "limited\r\nset-cookie: session=stolen"}}}),
+            r"response.headers.x-why: the value contains '\r'",
+        ),
+        (
+            json!({"rules": [rule(json!({"response": {"headers": {"x why": "b"}}}))]}),
+            r#"rules[0].response.headers["x why"]: not a header name"#,
+        ),
+        (
+            json!({"rules": [rule(json!({"cost": {"header": "x-cost", "max": "10"}}))]}),
+            "rules[0].cost.max: invalid type: string",
+        ),
+        (
+            json!({"rules": [rule(json!({"cost": {"header": "x-cost"}}))]}),
+            "rules[0].cost: missing field `max`",
+        ),
     ];
     // Each refusal is its own short-lived Envoy: run them a few at a time.
     let results: Vec<(String, String, String)> = corpus

@@ -9,6 +9,7 @@ mod common;
 mod harness;
 
 mod algorithms;
+mod answers;
 mod concurrency;
 mod config;
 mod examples;
