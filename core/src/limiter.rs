@@ -348,7 +348,13 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
             plans[i].outcome.verdict,
             Verdict::Limited { .. } | Verdict::Contended
         );
-        if refused && check.enforced {
+        // A lost race re-decided as "no quota yet" (another request spent a leased allowance's
+        // last token meanwhile) leaves the request undecided, exactly as if it had been read so.
+        let undecided = matches!(
+            plans[i].outcome.verdict,
+            Verdict::Waiting | Verdict::Fallback
+        );
+        if (refused || undecided) && check.enforced {
             for &j in &committed {
                 let p = &plans[j];
                 // A refund that keeps losing races leaves that rule stricter, never looser.
@@ -361,8 +367,19 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
                     now_ns,
                     MAX_CAS_ATTEMPTS,
                 );
+                plans[j].outcome.stashed = 0;
             }
-            return finish(false, Some(i), plans);
+            if refused {
+                return finish(false, Some(i), plans);
+            }
+            let p = &mut plans[i];
+            if let Some((group, cas)) = p.write.take() {
+                p.outcome.refill = store.write(p.key.as_str(), &group.encode(), cas).is_ok()
+                    && check
+                        .limit
+                        .claims_refill(&p.before, &group.slots[p.index].state);
+            }
+            return finish(false, None, plans);
         }
     }
     for &i in &committed {
@@ -763,6 +780,52 @@ mod tests {
             remaining(&admit(&store, &[check(&a, "k", true)], NOW)),
             10 - 5
         );
+    }
+
+    #[test]
+    fn a_race_lost_to_the_last_leased_token_leaves_the_request_undecided() {
+        use crate::allowance::LeaseAllowance;
+        let inner = MemoryStore::new();
+        let a = rule(&inner, "a", 1, 10, 4);
+        let lease = LeaseAllowance {
+            lease_size: 10,
+            low_water: 5,
+            claim_ms: 200,
+        };
+        let g = rule_with(&inner, "g", Limit::Lease(lease), 4);
+        // Key "k" holds one leased token.
+        let slot = check(&g, "k", true).slot;
+        let key = g.table.store_key(slot.group);
+        let (bytes, cas) = inner.read(key.as_str()).unwrap().unwrap();
+        let mut group = Group::decode(&bytes);
+        group.slots[0] = Slot {
+            tag: slot.tag,
+            last_ns: 0,
+            state: LeaseAllowance::grant(
+                &[0; crate::state::STATE_BYTES],
+                NOW / 1_000_000,
+                1,
+                10_000,
+                1_000,
+            ),
+        };
+        inner.write(key.as_str(), &group.encode(), cas).unwrap();
+        // Our write of "g" loses to another request that spends that last token.
+        let store = RacingStore {
+            inner,
+            losses: AtomicU32::new(1),
+            racer: std::sync::Mutex::new(g.clone()),
+        };
+        let out = admit(&store, &[check(&a, "k", true), check(&g, "k", true)], NOW);
+        assert!(!out.admitted, "no token left: not admitted");
+        assert_eq!(
+            out.rejected_by, None,
+            "undecided: the caller waits for quota"
+        );
+        assert_eq!(out.checks[1].verdict, Verdict::Waiting);
+        // "a", charged before the race was lost, was given back.
+        store.losses.store(0, Ordering::SeqCst);
+        assert_eq!(remaining(&admit(&store, &[check(&a, "k", true)], NOW)), 9);
     }
 
     #[test]

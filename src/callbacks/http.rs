@@ -4,7 +4,7 @@
 
 use super::calls;
 use crate::abi::{ACTION_CONTINUE, ACTION_PAUSE};
-use crate::engine::{Holds, Inputs, QuotaReport, Step, Strict};
+use crate::engine::{Holds, Inputs, QuotaReport, Step, Strict, WAIT_GRACE_MS};
 use crate::host::{self, HostRequest, SharedData};
 use crate::plugin::Plugin;
 use crate::queues::Waiting;
@@ -105,7 +105,7 @@ impl Http {
             .map_or(200, |q| q.timeout_ms);
         plugin.queues.borrow_mut().wait(Waiting {
             context_id: self.id,
-            deadline_ms: now / 1_000_000 + timeout_ms,
+            deadline_ms: now / 1_000_000 + timeout_ms + WAIT_GRACE_MS,
             inputs,
         });
         plugin.add(ProcessStat::QuotaWaiting, 1);

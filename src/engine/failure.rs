@@ -59,15 +59,18 @@ impl Engine {
             if !input.enforced {
                 continue;
             }
-            let fallback = match result.verdict {
-                Verdict::Fallback => true,
-                Verdict::Waiting => timed_out || provisional,
-                _ => continue,
-            };
-            if !fallback {
-                continue;
-            }
             let rule = input.which.rule();
+            match result.verdict {
+                Verdict::Fallback => {}
+                Verdict::Waiting if provisional => {}
+                Verdict::Waiting if timed_out => {
+                    // The service answers but had no quota for this request in time: a refusal,
+                    // not a failure (a failed call marks the key, and that is `Fallback`).
+                    self.stats.bump(rule, RuleStat::Limited);
+                    return Undecided::Reject(self.no_quota_in_time(rule));
+                }
+                _ => continue,
+            }
             self.stats.bump(rule, RuleStat::Fallback);
             let mode = if result.verdict == Verdict::Waiting && provisional && !timed_out {
                 FailureMode::Local
@@ -91,6 +94,22 @@ impl Engine {
             inputs.remove(n);
         }
         Undecided::Again
+    }
+
+    /// A global rule's refusal of a request that waited its time without quota: retry once a
+    /// token can have come back to the global bucket.
+    fn no_quota_in_time(&self, rule: usize) -> Rejection {
+        let interval_ms = self
+            .config
+            .rules
+            .get(rule)
+            .and_then(|r| r.global.as_ref())
+            .map_or(1_000, |g| g.per_ms.div_ceil(g.requests));
+        Rejection {
+            rule,
+            quota: None,
+            retry_after_secs: Some(interval_ms.div_ceil(1_000).max(1)),
+        }
     }
 
     /// Point a global rule's check at its local stand-in (`limit / instances_hint`).

@@ -23,6 +23,11 @@ use tollgate_core::limiter::INLINE_RULES;
 use tollgate_core::slot::key_hash;
 use tollgate_core::{release, return_stash, CasStore, Hold, SlotId, StashTable};
 
+/// How much longer than the quota call's timeout a request waits for quota: two of the plugin's
+/// 5 ms ticks, so that by then a call that failed has marked its keys (and the failure mode, not a
+/// refusal, decides).
+pub const WAIT_GRACE_MS: u64 = 10;
+
 /// Which quota a check runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuotaRef {

@@ -303,15 +303,23 @@ fn failure_modes_decide_when_the_quota_service_fails() {
 }
 
 #[test]
-fn a_wait_that_times_out_applies_the_failure_mode_and_provisional_quota_spends_at_once() {
-    let mut rig = global("deny", "wait");
-    let mut inputs = rig.inputs(&req(&[("x-user", b"u")]));
-    assert_eq!(
-        rig.engine.evaluate(&rig.store, &mut inputs, NOW, false),
-        Step::Wait
-    );
-    let timed_out = rig.engine.evaluate(&rig.store, &mut inputs, NOW, true);
-    assert_eq!(reject(timed_out).rule, 0);
+fn a_wait_without_quota_in_time_is_refused_and_provisional_quota_spends_at_once() {
+    // Whatever the failure mode: a healthy service that has no quota for the request in time is
+    // a refusal, not a failure.
+    for mode in ["allow", "deny", "local"] {
+        let mut rig = global(mode, "wait");
+        let mut inputs = rig.inputs(&req(&[("x-user", b"u")]));
+        assert_eq!(
+            rig.engine.evaluate(&rig.store, &mut inputs, NOW, false),
+            Step::Wait
+        );
+        let timed_out = rig.engine.evaluate(&rig.store, &mut inputs, NOW, true);
+        let r = reject(timed_out);
+        // 60 s / 100 requests: a token comes back within 1 s.
+        assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)), "{mode}");
+        assert_eq!(rig.stat(0, RuleStat::Limited), 1);
+        assert_eq!(rig.stat(0, RuleStat::Fallback), 0);
+    }
 
     let mut rig = global("deny", "provisional");
     // The stand-in: 40 / 2 instances.

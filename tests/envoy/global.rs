@@ -338,3 +338,100 @@ fn a_new_key_waits_for_its_first_lease_or_spends_a_provisional_allowance() {
     );
     assert_eq!(f, 1);
 }
+
+/// Requests from `connections` connections for `span`, as fast as they are answered: the
+/// statuses and the time from the first request sent to the last answer.
+fn hammer(url: &str, user: &str, connections: usize, span: Duration) -> (Vec<u16>, Duration) {
+    let start = Instant::now();
+    let statuses = parallel(connections, |_| {
+        let c = Client::new();
+        let mut out = Vec::new();
+        while start.elapsed() < span {
+            out.push(c.get(url, &[("x-user", user)]).status);
+        }
+        out
+    })
+    .concat();
+    (statuses, start.elapsed())
+}
+
+/// The quota service's tokens granted so far.
+fn granted(quota: &Quota) -> i64 {
+    quota
+        .metrics()
+        .lines()
+        .find_map(|l| l.strip_prefix("tollgate_quota_tokens_granted_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn every_admission_is_counted_and_granted_and_the_global_bound_holds() {
+    let quota = Quota::start(&[]);
+    let plugin = |mode: &str| {
+        config(
+            json!({"name": "rate", "scope": "global", "key": ["header:x-user"],
+                   "limit": {"requests": 100, "per": "1s"}}),
+            json!({"timeout": "200ms", "failure_mode": mode, "instances_hint": 1}),
+        )
+    };
+    let e = envoy(quota.port, &plugin("deny"));
+    // Rounds of 4 connections on a fresh key each: what Envoy answered 2xx, what the rule
+    // counted as allowed and what the service granted agree, within burst + rate × time.
+    for round in 0..5 {
+        let (ok_before, allowed_before, granted_before) = (
+            e.stat("http.main.downstream_rq_2xx"),
+            e.counter("rate", "allowed") as i64,
+            granted(&quota),
+        );
+        let (statuses, took) = hammer(
+            &e.url("/"),
+            &format!("round-{round}"),
+            4,
+            Duration::from_millis(1500),
+        );
+        assert!(
+            statuses.iter().all(|s| *s == 200 || *s == 429),
+            "{statuses:?}"
+        );
+        let ok = statuses.iter().filter(|s| **s == 200).count() as i64;
+        let envoy_ok = e.stat("http.main.downstream_rq_2xx") - ok_before;
+        let allowed = e.counter("rate", "allowed") as i64 - allowed_before;
+        let granted = granted(&quota) - granted_before;
+        let bound = 100 + (100.0 * took.as_secs_f64()).ceil() as i64;
+        assert_eq!(
+            (ok, envoy_ok),
+            (allowed, allowed),
+            "round {round}: every 2xx counted"
+        );
+        assert!(
+            allowed <= granted,
+            "round {round}: {allowed} admitted, {granted} granted"
+        );
+        assert!(
+            granted <= bound,
+            "round {round}: {granted} granted, bound {bound}"
+        );
+    }
+    // Over the limit, each failure mode: the healthy service's empty bucket is a refusal, never a
+    // failure. (Requests that find no quota still wait up to the call timeout before the refusal.)
+    for mode in ["allow", "deny", "local"] {
+        let e = envoy(quota.port, &plugin(mode));
+        let (statuses, took) = hammer(
+            &e.url("/"),
+            &format!("overload-{mode}"),
+            32,
+            Duration::from_millis(1500),
+        );
+        let ok = statuses.iter().filter(|s| **s == 200).count() as i64;
+        let bound = 100 + (100.0 * took.as_secs_f64()).ceil() as i64;
+        assert!(ok <= bound, "{mode}: {ok} admitted, bound {bound}");
+        assert!(
+            statuses.len() as i64 > bound,
+            "{mode}: only {} requests",
+            statuses.len()
+        );
+        assert_eq!(e.counter("rate", "allowed") as i64, ok, "{mode}");
+        assert_eq!(e.counter("rate", "fallback"), 0, "{mode}: no failure");
+    }
+}
