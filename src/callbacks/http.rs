@@ -113,7 +113,15 @@ impl Http {
     }
 
     /// Ask the quota service for this request's global checks; the request waits for the answer.
+    /// Within `retry` of a failed call, the failure mode decides at once instead.
     fn call_own(&mut self, plugin: &Plugin, strict: Strict, now: u64) -> u32 {
+        if !plugin.engine.borrow().may_call(now) {
+            let step = plugin
+                .engine
+                .borrow_mut()
+                .finish_strict(&SharedData, strict, None, now);
+            return self.carry_out(plugin, step, now, false);
+        }
         let request = LeaseRequest {
             instance: plugin.instance.clone(),
             items: plugin.engine.borrow().strict_items(&strict),

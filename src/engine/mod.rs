@@ -127,6 +127,9 @@ pub struct Engine {
     refills: Vec<Refill>,
     /// What this worker last reported of its stashed tokens (the gauge is process-wide).
     stash_reported: i64,
+    /// After a request's own call failed, until when (ms) this worker's requests apply the
+    /// failure mode without calling (`quota_service.retry`).
+    calls_off_until_ms: u64,
 }
 
 impl Engine {
@@ -137,6 +140,7 @@ impl Engine {
             stash: StashTable::default(),
             refills: Vec::new(),
             stash_reported: 0,
+            calls_off_until_ms: 0,
         }
     }
 

@@ -35,6 +35,12 @@ impl Engine {
         Strict { globals, locals }
     }
 
+    /// False while a request's own call failed less than `retry` ago: such requests are decided
+    /// by the failure mode without calling (pass `None` to [`Engine::finish_strict`]).
+    pub fn may_call(&self, now: u64) -> bool {
+        now / 1_000_000 >= self.calls_off_until_ms
+    }
+
     /// The call's items: each global check's cost.
     pub fn strict_items(&self, strict: &Strict) -> Vec<LeaseItem> {
         strict
@@ -112,7 +118,16 @@ impl Engine {
         mut locals: Inputs,
         now: u64,
     ) -> Step {
-        self.stats.add_process(ProcessStat::QuotaFailures, 1);
+        // A call that failed (rather than one not made while calls are off) starts `retry`.
+        if self.may_call(now) {
+            self.stats.add_process(ProcessStat::QuotaFailures, 1);
+            let retry_ms = self
+                .config
+                .quota_service
+                .as_ref()
+                .map_or(1_000, |q| q.retry_ms);
+            self.calls_off_until_ms = (now / 1_000_000).saturating_add(retry_ms);
+        }
         for g in &globals {
             self.stats.bump(g.which.rule(), RuleStat::Fallback);
         }

@@ -470,3 +470,31 @@ fn a_cost_no_bucket_can_hold_is_refused_without_a_retry_after() {
     assert!(matches!(rig.step(&zero, NOW + 3 * SEC), Step::Admit(_)));
     assert!(matches!(rig.step(&zero, NOW + 3 * SEC), Step::Reject(_)));
 }
+
+#[test]
+fn after_a_failed_call_strict_requests_skip_the_call_for_retry() {
+    let json = GLOBAL
+        .replace(
+            r#""upstream":"quota""#,
+            r#""upstream":"quota","mode":"strict","retry":"2s""#,
+        )
+        .replace("FAILURE", "allow")
+        .replace("FIRST", "wait");
+    let mut rig = Rig::new(&json);
+    let u = req(&[("x-user", b"u")]);
+    assert!(rig.engine.may_call(NOW));
+    let inputs = rig.inputs(&u);
+    let s = rig.engine.split(inputs);
+    assert!(matches!(
+        rig.engine.finish_strict(&rig.store, s, None, NOW),
+        Step::Admit(_)
+    ));
+    assert!(!rig.engine.may_call(NOW + SEC));
+    // Decided without a call: no new failure counted, and retry is not extended.
+    let inputs = rig.inputs(&u);
+    let s = rig.engine.split(inputs);
+    rig.engine.finish_strict(&rig.store, s, None, NOW + SEC);
+    let failures = Stat::Process(ProcessStat::QuotaFailures);
+    assert_eq!(rig.engine.stats.pending(failures), 1);
+    assert!(rig.engine.may_call(NOW + 2 * SEC));
+}

@@ -435,3 +435,36 @@ fn every_admission_is_counted_and_granted_and_the_global_bound_holds() {
         assert_eq!(e.counter("rate", "fallback"), 0, "{mode}: no failure");
     }
 }
+
+#[test]
+fn strict_mode_with_a_hung_service_waits_once_per_retry_not_per_request() {
+    let quota = Quota::start(&[]);
+    let plugin = config(
+        json!({"name": "exact", "scope": "global", "limit": {"requests": 1000, "per": "1s"}}),
+        json!({"mode": "strict", "timeout": "200ms", "retry": "3s", "failure_mode": "allow"}),
+    );
+    let e = Envoy::start_with(
+        &plugin,
+        &Options {
+            quota_port: Some(quota.port),
+            concurrency: 1,
+            ..Options::default()
+        },
+    );
+    let c = Client::new();
+    assert_eq!(c.get(&e.url("/"), &[]).status, 200);
+    quota.pause();
+    let started = Instant::now();
+    let statuses: Vec<u16> = (0..20).map(|_| c.get(&e.url("/"), &[]).status).collect();
+    let took = started.elapsed();
+    quota.resume();
+    // The first request waits out the call timeout; for `retry` the failure mode decides the rest
+    // at once.
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert!(
+        took < Duration::from_millis(1_000),
+        "{took:?} for 20 requests"
+    );
+    assert_eq!(e.prometheus("tollgate_quota_failures{}"), 1);
+    assert_eq!(e.counter("exact", "fallback"), 20);
+}
