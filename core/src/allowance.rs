@@ -1,11 +1,12 @@
 //! A global rule's local allowance: tokens leased from the quota service, spent here with CAS.
 //!
-//! State: allowance (u64), lease expiry (ms), and a mark with its own expiry (ms): a refill in
-//! flight (claimed by one worker, so one call per key per process), or the service had nothing
+//! State: allowance (u32), the global bucket's remaining tokens as the service last reported them
+//! for this key (u32), lease expiry (ms), and a mark with its own expiry (ms): a refill in flight
+//! (claimed by one worker, so one call per key per process), or the service had nothing
 //! (`EXHAUSTED`), or failed (`FAILED`). Refills themselves are the filter's business: this module
 //! only decides, claims and applies grants.
 
-use crate::state::{read_u64, write_u64, Decision, State, STATE_BYTES};
+use crate::state::{read_u32, read_u64, write_u32, write_u64, Decision, State, STATE_BYTES};
 
 /// The service granted nothing: refuse until the mark expires.
 pub const EXHAUSTED: u64 = 1 << 63;
@@ -21,17 +22,24 @@ pub struct LeaseAllowance {
     pub low_water: u64,
     /// A claimed refill is given up (and may be claimed again) after this long.
     pub claim_ms: u64,
+    /// The global bucket's capacity and the time one token takes to come back to it: what the
+    /// rate-limit headers of an admitted request say (`r`, `t`), from the service's last report.
+    pub global_burst: u64,
+    pub global_interval_ns: u64,
 }
 
 struct Parts {
     allowance: u64,
+    /// The global bucket's remaining tokens when the service last answered for this key.
+    reported: u64,
     expires_ms: u64,
     mark: u64,
 }
 
 fn parts(state: &State) -> Parts {
     Parts {
-        allowance: read_u64(state, 0),
+        allowance: u64::from(read_u32(state, 0)),
+        reported: u64::from(read_u32(state, 4)),
         expires_ms: read_u64(state, 8),
         mark: read_u64(state, 16),
     }
@@ -39,7 +47,9 @@ fn parts(state: &State) -> Parts {
 
 fn encode(p: &Parts) -> State {
     let mut s = [0; STATE_BYTES];
-    write_u64(&mut s, 0, p.allowance);
+    let u32_of = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+    write_u32(&mut s, 0, u32_of(p.allowance));
+    write_u32(&mut s, 4, u32_of(p.reported));
     write_u64(&mut s, 8, p.expires_ms);
     write_u64(&mut s, 16, p.mark);
     s
@@ -66,14 +76,17 @@ impl LeaseAllowance {
             return Decision::Allow {
                 state: encode(&Parts {
                     allowance: left,
-                    expires_ms: p.expires_ms,
                     mark,
+                    ..p
                 }),
-                remaining: left,
-                reset_ns: p
-                    .expires_ms
-                    .saturating_sub(now_ms)
-                    .saturating_mul(1_000_000),
+                // What the key has globally, as of the service's last report: the bucket's
+                // remaining tokens plus what this proxy still holds of them; and the time the
+                // global bucket takes to be full from there.
+                remaining: left.saturating_add(p.reported),
+                reset_ns: self
+                    .global_burst
+                    .saturating_sub(p.reported)
+                    .saturating_mul(self.global_interval_ns),
                 delay_ns: 0,
             };
         }
@@ -94,8 +107,8 @@ impl LeaseAllowance {
         Decision::Wait {
             claim: Some(encode(&Parts {
                 allowance,
-                expires_ms: p.expires_ms,
                 mark: now_ms + self.claim_ms,
+                ..p
             })),
         }
     }
@@ -126,6 +139,7 @@ impl LeaseAllowance {
         };
         encode(&Parts {
             allowance: held.saturating_add(granted),
+            reported: p.reported,
             expires_ms: if granted > 0 {
                 now_ms.saturating_add(ttl_ms)
             } else {
@@ -137,6 +151,13 @@ impl LeaseAllowance {
                 EXHAUSTED | (now_ms + retry_ms.max(1))
             },
         })
+    }
+
+    /// Note what the service reported of the global bucket with its grant.
+    pub fn reported(state: &State, remaining: u64) -> State {
+        let mut p = parts(state);
+        p.reported = remaining;
+        encode(&p)
     }
 
     /// The refill failed: apply the failure mode for `retry_ms` (tokens held stay valid).
@@ -170,6 +191,8 @@ mod tests {
             lease_size: 10,
             low_water: 5,
             claim_ms: 200,
+            global_burst: 0,
+            global_interval_ns: 0,
         }
     }
 

@@ -791,6 +791,8 @@ mod tests {
             lease_size: 10,
             low_water: 5,
             claim_ms: 200,
+            global_burst: 0,
+            global_interval_ns: 0,
         };
         let g = rule_with(&inner, "g", Limit::Lease(lease), 4);
         // Key "k" holds one leased token.
@@ -910,6 +912,8 @@ mod tests {
             lease_size: 4,
             low_water: 2,
             claim_ms: 1_000,
+            global_burst: 0,
+            global_interval_ns: 0,
         };
         let global = rule_with(&store, "global", Limit::Lease(lease), 4);
         let both = |store: &MemoryStore| {

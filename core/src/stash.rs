@@ -425,6 +425,8 @@ mod tests {
             lease_size: 100,
             low_water: 0,
             claim_ms: 200,
+            global_burst: 0,
+            global_interval_ns: 0,
         });
         let slot = w.table.locate(b"k");
         let key = w.table.store_key(slot.group);

@@ -31,6 +31,16 @@ pub enum Decision {
     Fallback,
 }
 
+pub(crate) fn read_u32(s: &State, at: usize) -> u32 {
+    let mut b = [0; 4];
+    b.copy_from_slice(&s[at..at + 4]);
+    u32::from_le_bytes(b)
+}
+
+pub(crate) fn write_u32(s: &mut State, at: usize, v: u32) {
+    s[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
 pub(crate) fn read_u64(s: &State, at: usize) -> u64 {
     let mut b = [0; 8];
     b.copy_from_slice(&s[at..at + 8]);

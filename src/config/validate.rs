@@ -303,6 +303,8 @@ impl Rule {
             lease_size,
             low_water: lease_size.div_ceil(2),
             claim_ms: qs.timeout_ms,
+            global_burst: burst,
+            global_interval_ns: tb.period_ns() / requests,
         };
         let share = |n: u64| (n / qs.instances_hint).max(1);
         let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))

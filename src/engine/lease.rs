@@ -124,7 +124,9 @@ impl Engine {
             self.stats
                 .add_process(ProcessStat::QuotaGranted, saturating_i64(grant.granted));
             self.update_allowance(store, refill, |state| {
-                LeaseAllowance::grant(state, now_ms, grant.granted, grant.ttl_ms, retry_ms)
+                let granted =
+                    LeaseAllowance::grant(state, now_ms, grant.granted, grant.ttl_ms, retry_ms);
+                LeaseAllowance::reported(&granted, grant.remaining)
             });
         }
     }

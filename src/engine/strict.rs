@@ -107,7 +107,23 @@ impl Engine {
                 self.stats.bump(g.which.rule(), RuleStat::Allowed);
             }
         }
-        self.evaluate(store, &mut locals, now, false)
+        let mut step = self.evaluate(store, &mut locals, now, false);
+        // Without a local rule to report, the headers state the global bucket as the service
+        // just did: the fewest tokens left of the rules asked.
+        if let Step::Admit(a) = &mut step {
+            if a.report.is_none() {
+                a.report = globals
+                    .iter()
+                    .zip(&answer.items)
+                    .min_by_key(|(_, grant)| grant.remaining)
+                    .map(|(g, grant)| QuotaReport {
+                        which: QuotaRef::Rule(g.which.rule()),
+                        remaining: grant.remaining,
+                        reset_secs: ceil_secs(grant.reset_ms.saturating_mul(1_000_000)),
+                    });
+            }
+        }
+        step
     }
 
     /// The call failed: the failure mode decides the global rules.

@@ -270,7 +270,12 @@ fn a_global_key_waits_for_its_first_lease_then_spends_it() {
     assert_eq!(item.key, format!("{:032x}", refills[0].key));
     rig.engine
         .apply_grants(&rig.store, &refills, Some(&grant(5)), NOW);
-    assert_eq!(rig.admitted(&u, NOW, 8), 5);
+    // The headers tell the global story as of that answer: 4 held here + 7 left in the global
+    // bucket, which is full again in (40 - 7) × 0.6 s = 19.8 s.
+    let first = admit(rig.step(&u, NOW));
+    let report = first.report.unwrap();
+    assert_eq!((report.remaining, report.reset_secs), (11, 20));
+    assert_eq!(rig.admitted(&u, NOW, 8), 4);
     assert_eq!(
         rig.engine
             .stats
@@ -353,6 +358,17 @@ fn strict_answers_grant_refuse_or_fall_back() {
         .engine
         .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW);
     assert!(matches!(step, Step::Admit(_)));
+    // Only global rules: the headers state the global bucket as the service answered.
+    let only_global = Strict {
+        globals: s.globals.clone(),
+        locals: Inputs::new(),
+    };
+    let a = admit(
+        rig.engine
+            .finish_strict(&rig.store, only_global, Some(&grant(1)), NOW),
+    );
+    let report = a.report.unwrap();
+    assert_eq!((report.remaining, report.reset_secs), (7, 30));
     let step = rig
         .engine
         .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW);

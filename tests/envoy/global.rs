@@ -468,3 +468,47 @@ fn strict_mode_with_a_hung_service_waits_once_per_retry_not_per_request() {
     assert_eq!(e.prometheus("tollgate_quota_failures{}"), 1);
     assert_eq!(e.counter("exact", "fallback"), 20);
 }
+
+/// `r` in a `ratelimit` header: the remaining requests it states.
+fn stated_remaining(value: &str) -> u64 {
+    value
+        .split(';')
+        .find_map(|p| p.strip_prefix("r="))
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("no r= in {value:?}"))
+}
+
+#[test]
+fn admitted_requests_on_a_global_rule_state_the_global_bucket_in_their_headers() {
+    let quota = Quota::start(&[]);
+    let plugin = config(
+        json!({"name": "per-user", "scope": "global", "key": ["header:x-user"],
+               "limit": {"requests": 1000, "per": "1m"}}),
+        json!({}),
+    );
+    let e = envoy(quota.port, &plugin);
+    let c = Client::new();
+    let mut stated = Vec::new();
+    for _ in 0..5 {
+        let r = c.get(&e.url("/"), &[("x-user", "ann")]);
+        assert_eq!(r.status, 200);
+        let value = r.header("ratelimit").expect("ratelimit header");
+        assert!(value.starts_with("\"per-user\";"), "{value}");
+        let t: u64 = value
+            .split(';')
+            .find_map(|p| p.strip_prefix("t="))
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("no t= in {value:?}"));
+        // The bucket was full before this key's first lease, so it is full again within the time
+        // the tokens taken from it (one lease, 125 of 1000) take to come back: 7.5 s at 1000/min.
+        assert!((1..=8).contains(&t), "{value}");
+        stated.push(stated_remaining(value));
+    }
+    // The global bucket (875 after the first lease of 125) plus what this proxy still holds of it.
+    assert_eq!(stated, [999, 998, 997, 996, 995], "stated remaining");
+    let policy = c.get(&e.url("/"), &[("x-user", "ann")]);
+    assert_eq!(
+        policy.header("ratelimit-policy"),
+        Some("\"per-user\";q=1000;w=60")
+    );
+}
