@@ -52,7 +52,10 @@ else
   storage=()
   echo "quota service: buckets in memory (install redis-server to use Redis)"
 fi
-RUST_LOG=warn "$QUOTA" --listen 127.0.0.1:8090 "${storage[@]}" >.tmp/demo-quota.log 2>&1 &
+# --cold-start full: a demo's first minute shows the limit at once; a production service keeps the
+# default (conservative: a restart admits no more than the limit would have; docs/quota-api.md).
+RUST_LOG=warn "$QUOTA" --listen 127.0.0.1:8090 --cold-start full "${storage[@]}" \
+  >.tmp/demo-quota.log 2>&1 &
 pids+=($!)
 
 sed -e 's/port_value: 10000/port_value: 10001/' -e 's/port_value: 9901/port_value: 9902/' \

@@ -102,7 +102,7 @@ impl Plugin {
             return;
         };
         self.engine.borrow_mut().return_stashes(&SharedData, now);
-        self.send_refills();
+        self.send_refills(now);
         self.retry_waiting(now);
         let due = self.queues.borrow_mut().due(now);
         for id in due {
@@ -119,19 +119,20 @@ impl Plugin {
 
     /// Send the refills this worker's requests claimed, in one call from the root context (its
     /// answer is found by [`Self::sent`]).
-    fn send_refills(&self) {
-        let claimed = self.engine.borrow_mut().take_refills(&self.instance);
+    fn send_refills(&self, now: u64) {
+        let claimed = self
+            .engine
+            .borrow_mut()
+            .take_refills(&SharedData, &self.instance, now);
         let Some((refills, request)) = claimed else {
             return;
         };
         match self.call(&request) {
             Some(token) => self.queues.borrow_mut().call_sent(token, refills),
-            None => {
-                let now = host::now_ns().unwrap_or(0);
-                self.engine
-                    .borrow_mut()
-                    .apply_grants(&SharedData, &refills, None, now);
-            }
+            None => self
+                .engine
+                .borrow_mut()
+                .apply_grants(&SharedData, &refills, None, now),
         }
     }
 

@@ -1,84 +1,232 @@
-//! A global rule's local allowance: tokens leased from the quota service, spent here with CAS.
+//! A global rule's local allowance: a lease from the quota service, spent here with CAS.
 //!
-//! State: allowance (u32), the global bucket's remaining tokens as the service last reported them
-//! for this key (u32), lease expiry (ms), and a mark with its own expiry (ms): a refill in flight
-//! (claimed by one worker, so one call per key per process), or the service had nothing
-//! (`EXHAUSTED`), or failed (`FAILED`). Refills themselves are the filter's business: this module
-//! only decides, claims and applies grants.
+//! A lease is tokens granted outright plus, for a rate lease, a share of the global refill rate
+//! that accrues here from the grant until the lease ends. State (32 bytes): tokens granted
+//! (carried over, granted, and accrual frozen by a failure), tokens spent since the grant (with
+//! two flags: the lease ran dry; its rate was capped by fairness), the global bucket's remaining
+//! tokens as last reported, the rate (milli-tokens per second), the grant's time (`base`, ms),
+//! the lease's end and a mark, both as ms after `base`. The mark is a refill in flight (claimed
+//! by one worker, so one call per key per process), the service had nothing (`EXHAUSTED`), or
+//! failed (`FAILED`). Refills themselves are the filter's business: this module decides, claims,
+//! says what to ask for, and applies answers.
 
 use crate::state::{read_u32, read_u64, write_u32, write_u64, Decision, State, STATE_BYTES};
 
-/// The service granted nothing: refuse until the mark expires.
-pub const EXHAUSTED: u64 = 1 << 63;
-/// The service could not be reached: apply the failure mode until the mark expires.
-pub const FAILED: u64 = 1 << 62;
-const UNTIL: u64 = FAILED - 1;
+const EXHAUSTED: u32 = 1 << 31;
+const FAILED: u32 = 1 << 30;
+/// Mark offsets are kept below this (12 days): a longer wait asks again sooner, never later.
+const MARK_MAX: u64 = (1 << 30) - 1;
+const RAN_DRY: u32 = 1 << 31;
+const CAPPED: u32 = 1 << 30;
+const SPENT: u32 = CAPPED - 1;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseAllowance {
-    /// Tokens asked for per refill.
+    /// Tokens asked for outright with each refill (topping up what is held).
     pub lease_size: u64,
-    /// Refill once the allowance falls below this.
+    /// A token lease (no rate), or a rate lease that was not capped, claims a refill once fewer
+    /// than this many tokens are left. Otherwise leases are renewed in their last quarter, or
+    /// every eighth of their term when capped.
     pub low_water: u64,
-    /// A claimed refill is given up (and may be claimed again) after this long.
+    /// A claimed refill is given up (and may be claimed again) after this long: longer than the
+    /// call's timeout, so that a sent call's answer or failure always comes first.
     pub claim_ms: u64,
     /// The global bucket's capacity and the time one token takes to come back to it: what the
     /// rate-limit headers of an admitted request say (`r`, `t`), from the service's last report.
     pub global_burst: u64,
     pub global_interval_ns: u64,
+    /// The global refill rate (milli-tokens per second): what a lease that ran dry asks for.
+    pub global_rate_mtps: u64,
 }
 
+/// What a refill asks the service for, from the key's state when the call goes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ask {
+    /// Tokens outright: the lease size less what is still held.
+    pub wanted: u64,
+    /// Tokens spent since the last grant.
+    pub used: u64,
+    /// The refill rate wanted (milli-tokens per second): the spending rate since the last grant
+    /// with a quarter more, the whole global rate if the lease ran dry, 0 with nothing measured.
+    pub demand_mtps: u64,
+}
+
+/// The service's answer for one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Grant {
+    pub tokens: u64,
+    pub rate_mtps: u64,
+    pub ttl_ms: u64,
+    /// When the refill was claimed: the lease ends `ttl_ms` after it (never after the service's
+    /// own reservation ends).
+    pub claimed_ms: u64,
+    /// Granted nothing: ask again after this long.
+    pub retry_ms: u64,
+    /// The global bucket's remaining tokens.
+    pub remaining: u64,
+    pub asked: Ask,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
 struct Parts {
-    allowance: u64,
-    /// The global bucket's remaining tokens when the service last answered for this key.
+    granted: u64,
+    spent: u64,
+    flags: u32,
     reported: u64,
-    expires_ms: u64,
+    rate: u64,
+    base: u64,
+    /// Absolute ms.
+    until: u64,
+    /// Absolute ms; 0: none.
     mark: u64,
+    mark_flags: u32,
 }
 
 fn parts(state: &State) -> Parts {
+    let spent = read_u32(state, 4);
+    let base = read_u64(state, 16);
+    let mark = read_u32(state, 28);
+    let mark_at = u64::from(mark & !(EXHAUSTED | FAILED));
     Parts {
-        allowance: u64::from(read_u32(state, 0)),
-        reported: u64::from(read_u32(state, 4)),
-        expires_ms: read_u64(state, 8),
-        mark: read_u64(state, 16),
+        granted: u64::from(read_u32(state, 0)),
+        spent: u64::from(spent & SPENT),
+        flags: spent & (RAN_DRY | CAPPED),
+        reported: u64::from(read_u32(state, 8)),
+        rate: u64::from(read_u32(state, 12)),
+        base,
+        until: base + u64::from(read_u32(state, 24)),
+        mark: if mark_at == 0 { 0 } else { base + mark_at },
+        mark_flags: mark & (EXHAUSTED | FAILED),
     }
+}
+
+fn u32_of(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn encode(p: &Parts) -> State {
     let mut s = [0; STATE_BYTES];
-    let u32_of = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
-    write_u32(&mut s, 0, u32_of(p.allowance));
-    write_u32(&mut s, 4, u32_of(p.reported));
-    write_u64(&mut s, 8, p.expires_ms);
-    write_u64(&mut s, 16, p.mark);
+    write_u32(&mut s, 0, u32_of(p.granted));
+    write_u32(&mut s, 4, u32_of(p.spent.min(u64::from(SPENT))) | p.flags);
+    write_u32(&mut s, 8, u32_of(p.reported));
+    write_u32(&mut s, 12, u32_of(p.rate));
+    write_u64(&mut s, 16, p.base);
+    write_u32(&mut s, 24, u32_of(p.until.saturating_sub(p.base)));
+    let mark = if p.mark == 0 {
+        0
+    } else {
+        p.mark.saturating_sub(p.base).clamp(1, MARK_MAX) as u32 | p.mark_flags
+    };
+    write_u32(&mut s, 28, mark);
     s
 }
 
+impl Parts {
+    fn live(&self, now_ms: u64) -> bool {
+        now_ms < self.until
+    }
+
+    /// A refill is claimed (whether or not its claim has expired): accrual stops at the claim,
+    /// since the service replaces this lease's reservation when the call arrives.
+    fn claim_at(&self, claim_ms: u64) -> Option<u64> {
+        (self.mark != 0 && self.mark_flags == 0).then(|| self.mark.saturating_sub(claim_ms))
+    }
+
+    /// Tokens accrued from the rate until `end` (never past the lease's end).
+    fn accrued(&self, end_ms: u64) -> u64 {
+        let ms = end_ms.min(self.until).saturating_sub(self.base);
+        u64::try_from(u128::from(self.rate) * u128::from(ms) / 1_000_000).unwrap_or(u64::MAX)
+    }
+
+    /// Tokens that may be spent now.
+    fn available(&self, now_ms: u64, claim_ms: u64) -> u64 {
+        if !self.live(now_ms) {
+            return 0;
+        }
+        let end = self.claim_at(claim_ms).map_or(now_ms, |c| c.min(now_ms));
+        self.granted
+            .saturating_add(self.accrued(end))
+            .saturating_sub(self.spent)
+    }
+
+    /// Write a mark at `mark` (absolute ms); a key without a live lease starts afresh from
+    /// `now_ms`, so that offsets stay small.
+    fn marked(mut self, now_ms: u64, mark: u64, flags: u32) -> Self {
+        if !self.live(now_ms) {
+            self = Parts {
+                reported: self.reported,
+                flags: self.flags & RAN_DRY,
+                base: now_ms,
+                until: now_ms,
+                ..Parts::default()
+            };
+        }
+        self.mark = mark.max(self.base + 1);
+        self.mark_flags = flags;
+        self
+    }
+}
+
 impl LeaseAllowance {
+    /// A token lease of `tokens` for `ttl_ms` from `now_ms`, as a grant applied to `state`.
+    #[cfg(test)]
+    pub(crate) fn with_tokens(
+        &self,
+        state: &State,
+        now_ms: u64,
+        tokens: u64,
+        ttl_ms: u64,
+    ) -> State {
+        let asked = Ask {
+            wanted: tokens,
+            ..Ask::default()
+        };
+        let g = Grant {
+            tokens,
+            ttl_ms,
+            claimed_ms: now_ms,
+            retry_ms: 1,
+            asked,
+            ..Grant::default()
+        };
+        self.grant(state, now_ms, &g)
+    }
+
     pub fn decide(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
         let now_ms = now_ns / 1_000_000;
         let p = parts(state);
-        let allowance = if p.expires_ms > now_ms {
-            p.allowance
-        } else {
-            0
-        };
-        let until = p.mark & UNTIL;
-        let marked = until > now_ms;
-        if allowance >= cost {
-            let left = allowance - cost;
-            let mark = if left < self.low_water && !marked {
-                now_ms + self.claim_ms
+        let available = p.available(now_ms, self.claim_ms);
+        let marked = p.mark > now_ms;
+        if available >= cost {
+            let left = available - cost;
+            // Renew in the lease's last quarter; a capped lease (others may be waiting for a
+            // share) every eighth of it, so that shares follow demand within that time.
+            let term = p.until - p.base;
+            let renewal_due = if p.flags & CAPPED != 0 {
+                now_ms >= p.base + term / 8
             } else {
-                p.mark
+                now_ms >= p.until - term / 4
             };
+            // A token lease asks again when running low; a rate lease only if asking can get
+            // more (it was not capped by fairness) and not in the first eighth of its term.
+            let running_low = left < self.low_water
+                && (p.rate == 0
+                    || (p.flags & CAPPED == 0 && now_ms - p.base >= (p.until - p.base) / 8));
+            let mut next = Parts {
+                spent: p.spent.saturating_add(cost),
+                flags: if left == 0 {
+                    p.flags | RAN_DRY
+                } else {
+                    p.flags
+                },
+                ..p
+            };
+            if !marked && (renewal_due || running_low) {
+                next.mark = now_ms + self.claim_ms;
+                next.mark_flags = 0;
+            }
             return Decision::Allow {
-                state: encode(&Parts {
-                    allowance: left,
-                    mark,
-                    ..p
-                }),
+                state: encode(&next),
                 // What the key has globally, as of the service's last report: the bucket's
                 // remaining tokens plus what this proxy still holds of them; and the time the
                 // global bucket takes to be full from there.
@@ -90,91 +238,135 @@ impl LeaseAllowance {
                 delay_ns: 0,
             };
         }
-        if marked && p.mark & EXHAUSTED != 0 {
-            let wait = (until - now_ms).saturating_mul(1_000_000);
+        if p.live(now_ms) && p.rate > 0 {
+            // Out of this proxy's share of the rate: refused now, not held. Enough accrues
+            // after `wait` (unless the lease ends first, or a renewal changes the rate).
+            let accrual_needed = u128::from((p.spent + cost).saturating_sub(p.granted)) * 1_000_000;
+            let after_base = accrual_needed.div_ceil(u128::from(p.rate));
+            let at = u64::try_from(after_base).map_or(u64::MAX, |ms| p.base.saturating_add(ms));
+            let wait_ns = at
+                .saturating_sub(now_ms)
+                .min(p.until - now_ms)
+                .max(1)
+                .saturating_mul(1_000_000);
+            return Decision::Deny {
+                retry_after_ns: wait_ns,
+                remaining: available,
+                reset_ns: wait_ns,
+            };
+        }
+        if marked && p.mark_flags & EXHAUSTED != 0 {
+            let wait = (p.mark - now_ms).saturating_mul(1_000_000);
             return Decision::Deny {
                 retry_after_ns: wait,
-                remaining: allowance,
+                remaining: available,
                 reset_ns: wait,
             };
         }
-        if marked && p.mark & FAILED != 0 {
+        if marked && p.mark_flags & FAILED != 0 {
             return Decision::Fallback;
         }
         if marked {
             return Decision::Wait { claim: None };
         }
         Decision::Wait {
-            claim: Some(encode(&Parts {
-                allowance,
-                mark: now_ms + self.claim_ms,
-                ..p
-            })),
+            claim: Some(encode(&p.marked(now_ms, now_ms + self.claim_ms, 0))),
         }
     }
 
     /// True if `before → after` is the claim of a refill (the writer must send it).
     pub fn claimed(&self, before: &State, after: &State) -> bool {
         let (b, a) = (parts(before), parts(after));
-        a.mark != b.mark && a.mark & (EXHAUSTED | FAILED) == 0 && a.mark != 0
+        a.mark != 0 && a.mark_flags == 0 && (a.mark != b.mark || b.mark_flags != 0)
     }
 
-    pub fn allowance(state: &State, now_ms: u64) -> u64 {
+    /// What to ask for when the refill claimed in `state` goes out at `now_ms`.
+    pub fn ask(&self, state: &State, now_ms: u64) -> Ask {
         let p = parts(state);
-        if p.expires_ms > now_ms {
-            p.allowance
-        } else {
+        let held = p.available(now_ms, self.claim_ms);
+        let window_ms = now_ms.saturating_sub(p.base);
+        let demand_mtps = if p.flags & RAN_DRY != 0 {
+            // It ran out, or got nothing: it wants all it can get.
+            self.global_rate_mtps
+        } else if !p.live(now_ms) || p.spent == 0 {
             0
+        } else {
+            let per_s = u128::from(p.spent) * 1_000_000 * 5 / 4 / u128::from(window_ms.max(1));
+            u64::try_from(per_s).unwrap_or(u64::MAX)
+        };
+        Ask {
+            wanted: self.lease_size.saturating_sub(held),
+            used: p.spent,
+            demand_mtps: demand_mtps.min(self.global_rate_mtps),
         }
     }
 
-    /// Add a grant: `granted` tokens valid for `ttl_ms`. Nothing granted marks the key exhausted
-    /// for `retry_ms`.
-    pub fn grant(state: &State, now_ms: u64, granted: u64, ttl_ms: u64, retry_ms: u64) -> State {
+    /// The tokens held now (accrual included).
+    pub fn allowance(&self, state: &State, now_ms: u64) -> u64 {
+        parts(state).available(now_ms, self.claim_ms)
+    }
+
+    /// Apply the service's answer at `now_ms`: a new lease from now on, carrying over what the
+    /// old one still held (its accrual up to the claim). Nothing granted and nothing wanted
+    /// marks the key exhausted until `retry_ms`.
+    pub fn grant(&self, state: &State, now_ms: u64, g: &Grant) -> State {
         let p = parts(state);
-        let held = if p.expires_ms > now_ms {
-            p.allowance
+        let carried = if p.live(now_ms) {
+            p.granted
+                .saturating_add(p.accrued(g.claimed_ms.min(now_ms)))
+                .saturating_sub(p.spent)
         } else {
             0
         };
+        let nothing = g.tokens == 0 && g.rate_mtps == 0 && g.asked.wanted > 0;
+        // Asking again cannot get more: fairness gave less than asked, or it asked for all.
+        let capped = g.asked.demand_mtps > 0
+            && (g.rate_mtps < g.asked.demand_mtps || g.asked.demand_mtps >= self.global_rate_mtps);
+        let until = g.claimed_ms.saturating_add(g.ttl_ms);
         encode(&Parts {
-            allowance: held.saturating_add(granted),
-            reported: p.reported,
-            expires_ms: if granted > 0 {
-                now_ms.saturating_add(ttl_ms)
+            granted: carried.saturating_add(g.tokens),
+            spent: 0,
+            flags: if nothing { RAN_DRY } else { 0 } | if capped { CAPPED } else { 0 },
+            reported: g.remaining,
+            rate: if until > now_ms { g.rate_mtps } else { 0 },
+            base: now_ms,
+            until: until.max(now_ms),
+            // Within a sixteenth of a lease: a share may free up at others' renewals (every
+            // eighth of theirs), and this key's demand is known there now.
+            mark: if nothing {
+                now_ms + g.retry_ms.min(g.ttl_ms / 16).max(1)
             } else {
-                p.expires_ms
-            },
-            mark: if granted > 0 {
                 0
-            } else {
-                EXHAUSTED | (now_ms + retry_ms.max(1))
             },
+            mark_flags: if nothing { EXHAUSTED } else { 0 },
         })
     }
 
-    /// Note what the service reported of the global bucket with its grant.
-    pub fn reported(state: &State, remaining: u64) -> State {
+    /// The refill failed: apply the failure mode for `retry_ms`. Tokens held stay valid until
+    /// the lease ends; the rate stops accruing (the service may have replaced it already).
+    pub fn fail(&self, state: &State, now_ms: u64, retry_ms: u64) -> State {
         let mut p = parts(state);
-        p.reported = remaining;
-        encode(&p)
-    }
-
-    /// The refill failed: apply the failure mode for `retry_ms` (tokens held stay valid).
-    pub fn fail(state: &State, now_ms: u64, retry_ms: u64) -> State {
-        let mut p = parts(state);
-        p.mark = FAILED | (now_ms + retry_ms.max(1));
-        encode(&p)
+        if p.live(now_ms) {
+            let end = p.claim_at(self.claim_ms).unwrap_or(now_ms).min(now_ms);
+            p.granted = p.granted.saturating_add(p.accrued(end));
+            p.rate = 0;
+        }
+        encode(&p.marked(now_ms, now_ms + retry_ms.max(1), FAILED))
     }
 
     pub fn is_idle(state: &State, now_ms: u64) -> bool {
         let p = parts(state);
-        p.expires_ms <= now_ms && (p.mark & UNTIL) <= now_ms
+        !p.live(now_ms) && p.mark <= now_ms
     }
 
     pub fn refund(state: &State, cost: u64) -> State {
         let mut p = parts(state);
-        p.allowance = p.allowance.saturating_add(cost);
+        if p.spent >= cost {
+            p.spent -= cost;
+        } else {
+            p.granted = p.granted.saturating_add(cost - p.spent);
+            p.spent = 0;
+        }
         encode(&p)
     }
 }
@@ -193,6 +385,29 @@ mod tests {
             claim_ms: 200,
             global_burst: 0,
             global_interval_ns: 0,
+            global_rate_mtps: 100_000,
+        }
+    }
+
+    fn grant(tokens: u64, rate_mtps: u64, at: u64, ttl_ms: u64) -> Grant {
+        Grant {
+            tokens,
+            rate_mtps,
+            ttl_ms,
+            claimed_ms: at,
+            retry_ms: 300,
+            asked: Ask {
+                wanted: 10,
+                ..Ask::default()
+            },
+            ..Grant::default()
+        }
+    }
+
+    fn allowed(l: &LeaseAllowance, s: &State, at_ms: u64) -> State {
+        match l.decide(s, at_ms * MS, 1) {
+            Decision::Allow { state, .. } => state,
+            d => panic!("at {at_ms}: {d:?}"),
         }
     }
 
@@ -212,7 +427,8 @@ mod tests {
             l.decide(&claimed, T0 * MS, 1),
             Decision::Wait { claim: None }
         );
-        let granted = LeaseAllowance::grant(&claimed, T0, 10, 1_000, 50);
+        assert_eq!(l.ask(&claimed, T0).wanted, 10);
+        let granted = l.grant(&claimed, T0, &grant(10, 0, T0, 1_000));
         let mut s = granted;
         for i in 0..10u64 {
             match l.decide(&s, (T0 + 1) * MS, 1) {
@@ -232,35 +448,147 @@ mod tests {
             l.decide(&s, (T0 + 1) * MS, 1),
             Decision::Wait { claim: None }
         );
+        // It ran dry: the refill asks for the whole rate.
+        let ask = l.ask(&s, T0 + 2);
+        assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (10, 10, 100_000));
+    }
+
+    #[test]
+    fn a_rate_lease_accrues_and_refuses_at_once_when_spent() {
+        let l = lease();
+        // 2 tokens outright and 10 per second (10 000 mtps) for 1 s from T0, as asked.
+        let mut g = grant(2, 10_000, T0, 1_000);
+        g.asked.demand_mtps = 10_000;
+        let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+        s = allowed(&l, &s, T0);
+        s = allowed(&l, &s, T0);
+        // Spent: refused at once, told when the next token has accrued (at 100 ms).
+        assert_eq!(
+            l.decide(&s, (T0 + 50) * MS, 1),
+            Decision::Deny {
+                retry_after_ns: 50 * MS,
+                remaining: 0,
+                reset_ns: 50 * MS
+            }
+        );
+        s = allowed(&l, &s, T0 + 100);
+        assert!(matches!(
+            l.decide(&s, (T0 + 150) * MS, 1),
+            Decision::Deny { .. }
+        ));
+    }
+
+    #[test]
+    fn leases_renew_in_their_last_quarter_or_every_eighth_when_capped() {
+        let l = lease();
+        // As asked, with 10 tokens in hand, spending what accrues: no claim before 750 ms.
+        let mut g = grant(10, 10_000, T0, 1_000);
+        g.asked.demand_mtps = 10_000;
+        let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+        for t in (100..=700).step_by(100) {
+            let next = allowed(&l, &s, T0 + t);
+            assert!(!l.claimed(&s, &next), "at {t}");
+            s = next;
+        }
+        let renewed = allowed(&l, &s, T0 + 750);
+        assert!(l.claimed(&s, &renewed));
+        // The accrual stops at the claim: what is held at 750 is all there is until the answer.
+        assert_eq!(l.allowance(&renewed, T0 + 750), 9);
+        assert_eq!(l.allowance(&renewed, T0 + 900), 9);
+        // The new lease (20 per second) accrues from the answer; the old one ends.
+        let next = l.grant(&renewed, T0 + 760, &grant(0, 20_000, T0 + 750, 1_000));
+        assert_eq!(l.allowance(&next, T0 + 760), 9);
+        assert_eq!(l.allowance(&next, T0 + 810), 10);
+        assert!(!LeaseAllowance::is_idle(&next, T0 + 1_749));
+        assert!(LeaseAllowance::is_idle(&next, T0 + 1_750));
+
+        // Capped by fairness: renewed every eighth of the lease (125 ms).
+        let mut g = grant(10, 10_000, T0, 1_000);
+        g.asked.demand_mtps = 30_000;
+        let s = l.grant(&[0; STATE_BYTES], T0, &g);
+        let next = allowed(&l, &s, T0 + 100);
+        assert!(!l.claimed(&s, &next));
+        assert!(l.claimed(&next, &allowed(&l, &next, T0 + 125)));
+    }
+
+    #[test]
+    fn running_low_asks_again_only_when_asking_can_get_more() {
+        let l = lease();
+        // Capped (asked 50, got 10 per second): running low is no reason to ask before the
+        // eighth.
+        let mut g = grant(0, 10_000, T0, 1_000);
+        g.asked.demand_mtps = 50_000;
+        let s = l.grant(&[0; STATE_BYTES], T0, &g);
+        let next = allowed(&l, &s, T0 + 100);
+        assert!(!l.claimed(&s, &next));
+        // Not capped: running low claims, but not in the lease's first eighth.
+        let mut g = grant(0, 10_000, T0, 1_000);
+        g.asked.demand_mtps = 10_000;
+        let s = l.grant(&[0; STATE_BYTES], T0, &g);
+        let next = allowed(&l, &s, T0 + 100);
+        assert!(!l.claimed(&s, &next));
+        let next2 = allowed(&l, &next, T0 + 200);
+        assert!(l.claimed(&next, &next2));
+        // Refused for want of quota: the next ask wants the whole rate.
+        let none = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
+        assert_eq!(l.ask(&none, T0 + 200).demand_mtps, 100_000);
+    }
+
+    #[test]
+    fn a_lease_that_did_not_run_dry_asks_for_what_it_spent_and_a_quarter_more() {
+        let l = lease();
+        let s = l.grant(&[0; STATE_BYTES], T0, &grant(10, 0, T0, 1_000));
+        let mut s = allowed(&l, &s, T0 + 100);
+        for t in [200, 300, 400, 500, 600, 700, 750] {
+            s = allowed(&l, &s, T0 + t);
+        }
+        // 8 tokens in 760 ms, a quarter more: 13.2 per second.
+        let ask = l.ask(&s, T0 + 760);
+        assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (8, 8, 13_157));
     }
 
     #[test]
     fn exhausted_refuses_failed_falls_back_and_leases_expire() {
         let l = lease();
-        let none = LeaseAllowance::grant(&[0; STATE_BYTES], T0, 0, 1_000, 300);
-        assert!(matches!(
-            l.decide(&none, T0 * MS, 1),
-            Decision::Deny { retry_after_ns, .. } if retry_after_ns == 300 * MS
-        ));
-        let failed = LeaseAllowance::fail(&[0; STATE_BYTES], T0, 1_000);
+        let none = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
+        assert!(
+            matches!(
+                l.decide(&none, T0 * MS, 1),
+                Decision::Deny { retry_after_ns, .. } if retry_after_ns == 62 * MS
+            ),
+            "the service's hint (300 ms), within a sixteenth of a lease"
+        );
+        let failed = l.fail(&[0; STATE_BYTES], T0, 1_000);
         assert_eq!(l.decide(&failed, T0 * MS, 1), Decision::Fallback);
         // After the mark, a new claim.
         assert!(matches!(
             l.decide(&failed, (T0 + 1_000) * MS, 1),
             Decision::Wait { claim: Some(_) }
         ));
-        // Tokens held survive a failure until their lease ends.
-        let held = LeaseAllowance::fail(
-            &LeaseAllowance::grant(&[0; STATE_BYTES], T0, 3, 500, 1),
-            T0,
+        // Tokens held survive a failure until their lease ends, accrual included up to the
+        // failure (here no claim was made).
+        let held = l.fail(
+            &l.grant(&[0; STATE_BYTES], T0, &grant(1, 10_000, T0, 500)),
+            T0 + 200,
             1_000,
         );
+        assert_eq!(l.allowance(&held, T0 + 200), 3);
+        assert_eq!(l.allowance(&held, T0 + 400), 3, "no more accrual");
         assert!(matches!(
-            l.decide(&held, T0 * MS, 1),
+            l.decide(&held, (T0 + 200) * MS, 1),
             Decision::Allow { .. }
         ));
         assert_eq!(l.decide(&held, (T0 + 500) * MS, 1), Decision::Fallback);
-        assert!(!LeaseAllowance::is_idle(&held, T0 + 999));
-        assert!(LeaseAllowance::is_idle(&held, T0 + 1_000));
+        assert!(!LeaseAllowance::is_idle(&held, T0 + 1_199));
+        assert!(LeaseAllowance::is_idle(&held, T0 + 1_200));
+    }
+
+    #[test]
+    fn refunds_give_back_what_was_spent() {
+        let l = lease();
+        let s = l.grant(&[0; STATE_BYTES], T0, &grant(3, 0, T0, 1_000));
+        let spent = allowed(&l, &s, T0);
+        assert_eq!(l.allowance(&LeaseAllowance::refund(&spent, 1), T0), 3);
+        assert_eq!(l.allowance(&LeaseAllowance::refund(&s, 2), T0), 5);
     }
 }

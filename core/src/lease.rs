@@ -10,8 +10,13 @@ use serde::{Deserialize, Serialize};
 pub const MAX_ITEMS: usize = 1_000;
 /// Longest accepted `rule`, `limit_id`, `key` and `instance` strings.
 pub const MAX_NAME: usize = 128;
+/// Largest accepted `requests`, `burst` and `wanted`: limits beyond are not rate limits, and both
+/// stores compute exactly within them.
+pub const MAX_COUNT: u64 = 1_000_000_000;
+/// Longest accepted `per_ms`: 366 days.
+pub const MAX_PER_MS: u64 = 366 * 86_400_000;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
     /// Who asks: one id per proxy process (fair sharing is between instances).
@@ -19,7 +24,7 @@ pub struct LeaseRequest {
     pub items: Vec<LeaseItem>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseItem {
     /// The rule's name (metrics and logs).
@@ -36,15 +41,19 @@ pub struct LeaseItem {
     pub wanted: u64,
     /// Tokens the instance spent since its previous call for this key.
     pub used: u64,
+    /// Tokens per second the instance would spend (its measured demand, with headroom): asks for
+    /// a rate lease. 0 (or absent): tokens only.
+    #[serde(default)]
+    pub demand: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LeaseResponse {
     /// One per request item, in the same order.
     pub items: Vec<LeaseGrant>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LeaseGrant {
     /// Tokens now the instance's to spend (taken from the global bucket).
     pub granted: u64,
@@ -54,6 +63,13 @@ pub struct LeaseGrant {
     pub remaining: u64,
     /// Milliseconds until the global bucket is full again.
     pub reset_ms: u64,
+    /// Tokens per second of the bucket's refill now reserved for the instance, for `ttl_ms`: it
+    /// may admit at this rate beyond `granted`, without asking again (a rate lease).
+    #[serde(default)]
+    pub rate: f64,
+    /// Granted nothing: milliseconds until asking again may get something (0: no hint).
+    #[serde(default)]
+    pub retry_ms: u64,
 }
 
 /// The body of every error answer.
@@ -63,6 +79,15 @@ pub struct ErrorBody {
 }
 
 impl LeaseItem {
+    /// `demand` in milli-tokens per second (a negative or non-finite demand asks for nothing).
+    pub fn demand_mtps(&self) -> u64 {
+        if self.demand.is_finite() && self.demand > 0.0 {
+            (self.demand * 1_000.0) as u64
+        } else {
+            0
+        }
+    }
+
     /// Why the service cannot serve this item, if it cannot.
     pub fn problem(&self) -> Option<String> {
         let long = [&self.rule, &self.limit_id, &self.key]
@@ -75,6 +100,17 @@ impl LeaseItem {
         }
         if self.requests == 0 || self.per_ms == 0 || self.burst == 0 {
             return Some("requests, per_ms and burst must be positive".into());
+        }
+        if self.requests > MAX_COUNT || self.burst > MAX_COUNT || self.wanted > MAX_COUNT {
+            return Some(format!(
+                "requests, burst and wanted must be at most {MAX_COUNT}"
+            ));
+        }
+        if self.per_ms > MAX_PER_MS {
+            return Some(format!("per_ms must be at most {MAX_PER_MS} (366 days)"));
+        }
+        if !(self.demand.is_finite() && self.demand >= 0.0) {
+            return Some("demand must be a number >= 0".into());
         }
         None
     }
@@ -95,29 +131,113 @@ impl LeaseRequest {
     }
 }
 
-/// One global bucket: tokens refill at `requests / per_ms` up to `burst`; recent demands of each
-/// instance decide fair shares.
+/// Milli-tokens per second: the unit rate shares are divided in (whole numbers, so that the
+/// memory and Redis stores round alike).
+pub fn rate_mtps(requests: u64, per_ms: u64) -> u64 {
+    u64::try_from(u128::from(requests) * 1_000_000 / u128::from(per_ms.max(1))).unwrap_or(u64::MAX)
+}
+
+/// An instance's standing at one bucket: what it last asked for, and the refill rate reserved for
+/// it. Sorted by instance; the empty name stands for the proxies of before a cold start.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Holder {
+    pub instance: String,
+    /// Tokens it asked for with its last call (its demand on the burst).
+    pub wanted: u64,
+    /// The refill rate it asked for with its last call (milli-tokens per second).
+    pub demand: u64,
+    pub asked_ms: u64,
+    /// The refill rate reserved for it (milli-tokens per second), from its last call until
+    /// `until_ms`: the bucket does not refill by that much meanwhile.
+    pub share: u64,
+    pub until_ms: u64,
+}
+
+/// One global bucket: tokens refill at `requests / per_ms` up to `burst`, less the refill rate
+/// reserved for instances (rate leases); recent demands of each instance decide fair shares.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GlobalBucket {
     pub tokens: f64,
     pub updated_ms: u64,
-    /// (instance, wanted, when), sorted by instance.
-    pub demands: Vec<(String, u64, u64)>,
+    pub holders: Vec<Holder>,
+    /// From then on it is as good as new (full, no live demand, nothing reserved): it can go.
+    pub idle_at_ms: u64,
+}
+
+/// How a store that forgot its buckets (a restart, a Redis that lost its data) starts new ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColdStart {
+    /// As if, at the store's start (`epoch_ms`), every bucket had just been emptied and its whole
+    /// refill rate leased for one lease TTL: a restart admits nothing that the limit would not
+    /// have admitted had the store never stopped.
+    Conservative { epoch_ms: u64 },
+    /// New buckets start full: a restart can admit up to a burst (and a lease TTL of refill)
+    /// more per key.
+    Full,
 }
 
 impl GlobalBucket {
-    /// A bucket never seen before: full.
-    pub fn new(burst: u64, now_ms: u64) -> Self {
-        Self {
-            tokens: burst as f64,
+    /// A bucket the store does not know, first asked for at `now_ms`.
+    pub fn new(item: &LeaseItem, now_ms: u64, ttl_ms: u64, cold: ColdStart) -> Self {
+        let full = Self {
+            tokens: item.burst as f64,
             updated_ms: now_ms,
-            demands: Vec::new(),
+            holders: Vec::new(),
+            idle_at_ms: now_ms,
+        };
+        let ColdStart::Conservative { epoch_ms } = cold else {
+            return full;
+        };
+        let mut bucket = Self {
+            tokens: 0.0,
+            updated_ms: epoch_ms.min(now_ms),
+            holders: vec![Holder {
+                instance: String::new(),
+                // Rounded up: all of the refill, never a fraction less.
+                share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+                asked_ms: epoch_ms,
+                until_ms: epoch_ms.saturating_add(ttl_ms),
+                ..Holder::default()
+            }],
+            idle_at_ms: 0,
+        };
+        bucket.refill(item, now_ms);
+        bucket.forget(now_ms, ttl_ms);
+        if bucket.tokens >= item.burst as f64 && bucket.holders.is_empty() {
+            return full;
         }
+        bucket
     }
 
-    /// Serve one lease item for `instance` at `now_ms`; demands older than `ttl_ms` are forgotten.
-    /// The grant never exceeds what the bucket holds, nor the instance's max-min fair share of
-    /// the bucket's capacity among the instances that asked within `ttl_ms`.
+    /// Add what flowed in since the last update: the refill rate less what was reserved.
+    fn refill(&mut self, item: &LeaseItem, now_ms: u64) {
+        let rate = item.requests as f64 / item.per_ms as f64;
+        let elapsed = now_ms.saturating_sub(self.updated_ms) as f64;
+        let reserved: f64 = self
+            .holders
+            .iter()
+            .map(|h| {
+                let overlap = h.until_ms.min(now_ms).saturating_sub(self.updated_ms);
+                (h.share as f64 / 1e6).min(rate) * overlap as f64
+            })
+            .sum();
+        let inflow = (elapsed * rate - reserved).max(0.0);
+        self.tokens = (self.tokens + inflow).min(item.burst as f64);
+        self.updated_ms = self.updated_ms.max(now_ms);
+    }
+
+    /// Forget holders that neither asked within `ttl_ms` nor hold a reservation.
+    fn forget(&mut self, now_ms: u64, ttl_ms: u64) {
+        self.holders
+            .retain(|h| h.asked_ms.saturating_add(ttl_ms) > now_ms || h.until_ms > now_ms);
+    }
+
+    /// Serve one lease item for `instance` at `now_ms`.
+    ///
+    /// Tokens: never more than the bucket holds, nor the instance's max-min fair share of `burst`
+    /// among the instances that asked within `ttl_ms`. Rate: the instance's max-min fair share of
+    /// the refill rate by the rates they asked for, never more than is not reserved for others; it
+    /// replaces the instance's previous reservation and holds for `ttl_ms`.
     pub fn lease(
         &mut self,
         instance: &str,
@@ -125,45 +245,123 @@ impl GlobalBucket {
         now_ms: u64,
         ttl_ms: u64,
     ) -> LeaseGrant {
-        let rate = item.requests as f64 / item.per_ms as f64;
-        let burst = item.burst as f64;
-        let elapsed = now_ms.saturating_sub(self.updated_ms) as f64;
-        self.tokens = (self.tokens + elapsed * rate).min(burst);
-        self.updated_ms = self.updated_ms.max(now_ms);
-
-        self.demands
-            .retain(|(who, _, at)| who != instance && at + ttl_ms > now_ms);
+        let rate_mtps = rate_mtps(item.requests, item.per_ms);
+        self.refill(item, now_ms);
+        self.forget(now_ms, ttl_ms);
+        self.holders.retain(|h| h.instance != instance);
+        let demand = item.demand_mtps().min(rate_mtps);
         let at = self
-            .demands
-            .partition_point(|(who, _, _)| who.as_str() < instance);
-        self.demands
-            .insert(at, (instance.to_owned(), item.wanted, now_ms));
-        let wants: Vec<u64> = self.demands.iter().map(|d| d.1).collect();
-        let fair = max_min_fair(item.burst, &wants)[at];
+            .holders
+            .partition_point(|h| h.instance.as_str() < instance);
+        self.holders.insert(
+            at,
+            Holder {
+                instance: instance.to_owned(),
+                wanted: item.wanted,
+                demand,
+                asked_ms: now_ms,
+                share: 0,
+                until_ms: now_ms,
+            },
+        );
+        let live = |h: &Holder| h.asked_ms.saturating_add(ttl_ms) > now_ms;
+        let of_live = |f: fn(&Holder) -> u64| -> Vec<u64> {
+            self.holders
+                .iter()
+                .map(|h| if live(h) { f(h) } else { 0 })
+                .collect()
+        };
+        let fair_tokens = max_min_fair(item.burst, &of_live(|h| h.wanted))[at];
+        let fair_rate = max_min_fair(rate_mtps, &of_live(|h| h.demand))[at];
+        let reserved: u64 = self
+            .holders
+            .iter()
+            .filter(|h| h.until_ms > now_ms)
+            .map(|h| h.share)
+            .sum();
+        let share = demand
+            .min(fair_rate)
+            .min(rate_mtps.saturating_sub(reserved));
 
         let available = self.tokens.floor().max(0.0) as u64;
-        let granted = item.wanted.min(fair).min(available);
+        let granted = item.wanted.min(fair_tokens).min(available);
         self.tokens -= granted as f64;
+        if share > 0 {
+            self.holders[at].share = share;
+            self.holders[at].until_ms = now_ms.saturating_add(ttl_ms);
+        }
+        let (reset_ms, retry_ms) = self.timing(item, now_ms, granted == 0 && share == 0);
+        self.idle_at_ms = self
+            .holders
+            .iter()
+            .map(|h| h.until_ms.max(h.asked_ms.saturating_add(ttl_ms)))
+            .fold(now_ms.saturating_add(reset_ms), u64::max);
         LeaseGrant {
             granted,
             ttl_ms,
             remaining: self.tokens.floor().max(0.0) as u64,
-            reset_ms: ((burst - self.tokens) / rate).ceil().max(0.0) as u64,
+            reset_ms,
+            rate: share as f64 / 1_000.0,
+            retry_ms,
         }
     }
 
-    /// True once nothing distinguishes it from a new bucket (full, no live demand): it can go.
-    pub fn is_idle(
-        &self,
-        burst: u64,
-        requests: u64,
-        per_ms: u64,
-        now_ms: u64,
-        ttl_ms: u64,
-    ) -> bool {
-        let rate = requests as f64 / per_ms as f64;
-        let tokens = self.tokens + now_ms.saturating_sub(self.updated_ms) as f64 * rate;
-        tokens >= burst as f64 && self.demands.iter().all(|d| d.2 + ttl_ms <= now_ms)
+    /// Milliseconds until the bucket is full (its unreserved refill first, its whole rate once
+    /// the reservations end), and, for an instance that got nothing, until asking again can get
+    /// something (a token flows in, or a reservation ends).
+    fn timing(&self, item: &LeaseItem, now_ms: u64, got_nothing: bool) -> (u64, u64) {
+        let rate = item.requests as f64 / item.per_ms as f64;
+        let reserved: u64 = self
+            .holders
+            .iter()
+            .filter(|h| h.until_ms > now_ms)
+            .map(|h| h.share)
+            .sum();
+        let free = (rate - reserved as f64 / 1e6).max(0.0);
+        let last_until = self
+            .holders
+            .iter()
+            .map(|h| h.until_ms.saturating_sub(now_ms))
+            .max()
+            .unwrap_or(0);
+        let missing = (item.burst as f64 - self.tokens).max(0.0);
+        let reset = if missing == 0.0 {
+            0.0
+        } else if free > 0.0 && missing / free <= last_until as f64 {
+            missing / free
+        } else {
+            let by_then = free * last_until as f64;
+            last_until as f64 + (missing - by_then).max(0.0) / rate
+        };
+        let retry = if got_nothing {
+            let token = (1.0 - self.tokens.fract().max(0.0)) / rate;
+            let first_free = if free > 0.0 {
+                (1.0 - self.tokens.fract().max(0.0)) / free
+            } else {
+                f64::INFINITY
+            };
+            let ends = self
+                .holders
+                .iter()
+                .filter(|h| h.until_ms > now_ms && h.share > 0)
+                .map(|h| (h.until_ms - now_ms) as f64)
+                .fold(f64::INFINITY, f64::min);
+            let soonest = first_free.min(ends);
+            let retry = if soonest.is_finite() {
+                soonest.max(token)
+            } else {
+                token
+            };
+            retry.ceil().max(1.0)
+        } else {
+            0.0
+        };
+        (reset.ceil() as u64, retry as u64)
+    }
+
+    /// True once nothing distinguishes it from a new bucket: it can go.
+    pub fn is_idle(&self, now_ms: u64) -> bool {
+        self.idle_at_ms <= now_ms
     }
 }
 
@@ -181,12 +379,24 @@ mod tests {
             burst: 120,
             wanted,
             used: 0,
+            demand: 0.0,
         }
+    }
+
+    fn rated(wanted: u64, demand: f64) -> LeaseItem {
+        LeaseItem {
+            demand,
+            ..item(wanted)
+        }
+    }
+
+    fn new_bucket() -> GlobalBucket {
+        GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full)
     }
 
     #[test]
     fn grants_are_fair_and_never_exceed_the_bucket() {
-        let mut b = GlobalBucket::new(120, 0);
+        let mut b = new_bucket();
         // Three instances report demand; the small ones are served in full, the big one its share.
         assert_eq!(b.lease("c", &item(10), 0, 10_000).granted, 10);
         assert_eq!(b.lease("b", &item(50), 0, 10_000).granted, 50);
@@ -194,23 +404,121 @@ mod tests {
         assert_eq!(a.granted, 60);
         assert_eq!(a.remaining, 0);
         assert_eq!(a.reset_ms, 60_000);
-        // Empty: nothing more until it refills (2 per second).
-        assert_eq!(b.lease("a", &item(1000), 0, 10_000).granted, 0);
+        assert_eq!(a.rate, 0.0);
+        // Empty: nothing more until it refills (2 per second), and it says when to ask again.
+        let none = b.lease("a", &item(1000), 0, 10_000);
+        assert_eq!((none.granted, none.retry_ms), (0, 500));
         assert_eq!(b.lease("a", &item(1000), 1_000, 10_000).granted, 2);
     }
 
     #[test]
     fn old_demands_are_forgotten() {
-        let mut b = GlobalBucket::new(120, 0);
+        let mut b = new_bucket();
         b.lease("b", &item(1000), 0, 1_000);
         // b's demand has expired: a alone may take the whole capacity that is left.
         let g = b.lease("a", &item(1000), 60_000, 1_000);
         assert_eq!(g.granted, 120);
-        assert!(!b.is_idle(120, 120, 60_000, 60_000, 1_000));
-        assert!(b.is_idle(120, 120, 60_000, 120_000, 1_000));
+        assert!(!b.is_idle(60_000));
+        assert!(!b.is_idle(119_999));
+        assert!(b.is_idle(120_000));
+    }
+
+    #[test]
+    fn a_rate_lease_reserves_refill_for_its_holder_and_is_shared_max_min() {
+        let mut b = new_bucket();
+        // a wants 1.5/s of the 2/s refill: reserved for it for 10 s.
+        let g = b.lease("a", &rated(0, 1.5), 0, 10_000);
+        assert_eq!((g.granted, g.rate), (0, 1.5));
+        // b wants 2/s: only what is not reserved (0.5/s) until a asks again.
+        let g = b.lease("b", &rated(120, 2.0), 0, 10_000);
+        assert_eq!((g.granted, g.rate), (120, 0.5));
+        // 4 s later the bucket has refilled nothing: the whole rate is reserved.
+        assert_eq!(b.lease("c", &item(10), 4_000, 10_000).granted, 0);
+        // a renews: now the fair split of 2/s between demands 1.5 and 2 is 1/s each, and a's
+        // old reservation is replaced.
+        let g = b.lease("a", &rated(0, 1.5), 5_000, 10_000);
+        assert_eq!(g.rate, 1.0);
+        let g = b.lease("b", &rated(0, 2.0), 5_000, 10_000);
+        assert_eq!(g.rate, 1.0);
+        // Once every reservation has ended, the bucket refills at the whole rate again.
+        assert_eq!(b.lease("c", &item(100), 25_000, 10_000).granted, 20);
+    }
+
+    #[test]
+    fn a_cold_start_grants_nothing_for_one_lease_ttl_then_refills_from_empty() {
+        let cold = ColdStart::Conservative { epoch_ms: 1_000 };
+        let mut b = GlobalBucket::new(&item(10), 1_000, 10_000, cold);
+        let g = b.lease("a", &rated(10, 2.0), 1_000, 10_000);
+        assert_eq!((g.granted, g.rate), (0, 0.0));
+        assert_eq!(
+            g.retry_ms, 10_000,
+            "asks again when the old leases have ended"
+        );
+        // 5 s after the reservation of before the restart ended: 10 tokens.
+        let mut b = GlobalBucket::new(&item(100), 16_000, 10_000, cold);
+        assert_eq!(b.lease("a", &item(100), 16_000, 10_000).granted, 10);
+        // Long after the start, a new bucket is full.
+        let mut b = GlobalBucket::new(&item(100), 100_000, 10_000, cold);
+        assert_eq!(b.lease("a", &item(120), 100_000, 10_000).granted, 120);
+    }
+
+    /// Everything instances may admit by `now`: the tokens granted, and each rate lease's refill
+    /// from its grant until it ended or was replaced.
+    fn admissible(events: &[(usize, u64, u64, f64)], ttl: u64, cold: ColdStart) -> Vec<(u64, f64)> {
+        let it = |wanted, demand| LeaseItem {
+            requests: 7,
+            per_ms: 3_000,
+            burst: 20,
+            ..rated(wanted, demand)
+        };
+        let mut bucket = GlobalBucket::new(&it(0, 0.0), 0, ttl, cold);
+        let mut leases: Vec<Option<(u64, f64, u64)>> = vec![None; 3];
+        let (mut granted, mut accrued, mut now) = (0u64, 0.0, 0u64);
+        let mut totals = Vec::new();
+        for &(who, dt, wanted, demand) in events {
+            now += dt;
+            if let Some((from, rate, until)) = leases[who].take() {
+                accrued += rate / 1_000.0 * (until.min(now) - from) as f64;
+            }
+            let g = bucket.lease(&format!("i{who}"), &it(wanted, demand), now, ttl);
+            granted += g.granted;
+            leases[who] = Some((now, g.rate, now + g.ttl_ms));
+            let open: f64 = leases
+                .iter()
+                .flatten()
+                .map(|&(from, rate, until)| rate / 1_000.0 * (until.min(now) - from) as f64)
+                .sum();
+            totals.push((now, granted as f64 + accrued + open));
+        }
+        totals
     }
 
     proptest::proptest! {
+        /// Whatever instances ask and whenever: what they may admit stays within
+        /// `burst + rate × elapsed` (here 20 + 7 per 3 s), and after a conservative cold start
+        /// within `rate × (elapsed − ttl)`.
+        #[test]
+        fn rate_leases_never_exceed_the_global_bound(
+            events in proptest::collection::vec(
+                (0usize..3, 0u64..4_000, 0u64..40, 0.0f64..8.0), 1..60),
+            ttl in 500u64..12_000,
+            conservative in proptest::bool::ANY,
+        ) {
+            let cold = if conservative {
+                ColdStart::Conservative { epoch_ms: 0 }
+            } else {
+                ColdStart::Full
+            };
+            for (now, total) in admissible(&events, ttl, cold) {
+                let bound = if conservative {
+                    7.0 / 3_000.0 * now.saturating_sub(ttl) as f64
+                } else {
+                    20.0 + 7.0 / 3_000.0 * now as f64
+                };
+                proptest::prop_assert!(total <= bound + 1e-6, "{} > {} at {}", total, bound, now);
+            }
+        }
+
         /// Whatever a broken or hostile service sends, parsing answers with an error, never a
         /// panic (the filter then applies its failure mode).
         #[test]
@@ -238,7 +546,7 @@ mod tests {
     fn wire_format() {
         let req: LeaseRequest = serde_json::from_str(
             r#"{"instance":"i","items":[{"rule":"r","limit_id":"l","key":"k","requests":1,
-                "per_ms":1000,"burst":1,"wanted":5,"used":0}]}"#,
+                "per_ms":1000,"burst":1,"wanted":5,"used":0,"demand":2.5}]}"#,
         )
         .unwrap();
         assert_eq!(req.problem(), None);

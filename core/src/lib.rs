@@ -20,7 +20,7 @@ pub mod token_bucket;
 pub mod warm_up;
 
 pub use algorithm::{Limit, Standing};
-pub use allowance::LeaseAllowance;
+pub use allowance::{Ask, Grant, LeaseAllowance};
 pub use concurrency::Concurrency;
 pub use fixed_window::FixedWindow;
 pub use leaky_bucket::LeakyBucket;

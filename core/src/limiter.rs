@@ -793,6 +793,7 @@ mod tests {
             claim_ms: 200,
             global_burst: 0,
             global_interval_ns: 0,
+            global_rate_mtps: 0,
         };
         let g = rule_with(&inner, "g", Limit::Lease(lease), 4);
         // Key "k" holds one leased token.
@@ -803,13 +804,7 @@ mod tests {
         group.slots[0] = Slot {
             tag: slot.tag,
             last_ns: 0,
-            state: LeaseAllowance::grant(
-                &[0; crate::state::STATE_BYTES],
-                NOW / 1_000_000,
-                1,
-                10_000,
-                1_000,
-            ),
+            state: lease.with_tokens(&[0; crate::state::STATE_BYTES], NOW / 1_000_000, 1, 10_000),
         };
         inner.write(key.as_str(), &group.encode(), cas).unwrap();
         // Our write of "g" loses to another request that spends that last token.
@@ -914,6 +909,7 @@ mod tests {
             claim_ms: 1_000,
             global_burst: 0,
             global_interval_ns: 0,
+            global_rate_mtps: 0,
         };
         let global = rule_with(&store, "global", Limit::Lease(lease), 4);
         let both = |store: &MemoryStore| {
@@ -938,7 +934,7 @@ mod tests {
         let (bytes, cas) = store.read(key.as_str()).unwrap().unwrap();
         let mut group = Group::decode(&bytes);
         for slot in group.slots.iter_mut().filter(|s| s.tag != 0) {
-            slot.state = LeaseAllowance::grant(&slot.state, NOW / 1_000_000, 4, 60_000, 1);
+            slot.state = lease.with_tokens(&slot.state, NOW / 1_000_000, 4, 60_000);
         }
         store.write(key.as_str(), &group.encode(), cas).unwrap();
         let refills: Vec<bool> = (0..4)

@@ -421,19 +421,20 @@ mod tests {
     fn a_leased_allowance_is_stashed_and_spent_exactly() {
         use crate::allowance::LeaseAllowance;
         let mut w = World::new(1, 1, 2);
-        w.limit = Limit::Lease(LeaseAllowance {
+        let lease = LeaseAllowance {
             lease_size: 100,
             low_water: 0,
             claim_ms: 200,
             global_burst: 0,
             global_interval_ns: 0,
-        });
+            global_rate_mtps: 0,
+        };
+        w.limit = Limit::Lease(lease);
         let slot = w.table.locate(b"k");
         let key = w.table.store_key(slot.group);
         let mut group = crate::slot::Group::decode(&w.store.read(key.as_str()).unwrap().unwrap().0);
         group.slots[0].tag = slot.tag;
-        group.slots[0].state =
-            LeaseAllowance::grant(&group.slots[0].state, NOW / MS, 100, 60_000, 1_000);
+        group.slots[0].state = lease.with_tokens(&group.slots[0].state, NOW / MS, 100, 60_000);
         let cas = w.store.read(key.as_str()).unwrap().unwrap().1;
         w.store.write(key.as_str(), &group.encode(), cas).unwrap();
         let admitted = (0..400u64)

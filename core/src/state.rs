@@ -1,7 +1,7 @@
 //! A slot's state bytes, what a decision returns, and the integer helpers the algorithms share.
 
 /// Bytes of algorithm state in a slot. All zeros is a fresh key.
-pub const STATE_BYTES: usize = 24;
+pub const STATE_BYTES: usize = 32;
 
 /// One slot's algorithm state.
 pub type State = [u8; STATE_BYTES];

@@ -1,80 +1,229 @@
--- One lease item, atomically: the same step as GlobalBucket::lease in core/src/lease.rs.
--- KEYS[1]: bucket hash (tokens, updated); KEYS[2]: demands hash (instance -> "wanted:at").
--- ARGV: instance, requests, per_ms, burst, wanted, ttl_ms. Returns {granted, remaining, reset_ms}.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local instance = ARGV[1]
-local requests, per, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local wanted, ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
-local rate = requests / per
+-- All items of one lease call (or, on a Redis Cluster, those whose keys share one slot),
+-- atomically: the same step as GlobalBucket::new and GlobalBucket::lease in core/src/lease.rs,
+-- with the same arithmetic in the same order, so both stores grant alike.
+-- KEYS, two per item: the bucket hash (`tokens` in millionths, `updated`, and per holder
+--   `@<instance>` -> "wanted:demand:asked:share:until"), the epoch marker of the item's slot.
+-- ARGV: instance, ttl_ms, cold ("1": conservative, "0": full), then five per item: requests,
+--   per_ms, burst, wanted, demand (milli-tokens per second).
+-- Returns five numbers per item: granted, remaining, reset_ms, share (milli-tokens per second),
+--   retry_ms.
+-- Written for speed (Redis's Lua makes every table and string costly): holders live in
+-- parallel arrays reused from item to item, and only what changed is written back.
+local floor, ceil, min, max, huge = math.floor, math.ceil, math.min, math.max, math.huge
+local byte, sub, match, format = string.byte, string.sub, string.match, string.format
+local call, tonumber = redis.call, tonumber
 
-local b = redis.call('HMGET', KEYS[1], 'tokens', 'updated')
-local tokens, updated = tonumber(b[1]), tonumber(b[2])
-if tokens == nil or updated == nil then
-  tokens, updated = burst, now
-end
-local elapsed = math.max(now - updated, 0)
-tokens = math.min(burst, tokens + elapsed * rate)
-updated = math.max(updated, now)
+local t = call('TIME')
+local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 
-local names, wants = {}, {}
-local d = redis.call('HGETALL', KEYS[2])
-for i = 1, #d, 2 do
-  local who = d[i]
-  local w, at = string.match(d[i + 1], '^(%d+):(%d+)$')
-  w, at = tonumber(w), tonumber(at)
-  if who ~= instance and w ~= nil and at + ttl > now then
-    table.insert(names, who)
-    wants[who] = w
-  elseif who ~= instance then
-    redis.call('HDEL', KEYS[2], who)
-  end
-end
-table.insert(names, instance)
-wants[instance] = wanted
-table.sort(names)
-redis.call('HSET', KEYS[2], instance, string.format('%d:%d', wanted, now))
+-- Holders of the current item: name, wanted, demand, asked, share, until; n of them.
+local N, W, D, A, S, U = {}, {}, {}, {}, {}, {}
+local wants, demands = {}, {}
 
--- Max-min fair shares of the capacity (core/src/fair_share.rs).
-local n = #names
-local alloc, open = {}, {}
-for i = 1, n do
-  alloc[i] = 0
-  if wants[names[i]] > 0 then table.insert(open, i) end
+-- Byte order, as Rust sorts strings (Lua's `<` follows the server's locale).
+local function before(x, y)
+  for i = 1, min(#x, #y) do
+    local a, b = byte(x, i), byte(y, i)
+    if a ~= b then return a < b end
+  end
+  return #x < #y
 end
-local left = burst
-while left > 0 and #open > 0 do
-  local share = math.floor(left / #open)
-  if share == 0 then
-    for j = 1, math.min(left, #open) do alloc[open[j]] = alloc[open[j]] + 1 end
-    break
+
+-- Max-min fair division (core/src/fair_share.rs) of `capacity` among the first `n` demands:
+-- the allocation of demand `at`. Remainders go to the earliest unsatisfied.
+local function max_min_fair(capacity, d, n, at)
+  local total = 0
+  for i = 1, n do total = total + d[i] end
+  if total <= capacity then return d[at] end
+  local alloc, open = {}, {}
+  for i = 1, n do
+    alloc[i] = 0
+    if d[i] > 0 then open[#open + 1] = i end
   end
-  local still = {}
-  for _, i in ipairs(open) do
-    local take = math.min(wants[names[i]] - alloc[i], share)
-    alloc[i] = alloc[i] + take
-    left = left - take
-    if alloc[i] < wants[names[i]] then table.insert(still, i) end
-  end
-  if #still == #open then
-    for j = 1, math.min(left, #still) do
-      alloc[still[j]] = alloc[still[j]] + 1
-      left = left - 1
+  local left = capacity
+  while left > 0 and #open > 0 do
+    local share = floor(left / #open)
+    if share == 0 then
+      for j = 1, min(left, #open) do alloc[open[j]] = alloc[open[j]] + 1 end
+      break
     end
-    break
+    local still = {}
+    for _, i in ipairs(open) do
+      local take = min(d[i] - alloc[i], share)
+      alloc[i] = alloc[i] + take
+      left = left - take
+      if alloc[i] < d[i] then still[#still + 1] = i end
+    end
+    if #still == #open then
+      for j = 1, min(left, #still) do alloc[still[j]] = alloc[still[j]] + 1 end
+      break
+    end
+    open = still
   end
-  open = still
-end
-local fair = 0
-for i = 1, n do
-  if names[i] == instance then fair = alloc[i] end
+  return alloc[at]
 end
 
-local granted = math.max(math.min(wanted, fair, math.floor(tokens)), 0)
-tokens = tokens - granted
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'updated', string.format('%d', updated))
-local reset = math.max(math.ceil((burst - tokens) / rate), 0)
--- Gone once it is as good as new: full again and no live demand.
-redis.call('PEXPIRE', KEYS[1], reset + ttl)
-redis.call('PEXPIRE', KEYS[2], ttl)
-return {granted, math.floor(tokens), reset}
+local function holder_value(i)
+  return format('%d:%d:%d:%d:%d', W[i], D[i], A[i], S[i], U[i])
+end
+
+local out = {}
+
+local function lease(bkey, mkey, requests, per, burst, wanted, demand)
+  local rate = requests / per
+  local rate_mtps = floor(requests * 1000000 / per)
+  local b = call('HGETALL', bkey)
+  local tokens, updated
+  local n = 0
+  for i = 1, #b, 2 do
+    local f = b[i]
+    if f == 'tokens' then
+      tokens = tonumber(b[i + 1]) / 1e6
+    elseif f == 'updated' then
+      updated = tonumber(b[i + 1])
+    elseif byte(f, 1) == 64 then
+      local w, dm, a, s, u = match(b[i + 1], '^(%d+):(%d+):(%d+):(%d+):(%d+)$')
+      if w then
+        n = n + 1
+        N[n], W[n], D[n] = sub(f, 2), tonumber(w), tonumber(dm)
+        A[n], S[n], U[n] = tonumber(a), tonumber(s), tonumber(u)
+      end
+    end
+  end
+  local fresh = tokens == nil or updated == nil
+  if fresh then
+    if #b > 0 then call('DEL', bkey) end
+    n = 0
+    if cold then
+      local epoch = tonumber(call('GET', mkey))
+      if epoch == nil then
+        epoch = now
+        call('SET', mkey, format('%d', now))
+      end
+      tokens, updated = 0, min(epoch, now)
+      n = 1
+      N[1], W[1], D[1], A[1], S[1], U[1] = '', 0, 0, epoch, rate_mtps + 1, epoch + ttl
+    else
+      tokens, updated = burst, now
+    end
+  else
+    -- Insertion sort by name: a handful of holders.
+    for i = 2, n do
+      local j = i
+      while j > 1 and before(N[j], N[j - 1]) do
+        N[j], N[j - 1], W[j], W[j - 1], D[j], D[j - 1] = N[j - 1], N[j], W[j - 1], W[j], D[j - 1], D[j]
+        A[j], A[j - 1], S[j], S[j - 1], U[j], U[j - 1] = A[j - 1], A[j], S[j - 1], S[j], U[j - 1], U[j]
+        j = j - 1
+      end
+    end
+  end
+
+  -- Refill: the rate, less what was reserved for holders meanwhile.
+  local elapsed = max(now - updated, 0)
+  local reserved = 0.0
+  for i = 1, n do
+    reserved = reserved + min(S[i] / 1e6, rate) * max(min(U[i], now) - updated, 0)
+  end
+  tokens = min(tokens + max(elapsed * rate - reserved, 0), burst)
+  updated = max(updated, now)
+
+  -- Forget the quiet and unreserved, and this instance's previous standing; place this one.
+  local kept = 0
+  local gone = nil
+  demand = min(demand, rate_mtps)
+  for i = 1, n do
+    local name = N[i]
+    if name ~= instance and (A[i] + ttl > now or U[i] > now) then
+      kept = kept + 1
+      N[kept], W[kept], D[kept], A[kept], S[kept], U[kept] = name, W[i], D[i], A[i], S[i], U[i]
+    elseif name ~= instance and not fresh then
+      gone = gone or {}
+      gone[#gone + 1] = '@' .. name
+    end
+  end
+  local at = kept + 1
+  while at > 1 and before(instance, N[at - 1]) do
+    local j = at - 1
+    N[at], W[at], D[at], A[at], S[at], U[at] = N[j], W[j], D[j], A[j], S[j], U[j]
+    at = j
+  end
+  n = kept + 1
+  N[at], W[at], D[at], A[at], S[at], U[at] = instance, wanted, demand, now, 0, now
+
+  for i = 1, n do
+    local live = A[i] + ttl > now
+    wants[i] = live and W[i] or 0
+    demands[i] = live and D[i] or 0
+  end
+  local fair_tokens = max_min_fair(burst, wants, n, at)
+  local fair_rate = max_min_fair(rate_mtps, demands, n, at)
+  local held = 0
+  for i = 1, n do
+    if U[i] > now then held = held + S[i] end
+  end
+  local share = min(demand, fair_rate, max(rate_mtps - held, 0))
+
+  local available = max(floor(tokens), 0)
+  local granted = min(wanted, fair_tokens, available)
+  tokens = tokens - granted
+  if share > 0 then
+    S[at], U[at] = share, now + ttl
+  end
+
+  -- When the bucket is full again, and when one that got nothing may ask again.
+  held = 0
+  local last_until, ends = 0, huge
+  for i = 1, n do
+    if U[i] > now then
+      held = held + S[i]
+      if S[i] > 0 then ends = min(ends, U[i] - now) end
+    end
+    last_until = max(last_until, max(U[i] - now, 0))
+  end
+  local free = max(rate - held / 1e6, 0)
+  local missing = max(burst - tokens, 0)
+  local reset
+  if missing == 0 then
+    reset = 0
+  elseif free > 0 and missing / free <= last_until then
+    reset = missing / free
+  else
+    reset = last_until + max(missing - free * last_until, 0) / rate
+  end
+  reset = ceil(reset)
+  local retry = 0
+  if granted == 0 and share == 0 then
+    local frac = tokens - floor(tokens)
+    local token = (1 - frac) / rate
+    local first_free = huge
+    if free > 0 then first_free = (1 - frac) / free end
+    retry = max(min(first_free, ends), token)
+    if retry == huge then retry = token end
+    retry = max(ceil(retry), 1)
+  end
+
+  local idle_at = now + reset
+  for i = 1, n do
+    idle_at = max(idle_at, U[i], A[i] + ttl)
+  end
+  if gone then call('HDEL', bkey, unpack(gone)) end
+  if fresh and n > 1 and N[1] == '' then
+    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
+         format('%d', updated), '@' .. instance, holder_value(at), '@', holder_value(1))
+  else
+    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
+         format('%d', updated), '@' .. instance, holder_value(at))
+  end
+  call('PEXPIRE', bkey, max(idle_at - now, 1))
+  local o = #out
+  out[o + 1], out[o + 2], out[o + 3] = granted, max(floor(tokens), 0), reset
+  out[o + 4], out[o + 5] = share, retry
+end
+
+for i = 0, #KEYS / 2 - 1 do
+  local a = 4 + i * 5
+  lease(KEYS[i * 2 + 1], KEYS[i * 2 + 2], tonumber(ARGV[a]), tonumber(ARGV[a + 1]),
+        tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]))
+end
+return out

@@ -4,5 +4,6 @@
 //! HTTP API, `metrics` its Prometheus counters.
 
 pub mod metrics;
+pub mod redis_store;
 pub mod service;
 pub mod store;

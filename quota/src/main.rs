@@ -4,9 +4,11 @@ use clap::Parser;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tollgate_core::lease::ColdStart;
 use tollgate_quota::metrics::Metrics;
+use tollgate_quota::redis_store::{RedisStore, RedisTarget};
 use tollgate_quota::service::{router, Service};
-use tollgate_quota::store::{MemoryStore, RedisStore, Store};
+use tollgate_quota::store::{now_ms, MemoryStore, Store};
 
 #[derive(Parser)]
 #[command(
@@ -19,13 +21,23 @@ struct Args {
     listen: SocketAddr,
     /// Keep the buckets in Redis (e.g. redis://127.0.0.1:6379), so that several replicas serve one
     /// limit. Without it they live in this process.
-    #[arg(long, env = "TOLLGATE_QUOTA_REDIS")]
+    #[arg(long, env = "TOLLGATE_QUOTA_REDIS", conflicts_with = "redis_cluster")]
     redis: Option<String>,
+    /// Keep the buckets in a Redis Cluster: one or more of its nodes, comma-separated
+    /// (redis://127.0.0.1:7000,redis://127.0.0.1:7001). Buckets spread over its slots and the
+    /// service follows failovers.
+    #[arg(long, env = "TOLLGATE_QUOTA_REDIS_CLUSTER", value_delimiter = ',')]
+    redis_cluster: Option<Vec<String>>,
+    /// How buckets the store does not know start: `conservative` (after a restart of the memory
+    /// store, or a Redis slot that lost its data: nothing is granted for one lease TTL, then the
+    /// bucket refills from empty) or `full` (a restart can admit up to a burst more per key).
+    #[arg(long, env = "TOLLGATE_QUOTA_COLD_START", value_enum, default_value_t = ColdStartArg::Conservative)]
+    cold_start: ColdStartArg,
     /// Require `Authorization: Bearer <token>` on lease calls.
     #[arg(long, env = "TOLLGATE_QUOTA_TOKEN")]
     token: Option<String>,
     /// Longest wait for Redis before answering 503.
-    #[arg(long, env = "TOLLGATE_QUOTA_STORAGE_TIMEOUT_MS", default_value_t = 20)]
+    #[arg(long, env = "TOLLGATE_QUOTA_STORAGE_TIMEOUT_MS", default_value_t = 50)]
     storage_timeout_ms: u64,
     /// How long a proxy may keep tokens it was granted (and how long its demand counts).
     #[arg(long, env = "TOLLGATE_QUOTA_LEASE_TTL_MS", default_value_t = 10_000)]
@@ -33,6 +45,12 @@ struct Args {
     /// In-memory store: most buckets kept at once (idle ones make room).
     #[arg(long, env = "TOLLGATE_QUOTA_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ColdStartArg {
+    Conservative,
+    Full,
 }
 
 #[tokio::main]
@@ -52,13 +70,31 @@ async fn main() {
 
 async fn run(args: Args) -> Result<(), String> {
     let timeout = Duration::from_millis(args.storage_timeout_ms);
-    let store = match &args.redis {
-        Some(url) => Store::Redis(
-            RedisStore::connect(url, timeout)
+    let conservative = args.cold_start == ColdStartArg::Conservative;
+    let target = match (&args.redis, &args.redis_cluster) {
+        (Some(url), _) => Some(RedisTarget::Single(url.clone())),
+        (None, Some(nodes)) => Some(RedisTarget::Cluster(nodes.clone())),
+        (None, None) => None,
+    };
+    let storage = match &target {
+        Some(RedisTarget::Single(_)) => "redis",
+        Some(RedisTarget::Cluster(_)) => "redis-cluster",
+        None => "memory",
+    };
+    let store = match &target {
+        Some(target) => Store::Redis(
+            RedisStore::connect(target, timeout, conservative)
                 .await
-                .map_err(|e| format!("cannot use Redis at {url}: {e}"))?,
+                .map_err(|e| format!("cannot use {target:?}: {e}"))?,
         ),
-        None => Store::Memory(MemoryStore::new(args.max_keys)),
+        None => Store::Memory(MemoryStore::new(
+            args.max_keys,
+            if conservative {
+                ColdStart::Conservative { epoch_ms: now_ms() }
+            } else {
+                ColdStart::Full
+            },
+        )),
     };
     let service = Arc::new(Service {
         store,
@@ -72,7 +108,7 @@ async fn run(args: Args) -> Result<(), String> {
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     tracing::info!(
         listen = %local,
-        storage = if args.redis.is_some() { "redis" } else { "memory" },
+        storage,
         "tollgate-quota serving"
     );
     axum::serve(listener, router(service))

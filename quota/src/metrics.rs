@@ -18,6 +18,7 @@ pub struct Metrics {
     pub calls: Family<Outcome, Counter>,
     pub items: Counter,
     pub granted: Counter,
+    pub reserved: Counter,
     pub denials: Counter,
     pub storage_errors: Counter,
     pub latency: Histogram,
@@ -29,12 +30,19 @@ impl Default for Metrics {
         let calls = Family::<Outcome, Counter>::default();
         let items = Counter::default();
         let granted = Counter::default();
+        let reserved = Counter::default();
         let denials = Counter::default();
         let storage_errors = Counter::default();
         let latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
         registry.register("lease_calls", "Lease calls by outcome", calls.clone());
         registry.register("lease_items", "Items in lease calls served", items.clone());
         registry.register("tokens_granted", "Tokens granted", granted.clone());
+        registry.register(
+            "tokens_reserved",
+            "Refill reserved by rate leases, in tokens (rate × lease TTL; a renewal ends the \
+             previous reservation early, so more than rate leases can admit)",
+            reserved.clone(),
+        );
         registry.register("denials", "Items granted nothing", denials.clone());
         registry.register(
             "storage_errors",
@@ -51,6 +59,7 @@ impl Default for Metrics {
             calls,
             items,
             granted,
+            reserved,
             denials,
             storage_errors,
             latency,

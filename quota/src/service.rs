@@ -94,7 +94,11 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: By
             service.metrics.items.inc_by(grants.len() as u64);
             for g in &grants {
                 service.metrics.granted.inc_by(g.granted);
-                if g.granted == 0 {
+                service
+                    .metrics
+                    .reserved
+                    .inc_by((g.rate * g.ttl_ms as f64 / 1_000.0).ceil() as u64);
+                if g.granted == 0 && g.rate == 0.0 {
                     service.metrics.denials.inc();
                 }
             }

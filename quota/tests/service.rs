@@ -7,10 +7,12 @@ use http_body_util::BodyExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tollgate_core::lease::ColdStart;
 use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_quota::metrics::Metrics;
+use tollgate_quota::redis_store::{RedisStore, RedisTarget};
 use tollgate_quota::service::{router, Service};
-use tollgate_quota::store::{MemoryStore, RedisStore, Store};
+use tollgate_quota::store::{MemoryStore, Store};
 use tower::ServiceExt;
 
 fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
@@ -23,6 +25,7 @@ fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
         burst,
         wanted,
         used: 0,
+        demand: 0.0,
     }
 }
 
@@ -63,7 +66,10 @@ fn grants(body: &str) -> Vec<LeaseGrant> {
 
 #[tokio::test]
 async fn leases_are_granted_fairly_with_auth_and_metrics() {
-    let svc = service(Store::Memory(MemoryStore::new(100)), Some("s3cret"));
+    let svc = service(
+        Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        Some("s3cret"),
+    );
     let body = lease_body("a", vec![item("k", 120, 1000)]);
     assert_eq!(
         call(&svc, body.clone(), None).await.0,
@@ -96,7 +102,7 @@ async fn leases_are_granted_fairly_with_auth_and_metrics() {
 
 #[tokio::test]
 async fn a_full_memory_store_refuses_new_keys_but_keeps_serving_known_ones() {
-    let svc = service(Store::Memory(MemoryStore::new(2)), None);
+    let svc = service(Store::Memory(MemoryStore::new(2, ColdStart::Full)), None);
     let two = lease_body("a", vec![item("k1", 5, 1), item("k2", 5, 1)]);
     assert_eq!(call(&svc, two, None).await.0, StatusCode::OK);
     let (status, text) = call(&svc, lease_body("a", vec![item("k3", 5, 1)]), None).await;
@@ -149,6 +155,10 @@ impl Redis {
     }
 }
 
+fn single(redis: &Redis) -> RedisTarget {
+    RedisTarget::Single(redis.url())
+}
+
 impl Drop for Redis {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -160,10 +170,14 @@ impl Drop for Redis {
 async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
     let redis = Redis::start();
     let timeout = Duration::from_millis(200);
-    let replica_a = RedisStore::connect(&redis.url(), timeout).await.unwrap();
-    let replica_b = RedisStore::connect(&redis.url(), timeout).await.unwrap();
+    let replica_a = RedisStore::connect(&single(&redis), timeout, false)
+        .await
+        .unwrap();
+    let replica_b = RedisStore::connect(&single(&redis), timeout, false)
+        .await
+        .unwrap();
     let (a, b) = (Store::Redis(replica_a), Store::Redis(replica_b));
-    let memory = Store::Memory(MemoryStore::new(100));
+    let memory = Store::Memory(MemoryStore::new(100, ColdStart::Full));
     // The same sequence of demands through both kinds of store gives the same grants.
     let steps = [
         ("c", 10),
@@ -211,7 +225,11 @@ async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
     let more: u64 = {
         let items = [item("shared", 500, 1000)];
         memory_free_lease(
-            &Store::Redis(RedisStore::connect(&redis.url(), timeout).await.unwrap()),
+            &Store::Redis(
+                RedisStore::connect(&single(&redis), timeout, false)
+                    .await
+                    .unwrap(),
+            ),
             &items,
         )
         .await
@@ -231,7 +249,7 @@ async fn memory_free_lease(store: &Store, items: &[LeaseItem]) -> u64 {
 async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
     let mut redis = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&redis.url(), Duration::from_millis(20))
+        RedisStore::connect(&single(&redis), Duration::from_millis(20), false)
             .await
             .unwrap(),
     );
@@ -251,7 +269,7 @@ async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
     // A stopped Redis that does not answer (SIGSTOP) is the slow case: bounded by the timeout.
     let slow = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&slow.url(), Duration::from_millis(20))
+        RedisStore::connect(&single(&slow), Duration::from_millis(20), false)
             .await
             .unwrap(),
     );
@@ -323,4 +341,48 @@ fn the_binary_serves_and_stops_gracefully_on_sigterm() {
         std::thread::sleep(Duration::from_millis(10));
     };
     assert!(status.success(), "{status}");
+}
+
+/// `n` items of new keys, each with a rate lease asked for.
+fn many(n: usize, round: usize) -> Vec<LeaseItem> {
+    (0..n)
+        .map(|i| LeaseItem {
+            requests: 100,
+            per_ms: 1_000,
+            demand: 50.0,
+            ..item(&format!("k{round}-{i}"), 100, 25)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_thousand_items_on_redis_take_one_round_trip_within_the_storage_timeout() {
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(50), false)
+            .await
+            .unwrap(),
+    );
+    // With the service's default storage timeout. The first call loads the script.
+    store.lease("warm", &many(1, 99), 10_000).await.unwrap();
+    let mut took = Vec::new();
+    for round in 0..20 {
+        let items = many(1_000, round);
+        let started = Instant::now();
+        let grants = store.lease("a", &items, 10_000).await.unwrap_or_else(|e| {
+            panic!("round {round}: {e}");
+        });
+        took.push(started.elapsed());
+        assert_eq!(grants.len(), 1_000);
+        assert!(
+            grants.iter().all(|g| g.granted == 25 && g.rate == 50.0),
+            "{:?}",
+            grants[0]
+        );
+    }
+    took.sort();
+    eprintln!(
+        "1000 new keys on Redis: median {:?}, max {:?}",
+        took[10], took[19]
+    );
 }

@@ -12,10 +12,14 @@ use super::model::{
 use super::{err, ConfigError};
 use std::collections::HashSet;
 use std::num::{NonZeroU32, NonZeroU64};
+use tollgate_core::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
 use tollgate_core::{
     Concurrency, FixedWindow, LeakyBucket, LeaseAllowance, Limit, SlidingWindow, TokenBucket,
     WarmUp,
 };
+
+/// A claimed refill is given up this long after its call's timeout.
+const CLAIM_GRACE_MS: u64 = 100;
 
 impl RawConfig {
     pub(super) fn validate(self) -> Result<Config, ConfigError> {
@@ -295,6 +299,18 @@ impl Rule {
             ));
         }
         let (requests, per_ms, burst) = (tb.requests(), tb.period_ns() / 1_000_000, tb.burst());
+        if requests > MAX_COUNT || burst > MAX_COUNT {
+            return Err(err(
+                format!("{path}.limit"),
+                format!("global limits take at most {MAX_COUNT} requests and burst"),
+            ));
+        }
+        if per_ms > MAX_PER_MS {
+            return Err(err(
+                format!("{path}.limit.per"),
+                "global limits take periods of at most 366 days",
+            ));
+        }
         // A refill covers a slice of the burst each proxy may hold: small enough to share, large
         // enough that calls stay rare.
         let lease_size =
@@ -302,9 +318,11 @@ impl Rule {
         let lease = LeaseAllowance {
             lease_size,
             low_water: lease_size.div_ceil(2),
-            claim_ms: qs.timeout_ms,
+            // Past the call's timeout, so that its answer or failure always comes first.
+            claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
             global_burst: burst,
             global_interval_ns: tb.period_ns() / requests,
+            global_rate_mtps: rate_mtps(requests, per_ms),
         };
         let share = |n: u64| (n / qs.instances_hint).max(1);
         let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))

@@ -7,7 +7,9 @@ use log::{debug, warn};
 use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
 use tollgate_core::slot::Group;
-use tollgate_core::{CasStore, LeaseAllowance, Limit, Outcome, SlotId, State, StoreError, Verdict};
+use tollgate_core::{
+    Ask, CasStore, Grant, LeaseAllowance, Limit, Outcome, SlotId, State, StoreError,
+};
 
 /// A key's allowance to refill from the quota service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,43 +17,56 @@ pub struct Refill {
     pub rule: usize,
     pub slot: SlotId,
     pub key: u128,
-    /// Roughly what the key spent of its last lease: the service's demand signal.
-    pub used: u64,
+    /// When a request claimed it (ms): the lease it brings ends `ttl_ms` after that.
+    pub claimed_ms: u64,
+    /// What the call asked for, from the key's state when it went out.
+    pub ask: Ask,
 }
 
 impl Engine {
     /// Note the refills `outcome`'s writes claimed: they go out together on the next tick.
-    pub(super) fn record_claims(&mut self, inputs: &[CheckInput], outcome: &Outcome) {
+    pub(super) fn record_claims(&mut self, inputs: &[CheckInput], outcome: &Outcome, now: u64) {
         for (input, result) in inputs.iter().zip(&outcome.checks) {
-            if !result.refill {
-                continue;
+            if result.refill {
+                self.refills.push(Refill {
+                    rule: input.which.rule(),
+                    slot: input.slot,
+                    key: input.key,
+                    claimed_ms: now / 1_000_000,
+                    ask: Ask::default(),
+                });
             }
-            let used = match (result.verdict, self.quota_of(input.which).map(|q| q.limit)) {
-                (Verdict::Allowed { remaining, .. }, Some(Limit::Lease(l))) => {
-                    l.lease_size.saturating_sub(remaining)
-                }
-                _ => 0,
-            };
-            self.refills.push(Refill {
-                rule: input.which.rule(),
-                slot: input.slot,
-                key: input.key,
-                used,
-            });
         }
     }
 
     /// The refills claimed since the last call, with the request asking for them (`None` if there
-    /// are none). The answer goes to [`Engine::apply_grants`] with the same refills.
-    pub fn take_refills(&mut self, instance: &str) -> Option<(Vec<Refill>, LeaseRequest)> {
+    /// are none): each asks from its key's state now (one read per key, off the request path).
+    /// The answer goes to [`Engine::apply_grants`] with the same refills.
+    pub fn take_refills<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        instance: &str,
+        now: u64,
+    ) -> Option<(Vec<Refill>, LeaseRequest)> {
         if self.refills.is_empty() {
             return None;
         }
+        let now_ms = now / 1_000_000;
         let mut refills = std::mem::take(&mut self.refills);
-        refills.retain(|r| self.lease_size(r.rule).is_some());
+        refills.retain_mut(|r| {
+            let (Some(allowance), Some(state)) = (self.allowance_of(r.rule), self.state(store, r))
+            else {
+                return false;
+            };
+            r.ask = allowance.ask(&state, now_ms);
+            true
+        });
+        if refills.is_empty() {
+            return None;
+        }
         let items = refills
             .iter()
-            .filter_map(|r| self.lease_item(r.rule, r.key, self.lease_size(r.rule)?, r.used))
+            .filter_map(|r| self.lease_item(r.rule, r.key, &r.ask))
             .collect();
         let request = LeaseRequest {
             instance: instance.to_owned(),
@@ -60,22 +75,16 @@ impl Engine {
         Some((refills, request))
     }
 
-    /// The lease size of a global rule in lease mode.
-    fn lease_size(&self, rule: usize) -> Option<u64> {
-        match self.config.rules.get(rule)?.quota.limit {
-            Limit::Lease(l) => Some(l.lease_size),
+    /// The allowance of a global rule in lease mode.
+    fn allowance_of(&self, rule: usize) -> Option<&LeaseAllowance> {
+        match &self.config.rules.get(rule)?.quota.limit {
+            Limit::Lease(l) => Some(l),
             _ => None,
         }
     }
 
-    /// The lease item asking global rule `rule` for `wanted` tokens of `key`.
-    pub(super) fn lease_item(
-        &self,
-        rule: usize,
-        key: u128,
-        wanted: u64,
-        used: u64,
-    ) -> Option<LeaseItem> {
+    /// The lease item asking global rule `rule` for `key` what `ask` says.
+    pub(super) fn lease_item(&self, rule: usize, key: u128, ask: &Ask) -> Option<LeaseItem> {
         let rule = self.config.rules.get(rule)?;
         let global = rule.global.as_ref()?;
         Some(LeaseItem {
@@ -85,8 +94,9 @@ impl Engine {
             requests: global.requests,
             per_ms: global.per_ms,
             burst: global.burst,
-            wanted,
-            used,
+            wanted: ask.wanted,
+            used: ask.used,
+            demand: ask.demand_mtps as f64 / 1_000.0,
         })
     }
 
@@ -104,29 +114,43 @@ impl Engine {
             self.stats.add_process(ProcessStat::QuotaFailures, 1);
             let retry_ms = self.retry_ms();
             for refill in refills {
-                self.update_allowance(store, refill, |state| {
-                    LeaseAllowance::fail(state, now_ms, retry_ms)
-                });
+                if let Some(allowance) = self.allowance_of(refill.rule).copied() {
+                    self.update_allowance(store, refill, |state| {
+                        allowance.fail(state, now_ms, retry_ms)
+                    });
+                }
             }
             return;
         };
-        for (refill, grant) in refills.iter().zip(&answer.items) {
-            let Some(global) = self
-                .config
-                .rules
-                .get(refill.rule)
-                .and_then(|r| r.global.as_ref())
-            else {
+        for (refill, answer) in refills.iter().zip(&answer.items) {
+            let (Some(global), Some(allowance)) = (
+                self.config
+                    .rules
+                    .get(refill.rule)
+                    .and_then(|r| r.global.as_ref()),
+                self.allowance_of(refill.rule).copied(),
+            ) else {
                 continue;
             };
-            // Nothing granted: ask again once a token may have come back.
-            let retry_ms = (global.per_ms / global.requests).clamp(1, grant.reset_ms.max(1));
+            // Nothing granted and no hint: ask again once a token may have come back.
+            let retry_ms = if answer.retry_ms > 0 {
+                answer.retry_ms
+            } else {
+                (global.per_ms / global.requests).clamp(1, answer.reset_ms.max(1))
+            };
+            let grant = Grant {
+                tokens: answer.granted,
+                rate_mtps: mtps(answer.rate),
+                ttl_ms: answer.ttl_ms,
+                claimed_ms: refill.claimed_ms,
+                retry_ms,
+                remaining: answer.remaining,
+                asked: refill.ask,
+            };
             self.stats
-                .add_process(ProcessStat::QuotaGranted, saturating_i64(grant.granted));
+                .add_process(ProcessStat::QuotaGranted, saturating_i64(answer.granted));
             self.update_allowance(store, refill, |state| {
-                let granted =
-                    LeaseAllowance::grant(state, now_ms, grant.granted, grant.ttl_ms, retry_ms);
-                LeaseAllowance::reported(&granted, grant.remaining)
+                allowance.grant(state, now_ms, &grant)
             });
         }
     }
@@ -137,6 +161,16 @@ impl Engine {
             .quota_service
             .as_ref()
             .map_or(1_000, |q| q.retry_ms)
+    }
+
+    /// The state of the refilled key's slot, if it still holds that key.
+    fn state<S: CasStore + ?Sized>(&self, store: &S, refill: &Refill) -> Option<State> {
+        let rule = self.config.rules.get(refill.rule)?;
+        let key = rule.quota.table.store_key(refill.slot.group);
+        let (bytes, _) = store.read(key.as_str()).ok()??;
+        let group = Group::decode(&bytes);
+        let slot = group.slots.iter().find(|s| s.tag == refill.slot.tag)?;
+        Some(slot.state)
     }
 
     /// Rewrite the allowance of the refilled key's slot (if it still holds that key).
@@ -166,6 +200,15 @@ impl Engine {
                 return;
             }
         }
+    }
+}
+
+/// A granted rate in milli-tokens per second; a rate that is no number of tokens is none.
+fn mtps(rate: f64) -> u64 {
+    if rate.is_finite() && rate > 0.0 {
+        (rate * 1_000.0) as u64
+    } else {
+        0
     }
 }
 

@@ -262,7 +262,7 @@ impl Engine {
             let Some(outcome) = self.decide(store, inputs, now) else {
                 return Step::Admit(Admitted::default());
             };
-            self.record_claims(inputs, &outcome);
+            self.record_claims(inputs, &outcome, now);
             if outcome.admitted || outcome.rejected_by.is_some() {
                 return self.conclude(inputs, &outcome);
             }

@@ -6,7 +6,7 @@ use crate::config::FailureMode;
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::{ProcessStat, RuleStat};
 use tollgate_core::lease::{LeaseItem, LeaseResponse};
-use tollgate_core::CasStore;
+use tollgate_core::{Ask, CasStore};
 
 /// A request waiting for its own call to the quota service.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,7 +46,14 @@ impl Engine {
         strict
             .globals
             .iter()
-            .filter_map(|g| self.lease_item(g.which.rule(), g.key, g.cost, g.cost))
+            .filter_map(|g| {
+                let ask = Ask {
+                    wanted: g.cost,
+                    used: g.cost,
+                    demand_mtps: 0,
+                };
+                self.lease_item(g.which.rule(), g.key, &ask)
+            })
             .collect()
     }
 

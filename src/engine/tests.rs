@@ -8,6 +8,7 @@ use tollgate_core::lease::{LeaseGrant, LeaseResponse};
 use tollgate_core::MemoryStore;
 
 const SEC: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
 const NOW: u64 = 1_700_000_000 * SEC;
 
 /// A request as a fake host shows it.
@@ -251,6 +252,8 @@ fn grant(granted: u64) -> LeaseResponse {
             ttl_ms: 10_000,
             remaining: 7,
             reset_ms: 30_000,
+            rate: 0.0,
+            retry_ms: 0,
         }],
     }
 }
@@ -261,8 +264,8 @@ fn a_global_key_waits_for_its_first_lease_then_spends_it() {
     let u = req(&[("x-user", b"u")]);
     assert_eq!(rig.step(&u, NOW), Step::Wait);
     assert_eq!(rig.step(&u, NOW), Step::Wait, "one claim per key");
-    let (refills, call) = rig.engine.take_refills("me").unwrap();
-    assert!(rig.engine.take_refills("me").is_none());
+    let (refills, call) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
+    assert!(rig.engine.take_refills(&rig.store, "me", NOW).is_none());
     assert_eq!((refills.len(), call.items.len()), (1, 1));
     assert_eq!(call.instance, "me");
     let item = &call.items[0];
@@ -283,11 +286,42 @@ fn a_global_key_waits_for_its_first_lease_then_spends_it() {
         5
     );
     // Nothing granted: refused until a token can come back, without asking again meanwhile.
-    let (refills, _) = rig.engine.take_refills("me").unwrap();
+    let (refills, _) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
     rig.engine
         .apply_grants(&rig.store, &refills, Some(&grant(0)), NOW);
     let r = reject(rig.step(&u, NOW));
     assert_eq!(r.rule, 0);
+}
+
+#[test]
+fn a_rate_lease_admits_at_its_rate_and_refuses_beyond_it_at_once() {
+    let mut rig = global("deny", "wait");
+    let u = req(&[("x-user", b"u")]);
+    assert_eq!(rig.step(&u, NOW), Step::Wait);
+    let (mut refills, _) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
+    // Asked for 20 per second, given nothing outright and 10 per second for 10 s: capped, so
+    // it does not ask again before the renewal.
+    refills[0].ask.demand_mtps = 20_000;
+    let mut answer = grant(0);
+    answer.items[0].rate = 10.0;
+    rig.engine
+        .apply_grants(&rig.store, &refills, Some(&answer), NOW);
+    // Nothing accrued yet: refused at once (not held), told to come back when a token has.
+    let r = reject(rig.step(&u, NOW + 50 * MS));
+    assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)));
+    // 10 per second: 20 of 100 requests sent over 2 s.
+    let admitted = (1..=100)
+        .filter(|i| matches!(rig.step(&u, NOW + i * 20 * MS), Step::Admit(_)))
+        .count();
+    assert_eq!(admitted, 20);
+    assert_eq!(rig.stat(0, RuleStat::Limited), 81);
+    // It ran dry: the renewal (claimed in the lease's last quarter) asks for the whole rate.
+    admit(rig.step(&u, NOW + 7_600 * MS));
+    let (_, call) = rig
+        .engine
+        .take_refills(&rig.store, "me", NOW + 7_605 * MS)
+        .unwrap();
+    assert_eq!(call.items[0].demand, 1.666);
 }
 
 #[test]
@@ -296,7 +330,7 @@ fn failure_modes_decide_when_the_quota_service_fails() {
         let mut rig = global(mode, "wait");
         let u = req(&[("x-user", b"u")]);
         assert_eq!(rig.step(&u, NOW), Step::Wait);
-        let (refills, _) = rig.engine.take_refills("me").unwrap();
+        let (refills, _) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
         rig.engine.apply_grants(&rig.store, &refills, None, NOW);
         assert_eq!(rig.admitted(&u, NOW, 50), admitted, "{mode}");
         assert!(rig.stat(0, RuleStat::Fallback) >= 1, "{mode}");

@@ -326,11 +326,17 @@ impl Quota {
         Self::start_on(free_port(), args)
     }
 
+    /// Buckets start full unless `args` choose the cold start (tests that restart the service
+    /// say what they expect of it).
     pub fn start_on(port: u16, args: &[&str]) -> Self {
+        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        if !args.iter().any(|a| a == "--cold-start") {
+            args.extend(["--cold-start".into(), "full".into()]);
+        }
         let mut q = Self {
             child: None,
             port,
-            args: args.iter().map(|a| a.to_string()).collect(),
+            args,
         };
         q.restart();
         q

@@ -134,7 +134,8 @@ fn assert_no_5xx(statuses: &[u16], phase: &str) {
 
 #[test]
 fn killing_the_quota_service_falls_back_locally_and_leases_resume_after_restart() {
-    let mut quota = Quota::start(&[]);
+    // Leases of 1 s: a lease outlives the service by at most that, then the failure mode applies.
+    let mut quota = Quota::start(&["--lease-ttl-ms", "1000"]);
     let plugin = config(
         json!({"name": "api", "scope": "global", "limit": {"requests": 400, "per": "1s"}, "burst": 40}),
         json!({"failure_mode": "local", "instances_hint": 1, "timeout": "100ms", "retry": "200ms"}),
@@ -145,7 +146,7 @@ fn killing_the_quota_service_falls_back_locally_and_leases_resume_after_restart(
     let granted_up = e.prometheus("tollgate_quota_granted{}");
     assert!(granted_up > 0);
     quota.kill();
-    let (down, slowest) = timed_load(&e, Duration::from_millis(1_000));
+    let (down, slowest) = timed_load(&e, Duration::from_millis(1_500));
     assert_no_5xx(&down, "service down");
     // Nobody waits longer than the call timeout (100 ms) plus a tick and scheduling.
     assert!(
@@ -355,14 +356,17 @@ fn hammer(url: &str, user: &str, connections: usize, span: Duration) -> (Vec<u16
     (statuses, start.elapsed())
 }
 
-/// The quota service's tokens granted so far.
+/// The quota service's tokens granted so far, outright and reserved by rate leases.
 fn granted(quota: &Quota) -> i64 {
-    quota
-        .metrics()
-        .lines()
-        .find_map(|l| l.strip_prefix("tollgate_quota_tokens_granted_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+    let metrics = quota.metrics();
+    let of = |name: &str| -> i64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    of("tollgate_quota_tokens_granted_total ") + of("tollgate_quota_tokens_reserved_total ")
 }
 
 #[test]
@@ -406,11 +410,11 @@ fn every_admission_is_counted_and_granted_and_the_global_bound_holds() {
         );
         assert!(
             allowed <= granted,
-            "round {round}: {allowed} admitted, {granted} granted"
+            "round {round}: {allowed} admitted, {granted} granted or reserved"
         );
         assert!(
-            granted <= bound,
-            "round {round}: {granted} granted, bound {bound}"
+            allowed <= bound,
+            "round {round}: {allowed} admitted, bound {bound}"
         );
     }
     // Over the limit, each failure mode: the healthy service's empty bucket is a refusal, never a
@@ -510,5 +514,83 @@ fn admitted_requests_on_a_global_rule_state_the_global_bucket_in_their_headers()
     assert_eq!(
         policy.header("ratelimit-policy"),
         Some("\"per-user\";q=1000;w=60")
+    );
+}
+
+/// Requests from `connections` connections spread over `envoys` for `span`: each request's
+/// status and latency, and the time from the first request sent to the last answer.
+fn overload(
+    envoys: &[&Envoy],
+    connections: usize,
+    span: Duration,
+) -> (Vec<(u16, Duration)>, Duration) {
+    let start = Instant::now();
+    let answers = parallel(connections, |i| {
+        let c = Client::new();
+        let url = envoys[i % envoys.len()].url("/");
+        let mut out = Vec::new();
+        while start.elapsed() < span {
+            let sent = Instant::now();
+            let status = c.get(&url, &[("x-user", "busy")]).status;
+            out.push((status, sent.elapsed()));
+        }
+        out
+    })
+    .concat();
+    (answers, start.elapsed())
+}
+
+fn p99(answers: &[(u16, Duration)]) -> Duration {
+    let mut latencies: Vec<Duration> = answers.iter().map(|a| a.1).collect();
+    latencies.sort();
+    latencies[latencies.len() * 99 / 100]
+}
+
+#[test]
+fn three_envoys_over_the_limit_share_it_with_few_calls_and_refuse_at_once() {
+    let quota = Quota::start(&[]);
+    let rule = json!({"name": "shared", "scope": "global", "key": ["header:x-user"],
+                      "limit": {"requests": 200, "per": "1s"}});
+    let plugin = config(rule, json!({"instances_hint": 3, "timeout": "200ms"}));
+    let envoys: Vec<Envoy> = (0..3).map(|_| envoy(quota.port, &plugin)).collect();
+    let refs: Vec<&Envoy> = envoys.iter().collect();
+    let (answers, took) = overload(&refs, 6, Duration::from_secs(4));
+    assert!(answers.iter().all(|a| a.0 == 200 || a.0 == 429));
+    let admitted = answers.iter().filter(|a| a.0 == 200).count() as i64;
+    let bound = 200 + (200.0 * took.as_secs_f64()).ceil() as i64;
+    let calls: i64 = envoys.iter().map(calls).sum();
+    let per_1000 = calls as f64 * 1000.0 / answers.len() as f64;
+    let tail = p99(&answers);
+    eprintln!(
+        "3 Envoys, 200/s shared, {} requests in {took:?}: {admitted} admitted (bound {bound}), \
+         {calls} calls ({per_1000:.2} per 1000 requests), p99 {tail:?}",
+        answers.len()
+    );
+    assert!(admitted <= bound, "{admitted} admitted, bound {bound}");
+    assert!(
+        answers.len() as i64 > 3 * bound,
+        "the load was over the limit"
+    );
+    // Most of the limit is used: leases are renewed before they end.
+    assert!(
+        admitted * 10 >= bound * 7,
+        "{admitted} admitted, bound {bound}"
+    );
+    assert!(
+        per_1000 <= 10.0,
+        "{calls} calls for {} requests",
+        answers.len()
+    );
+    // Refusals are immediate: no request is held for the call timeout (200 ms).
+    assert!(tail < Duration::from_millis(100), "p99 {tail:?}");
+    // Max-min fair: each Envoy, equally busy, gets about a third.
+    let shares: Vec<u64> = envoys
+        .iter()
+        .map(|e| e.counter("shared", "allowed"))
+        .collect();
+    eprintln!("admitted per Envoy: {shares:?}");
+    assert!(
+        shares.iter().all(|&s| s as i64 * 5 >= admitted),
+        "{shares:?} of {admitted}"
     );
 }
