@@ -95,12 +95,14 @@ local function lease(bkey, mkey, requests, per, burst, wanted, demand)
   if fresh then
     if #b > 0 then call('DEL', bkey) end
     n = 0
+    -- The slot's epoch: set with its first bucket (whatever the cold-start mode, so that a
+    -- change of mode finds it), gone when the node loses its data.
+    local epoch = tonumber(call('GET', mkey))
+    if epoch == nil then
+      epoch = now
+      call('SET', mkey, format('%d', now))
+    end
     if cold then
-      local epoch = tonumber(call('GET', mkey))
-      if epoch == nil then
-        epoch = now
-        call('SET', mkey, format('%d', now))
-      end
       tokens, updated = 0, min(epoch, now)
       n = 1
       N[1], W[1], D[1], A[1], S[1], U[1] = '', 0, 0, epoch, rate_mtps + 1, epoch + ttl

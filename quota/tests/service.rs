@@ -178,26 +178,33 @@ async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
         .unwrap();
     let (a, b) = (Store::Redis(replica_a), Store::Redis(replica_b));
     let memory = Store::Memory(MemoryStore::new(100, ColdStart::Full));
-    // The same sequence of demands through both kinds of store gives the same grants.
+    // The same sequence of demands through both kinds of store gives the same grants: tokens,
+    // and rate shares (a refill of 1 per second, fairly shared by demand).
     let steps = [
-        ("c", 10),
-        ("b", 50),
-        ("a", 1000),
-        ("a", 1000),
-        ("b", 50),
-        ("d", 7),
+        ("c", 10, 0.2),
+        ("b", 50, 0.5),
+        ("a", 1000, 5.0),
+        ("a", 1000, 5.0),
+        ("b", 50, 0.5),
+        ("d", 7, 1.0),
+        ("c", 0, 0.2),
     ];
-    for (who, wanted) in steps {
-        let items = [item("same", 120, wanted)];
+    for (who, wanted, demand) in steps {
+        let items = [LeaseItem {
+            requests: 86_400,
+            demand,
+            ..item("same", 120, wanted)
+        }];
         let m = memory.lease(who, &items, 10_000).await.unwrap()[0];
         let r = a.lease(who, &items, 10_000).await.unwrap()[0];
         assert_eq!(
-            (m.granted, m.remaining),
-            (r.granted, r.remaining),
-            "{who} wants {wanted}"
+            (m.granted, m.remaining, m.rate),
+            (r.granted, r.remaining, r.rate),
+            "{who} wants {wanted} and {demand}/s"
         );
         // The two clocks are a few ms apart: the bucket's refill time may differ by as much.
         assert!(m.reset_ms.abs_diff(r.reset_ms) < 1_000, "{m:?} {r:?}");
+        assert!(m.retry_ms.abs_diff(r.retry_ms) < 1_000, "{m:?} {r:?}");
     }
     // Two replicas hammering one key never hand out more than the bucket holds.
     let granted: u64 = {
@@ -385,4 +392,124 @@ async fn a_thousand_items_on_redis_take_one_round_trip_within_the_storage_timeou
         "1000 new keys on Redis: median {:?}, max {:?}",
         took[10], took[19]
     );
+}
+
+#[tokio::test]
+async fn extreme_limits_answer_alike_in_both_stores_and_beyond_them_neither_serves() {
+    use tollgate_core::lease::{MAX_COUNT, MAX_PER_MS};
+    let redis = Redis::start();
+    let timeout = Duration::from_millis(200);
+    let on_redis = Store::Redis(
+        RedisStore::connect(&single(&redis), timeout, false)
+            .await
+            .unwrap(),
+    );
+    let memory = Store::Memory(MemoryStore::new(100, ColdStart::Full));
+    let extremes = [
+        (MAX_COUNT, 1, MAX_COUNT, MAX_COUNT, 1e15),
+        (1, MAX_PER_MS, MAX_COUNT, 5, 0.001),
+        (MAX_COUNT, MAX_PER_MS, 1, 1, 1e9),
+        (1, 1, 1, 0, 0.0),
+    ];
+    for (i, (requests, per_ms, burst, wanted, demand)) in extremes.into_iter().enumerate() {
+        let items = [LeaseItem {
+            requests,
+            per_ms,
+            demand,
+            ..item(&format!("x{i}"), burst, wanted)
+        }];
+        for who in ["a", "b"] {
+            let m = memory.lease(who, &items, 10_000).await.unwrap()[0];
+            let r = on_redis.lease(who, &items, 10_000).await.unwrap()[0];
+            assert_eq!(
+                (m.granted, m.remaining, m.rate),
+                (r.granted, r.remaining, r.rate),
+                "{items:?}"
+            );
+        }
+    }
+    // Beyond the maxima: 400 from the service, whichever the store.
+    for store in [
+        Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        Store::Redis(
+            RedisStore::connect(&single(&redis), timeout, false)
+                .await
+                .unwrap(),
+        ),
+    ] {
+        let svc = service(store, None);
+        for (requests, per_ms, burst) in [
+            (MAX_COUNT + 1, 1, 1),
+            (1, MAX_PER_MS + 1, 1),
+            (1, 1, u64::MAX),
+        ] {
+            let it = LeaseItem {
+                requests,
+                per_ms,
+                ..item("k", burst, 1)
+            };
+            let (status, text) = call(&svc, lease_body("a", vec![it]), None).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            assert!(text.contains("items[0]"), "{text}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_store_that_lost_its_buckets_starts_cold() {
+    let ttl = 10_000;
+    // Memory: every start is one; the bucket grants nothing for a lease TTL, and says when.
+    let memory = Store::Memory(MemoryStore::new(
+        100,
+        ColdStart::Conservative {
+            epoch_ms: tollgate_quota::store::now_ms(),
+        },
+    ));
+    let items = [LeaseItem {
+        requests: 100,
+        per_ms: 1_000,
+        demand: 50.0,
+        ..item("k", 100, 25)
+    }];
+    let g = memory.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0));
+    assert!((9_000..=10_000).contains(&g.retry_ms), "{g:?}");
+    // Redis: a bucket missing from a slot whose epoch marker is young starts cold, and a Redis
+    // that lost everything (FLUSHALL, or a restart without persistence) is young again.
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), true)
+            .await
+            .unwrap(),
+    );
+    let g = store.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0));
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // Age every slot's marker by an hour: new buckets then start full.
+    let markers: Vec<String> = redis::cmd("KEYS")
+        .arg("{tg-epoch-*}")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(markers.len(), 1, "one slot used so far");
+    let hour_ago = tollgate_quota::store::now_ms() - 3_600_000;
+    let _: () = redis::cmd("SET")
+        .arg(&markers[0])
+        .arg(hour_ago)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // A bucket that went away because it was idle (here: deleted) while the slot's marker is
+    // old: it starts full.
+    let _: () = redis::cmd("DEL")
+        .arg("{tg:lim:k}:b")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let g = store.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (25, 50.0));
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    let g = store.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0), "lost data: cold again");
 }

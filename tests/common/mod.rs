@@ -342,6 +342,13 @@ impl Quota {
         q
     }
 
+    /// Start again with the same port and other arguments.
+    pub fn restart_with(&mut self, args: &[&str]) {
+        self.kill();
+        self.args = args.iter().map(|a| a.to_string()).collect();
+        self.restart();
+    }
+
     /// Start (again) with the same port and arguments.
     pub fn restart(&mut self) {
         let bin = built_artifact("TOLLGATE_QUOTA_BIN", "target/debug/tollgate-quota");
@@ -405,7 +412,17 @@ pub struct Redis {
 
 impl Redis {
     pub fn start() -> Self {
-        let port = free_port();
+        let mut redis = Self {
+            child: None,
+            port: free_port(),
+        };
+        redis.restart();
+        redis
+    }
+
+    /// Start (again) on the same port, empty (no persistence).
+    pub fn restart(&mut self) {
+        let port = self.port;
         let mut child = guarded(
             Command::new("redis-server")
                 .args([
@@ -421,10 +438,7 @@ impl Redis {
                 .stdout(Stdio::null()),
         );
         wait_for_port(port, "redis-server", &mut child);
-        Self {
-            child: Some(child),
-            port,
-        }
+        self.child = Some(child);
     }
 
     pub fn url(&self) -> String {

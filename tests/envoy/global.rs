@@ -594,3 +594,64 @@ fn three_envoys_over_the_limit_share_it_with_few_calls_and_refuse_at_once() {
         "{shares:?} of {admitted}"
     );
 }
+
+/// A global limit (5/s, burst 50, leases of 1 s) on a service that starts with full buckets:
+/// drain it, then restart the service with `after` (and, with `redis`, empty that Redis) and keep
+/// asking. What Envoy admitted in all, and the limit's bound over that time.
+fn across_a_restart(after: &str, mut redis: Option<&mut Redis>) -> (i64, i64) {
+    let url = redis.as_ref().map(|r| r.url());
+    let args = |cold: &'static str| {
+        let mut args = vec!["--lease-ttl-ms", "1000", "--cold-start", cold];
+        if let Some(url) = &url {
+            args.extend(["--redis", url.as_str()]);
+        }
+        args
+    };
+    let mut quota = Quota::start(&args("full"));
+    let plugin = config(
+        json!({"name": "r", "scope": "global", "limit": {"requests": 5, "per": "1s"}, "burst": 50}),
+        json!({"failure_mode": "deny", "instances_hint": 1, "timeout": "100ms", "retry": "100ms"}),
+    );
+    let e = envoy(quota.port, &plugin);
+    let started = Instant::now();
+    let before = load(&e, Duration::from_millis(1_000));
+    if let Some(r) = redis.as_mut() {
+        r.kill();
+        r.restart();
+    }
+    quota.restart_with(&args(if after == "conservative" {
+        "conservative"
+    } else {
+        "full"
+    }));
+    let after = load(&e, Duration::from_millis(3_000));
+    let elapsed = started.elapsed().as_secs_f64();
+    let ok = |s: &Vec<u16>| s.iter().filter(|s| **s == 200).count() as i64;
+    assert!(
+        ok(&before) >= 50,
+        "the burst was there before: {}",
+        ok(&before)
+    );
+    (ok(&before) + ok(&after), 50 + (5.0 * elapsed).ceil() as i64)
+}
+
+#[test]
+fn a_restarted_quota_service_or_an_emptied_redis_admits_no_more_than_the_limit() {
+    let (admitted, bound) = across_a_restart("conservative", None);
+    eprintln!("memory store restarted: {admitted} admitted, bound {bound}");
+    assert!(
+        admitted <= bound,
+        "memory: {admitted} admitted, bound {bound}"
+    );
+    let mut redis = Redis::start();
+    let (admitted, bound) = across_a_restart("conservative", Some(&mut redis));
+    eprintln!("Redis restarted empty: {admitted} admitted, bound {bound}");
+    assert!(
+        admitted <= bound,
+        "redis: {admitted} admitted, bound {bound}"
+    );
+    // What `--cold-start full` costs: a restart grants the burst again.
+    let (admitted, bound) = across_a_restart("full", None);
+    eprintln!("memory store restarted, full: {admitted} admitted, bound {bound}");
+    assert!(admitted > bound, "full: {admitted} admitted, bound {bound}");
+}
