@@ -54,7 +54,7 @@ else
 fi
 # --cold-start full: a demo's first minute shows the limit at once; a production service keeps the
 # default (conservative: a restart admits no more than the limit would have; docs/quota-api.md).
-RUST_LOG=warn "$QUOTA" --listen 127.0.0.1:8090 --cold-start full "${storage[@]}" \
+RUST_LOG=warn "$QUOTA" --listen 127.0.0.1:8090 --token tollgate-demo-token --cold-start full "${storage[@]}" \
   >.tmp/demo-quota.log 2>&1 &
 pids+=($!)
 

@@ -73,6 +73,16 @@ impl Plugin {
             caps.name,
             config.summary()
         );
+        if config
+            .quota_service
+            .as_ref()
+            .is_some_and(|q| q.key_secret.is_none())
+        {
+            log::warn!(
+                "quota_service.key_secret is not set: the key hashes sent to the quota service \
+                 are the same in every deployment (set one secret on all proxies)"
+            );
+        }
         Ok(Self {
             engine: RefCell::new(engine),
             queues: RefCell::new(Queues::default()),

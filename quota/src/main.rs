@@ -7,6 +7,7 @@ use std::time::Duration;
 use tollgate_core::lease::ColdStart;
 use tollgate_quota::metrics::Metrics;
 use tollgate_quota::redis_store::{RedisStore, RedisTarget};
+use tollgate_quota::server::{serve, ServerLimits};
 use tollgate_quota::service::{router, Service};
 use tollgate_quota::store::{now_ms, MemoryStore, Store};
 
@@ -42,6 +43,22 @@ struct Args {
     /// How long a proxy may keep tokens it was granted (and how long its demand counts).
     #[arg(long, env = "TOLLGATE_QUOTA_LEASE_TTL_MS", default_value_t = 10_000)]
     lease_ttl_ms: u64,
+    /// Connections served at once (more wait in the listen backlog). The process needs this many
+    /// open files, and about 64 more (Redis connections, logs).
+    #[arg(long, env = "TOLLGATE_QUOTA_MAX_CONNECTIONS", default_value_t = 512)]
+    max_connections: usize,
+    /// A connection's next request headers must arrive within this long of its opening or of its
+    /// previous answer: idle and half-sent connections are closed. Keep proxies' idle timeout
+    /// for this service below it.
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_HEADER_TIMEOUT_MS",
+        default_value_t = 5_000
+    )]
+    header_timeout_ms: u64,
+    /// A lease call's body must arrive within this long (408 otherwise).
+    #[arg(long, env = "TOLLGATE_QUOTA_BODY_TIMEOUT_MS", default_value_t = 5_000)]
+    body_timeout_ms: u64,
     /// In-memory store: most buckets kept at once (idle ones make room).
     #[arg(long, env = "TOLLGATE_QUOTA_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
@@ -101,6 +118,7 @@ async fn run(args: Args) -> Result<(), String> {
         token: args.token,
         lease_ttl_ms: args.lease_ttl_ms,
         metrics: Metrics::default(),
+        body_timeout: Duration::from_millis(args.body_timeout_ms),
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -111,10 +129,20 @@ async fn run(args: Args) -> Result<(), String> {
         storage,
         "tollgate-quota serving"
     );
-    axum::serve(listener, router(service))
-        .with_graceful_shutdown(shutdown())
-        .await
-        .map_err(|e| e.to_string())?;
+    let limits = ServerLimits {
+        max_connections: args.max_connections,
+        header_timeout: Duration::from_millis(args.header_timeout_ms),
+    };
+    let open = service.metrics.connections.clone();
+    serve(
+        listener,
+        router(service),
+        limits,
+        open,
+        shutdown(),
+        Duration::from_secs(10),
+    )
+    .await;
     tracing::info!("stopped");
     Ok(())
 }

@@ -4,6 +4,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
@@ -22,6 +23,7 @@ pub struct Metrics {
     pub denials: Counter,
     pub storage_errors: Counter,
     pub latency: Histogram,
+    pub connections: Gauge,
 }
 
 impl Default for Metrics {
@@ -34,6 +36,8 @@ impl Default for Metrics {
         let denials = Counter::default();
         let storage_errors = Counter::default();
         let latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
+        let connections = Gauge::default();
+        registry.register("connections", "Connections open now", connections.clone());
         registry.register("lease_calls", "Lease calls by outcome", calls.clone());
         registry.register("lease_items", "Items in lease calls served", items.clone());
         registry.register("tokens_granted", "Tokens granted", granted.clone());
@@ -63,6 +67,7 @@ impl Default for Metrics {
             denials,
             storage_errors,
             latency,
+            connections,
         }
     }
 }

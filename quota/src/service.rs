@@ -2,14 +2,14 @@
 
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{Store, StoreError};
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tollgate_core::lease::{ErrorBody, LeaseRequest, LeaseResponse};
 
 pub struct Service {
@@ -18,7 +18,12 @@ pub struct Service {
     pub token: Option<String>,
     pub lease_ttl_ms: u64,
     pub metrics: Metrics,
+    /// A lease call's body must arrive within this long.
+    pub body_timeout: Duration,
 }
+
+/// Largest lease call body accepted (1 000 items of the longest names fit).
+pub const MAX_BODY: usize = 2 << 20;
 
 pub fn router(service: Arc<Service>) -> Router {
     Router::new()
@@ -53,7 +58,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bytes) -> Response {
+/// True for `application/json` (with parameters or not): what the filter sends, and what no
+/// browser sends cross-site without asking first.
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+}
+
+async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let outcome = |o: &'static str| {
         service
@@ -66,6 +81,35 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: By
         outcome("unauthorized");
         return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
     }
+    if !is_json(&headers) {
+        outcome("bad_request");
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "content-type must be application/json",
+        );
+    }
+    let body = match tokio::time::timeout(
+        service.body_timeout,
+        axum::body::to_bytes(body, MAX_BODY),
+    )
+    .await
+    {
+        Ok(Ok(body)) => body,
+        Ok(Err(_)) => {
+            outcome("bad_request");
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body must be at most {MAX_BODY} bytes"),
+            );
+        }
+        Err(_) => {
+            outcome("bad_request");
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body did not arrive within {:?}", service.body_timeout),
+            );
+        }
+    };
     let request: LeaseRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {

@@ -35,11 +35,24 @@ fn service(store: Store, token: Option<&str>) -> Arc<Service> {
         token: token.map(str::to_string),
         lease_ttl_ms: 10_000,
         metrics: Metrics::default(),
+        body_timeout: Duration::from_secs(5),
     })
 }
 
 async fn call(svc: &Arc<Service>, body: String, auth: Option<&str>) -> (StatusCode, String) {
-    let mut req = Request::post("/v1/lease").header("content-type", "application/json");
+    call_as(svc, body, auth, Some("application/json")).await
+}
+
+async fn call_as(
+    svc: &Arc<Service>,
+    body: String,
+    auth: Option<&str>,
+    content_type: Option<&str>,
+) -> (StatusCode, String) {
+    let mut req = Request::post("/v1/lease");
+    if let Some(t) = content_type {
+        req = req.header("content-type", t);
+    }
     if let Some(a) = auth {
         req = req.header("authorization", a);
     }
@@ -512,4 +525,126 @@ async fn a_store_that_lost_its_buckets_starts_cold() {
     let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
     let g = store.lease("a", &items, ttl).await.unwrap()[0];
     assert_eq!((g.granted, g.rate), (0, 0.0), "lost data: cold again");
+}
+
+#[tokio::test]
+async fn only_json_bodies_are_served() {
+    let svc = service(Store::Memory(MemoryStore::new(100, ColdStart::Full)), None);
+    let body = lease_body("a", vec![item("k", 5, 1)]);
+    for (t, status) in [
+        (Some("application/json"), StatusCode::OK),
+        (Some("application/json; charset=utf-8"), StatusCode::OK),
+        (Some("text/plain"), StatusCode::UNSUPPORTED_MEDIA_TYPE),
+        (
+            Some("application/x-www-form-urlencoded"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ),
+        (None, StatusCode::UNSUPPORTED_MEDIA_TYPE),
+    ] {
+        let (got, text) = call_as(&svc, body.clone(), None, t).await;
+        assert_eq!(got, status, "{t:?}: {text}");
+    }
+}
+
+/// The service binary on a port of its own, with `args`; killed on drop.
+struct Binary {
+    child: Child,
+    port: u16,
+}
+
+impl Binary {
+    fn start(args: &[&str]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(env!("CARGO_BIN_EXE_tollgate-quota"))
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--cold-start",
+                "full",
+            ])
+            .args(args)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self { child, port }
+    }
+
+    /// A lease call on a connection of its own: the status line.
+    fn lease(&self) -> String {
+        use std::io::{Read, Write};
+        let body = lease_body("a", vec![item("k", 5, 1)]);
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            s,
+            "POST /v1/lease HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out.lines().next().unwrap_or_default().to_string()
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn slow_and_idle_clients_are_cut_off_and_connections_are_capped() {
+    use std::io::{Read, Write};
+    let svc = Binary::start(&[
+        "--max-connections",
+        "8",
+        "--header-timeout-ms",
+        "300",
+        "--body-timeout-ms",
+        "300",
+    ]);
+    // Eight connections that send half a request and stop take every connection there is.
+    let idle: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", svc.port)).unwrap();
+            s.write_all(b"POST /v1/lease HTTP/1.1\r\nhost: x\r\n")
+                .unwrap();
+            s
+        })
+        .collect();
+    // A good call waits for one to be cut off (300 ms), not forever.
+    let started = Instant::now();
+    assert_eq!(svc.lease(), "HTTP/1.1 200 OK");
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
+    // The half-sent ones were closed by the service.
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = Vec::new();
+        let read = s.read_to_end(&mut buf);
+        assert!(read.is_ok(), "closed, not left hanging: {read:?}");
+    }
+    // A body that stops half-way: 408 once the body timeout passes.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", svc.port)).unwrap();
+    s.write_all(
+        b"POST /v1/lease HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"instance\"",
+    )
+    .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut out = vec![0u8; 512];
+    let n = s.read(&mut out).unwrap();
+    let answer = String::from_utf8_lossy(&out[..n]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
 }

@@ -49,6 +49,9 @@ pub(super) struct RawQuotaService {
     pub first_lease: FirstLease,
     pub retry: Option<Period>,
     pub lease_size: Option<NonZeroU64>,
+    /// At least 16 bytes, the same on every proxy of a deployment: key hashes sent to the service
+    /// are keyed by it, so they say nothing outside this deployment.
+    pub key_secret: Option<String>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]

@@ -44,6 +44,9 @@ pub struct QuotaService {
     pub retry_ms: u64,
     /// One call per request (the request waits for it) instead of leased allowances.
     pub strict: bool,
+    /// The key of the keyed hash that names client keys at the service (from `key_secret`);
+    /// none: the plain key hash, the same in every deployment.
+    pub key_secret: Option<[u8; 16]>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]

@@ -257,7 +257,18 @@ impl RawQuotaService {
         if self.upstream.is_empty() {
             return Err(err(format!("{path}.upstream"), "must not be empty"));
         }
+        let key_secret = match &self.key_secret {
+            Some(secret) if secret.len() < 16 => {
+                return Err(err(
+                    format!("{path}.key_secret"),
+                    "must be at least 16 bytes (the same on every proxy)",
+                ));
+            }
+            Some(secret) => Some(tollgate_core::slot::key_hash(secret.as_bytes()).to_le_bytes()),
+            None => None,
+        };
         let service = QuotaService {
+            key_secret,
             authority: self.authority.unwrap_or_else(|| self.upstream.clone()),
             upstream: self.upstream,
             timeout_ms: self.timeout.map_or(200, |p| p.ms()),

@@ -4,6 +4,8 @@
 use super::{saturating_i64, CheckInput, Engine};
 use crate::stats::ProcessStat;
 use log::{debug, warn};
+use siphasher::sip128::{Hasher128, SipHasher24};
+use std::hash::Hasher;
 use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
 use tollgate_core::slot::Group;
@@ -90,7 +92,7 @@ impl Engine {
         Some(LeaseItem {
             rule: rule.name.clone(),
             limit_id: global.limit_id.clone(),
-            key: format!("{key:032x}"),
+            key: format!("{:032x}", self.service_key(key)),
             requests: global.requests,
             per_ms: global.per_ms,
             burst: global.burst,
@@ -98,6 +100,24 @@ impl Engine {
             used: ask.used,
             demand: ask.demand_mtps as f64 / 1_000.0,
         })
+    }
+
+    /// The name of a client key at the quota service: its hash, keyed by the deployment's
+    /// `key_secret` (SipHash-2-4) when there is one.
+    fn service_key(&self, key: u128) -> u128 {
+        let secret = self
+            .config
+            .quota_service
+            .as_ref()
+            .and_then(|q| q.key_secret);
+        match secret {
+            Some(secret) => {
+                let mut h = SipHasher24::new_with_key(&secret);
+                h.write(&key.to_le_bytes());
+                h.finish128().as_u128()
+            }
+            None => key,
+        }
     }
 
     /// Write a lease call's answer (`None`: the call failed) into the refilled keys' allowances.

@@ -309,17 +309,18 @@ fn a_rate_lease_admits_at_its_rate_and_refuses_beyond_it_at_once() {
     // Nothing accrued yet: refused at once (not held), told to come back when a token has.
     let r = reject(rig.step(&u, NOW + 50 * MS));
     assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)));
-    // 10 per second: 20 of 100 requests sent over 2 s.
+    // 10 per second: 12 of 100 requests sent over 1.2 s.
     let admitted = (1..=100)
-        .filter(|i| matches!(rig.step(&u, NOW + i * 20 * MS), Step::Admit(_)))
+        .filter(|i| matches!(rig.step(&u, NOW + i * 12 * MS), Step::Admit(_)))
         .count();
-    assert_eq!(admitted, 20);
-    assert_eq!(rig.stat(0, RuleStat::Limited), 81);
-    // It ran dry: the renewal (claimed in the lease's last quarter) asks for the whole rate.
-    admit(rig.step(&u, NOW + 7_600 * MS));
+    assert_eq!(admitted, 12);
+    assert_eq!(rig.stat(0, RuleStat::Limited), 89);
+    // It ran dry: the renewal (claimed after an eighth of the lease, since it was capped) asks
+    // for the whole rate.
+    admit(rig.step(&u, NOW + 1_300 * MS));
     let (_, call) = rig
         .engine
-        .take_refills(&rig.store, "me", NOW + 7_605 * MS)
+        .take_refills(&rig.store, "me", NOW + 1_305 * MS)
         .unwrap();
     assert_eq!(call.items[0].demand, 1.666);
 }
@@ -547,4 +548,41 @@ fn after_a_failed_call_strict_requests_skip_the_call_for_retry() {
     let failures = Stat::Process(ProcessStat::QuotaFailures);
     assert_eq!(rig.engine.stats.pending(failures), 1);
     assert!(rig.engine.may_call(NOW + 2 * SEC));
+}
+
+#[test]
+fn key_hashes_sent_to_the_service_are_keyed_by_the_deployments_secret() {
+    let key_of = |secret: Option<&str>| {
+        let config = match secret {
+            Some(s) => GLOBAL.replace(
+                r#""upstream":"quota""#,
+                &format!(r#""upstream":"quota","key_secret":"{s}""#),
+            ),
+            None => GLOBAL.to_string(),
+        };
+        let mut rig = Rig::new(&config.replace("FAILURE", "deny").replace("FIRST", "wait"));
+        let u = req(&[("x-user", b"victim")]);
+        assert_eq!(rig.step(&u, NOW), Step::Wait);
+        let (refills, call) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
+        (
+            format!("{:032x}", refills[0].key),
+            call.items[0].key.clone(),
+        )
+    };
+    let (plain, sent) = key_of(None);
+    assert_eq!(plain, sent, "no secret: the plain key hash");
+    let (_, a) = key_of(Some("deployment-a-secret-0123"));
+    let (_, a_again) = key_of(Some("deployment-a-secret-0123"));
+    let (_, b) = key_of(Some("deployment-b-secret-0123"));
+    assert_eq!(a, a_again, "every proxy of a deployment agrees");
+    assert!(a != plain && a != b, "{a} {b} {plain}");
+    let short = GLOBAL
+        .replace(
+            r#""upstream":"quota""#,
+            r#""upstream":"quota","key_secret":"short""#,
+        )
+        .replace("FAILURE", "deny")
+        .replace("FIRST", "wait");
+    let e = crate::config::Config::parse(short.as_bytes()).unwrap_err();
+    assert!(e.to_string().contains("quota_service.key_secret"), "{e}");
 }
