@@ -458,3 +458,142 @@ impl Drop for Redis {
         self.kill();
     }
 }
+
+/// A Redis Cluster on loopback: 3 masters, 3 replicas (`redis-cli --cluster create`), node
+/// timeout 1 s so failovers are quick; each node killed on drop.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    children: Vec<Option<Child>>,
+    dir: std::path::PathBuf,
+}
+
+/// A port whose cluster bus port (+10 000) is free too.
+fn cluster_port() -> u16 {
+    loop {
+        let port = free_port();
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli (make test installs redis-tools)");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl RedisCluster {
+    pub fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "tollgate-cluster-{}-{}",
+            std::process::id(),
+            cluster_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ports: Vec<u16> = (0..6).map(|_| cluster_port()).collect();
+        let children = ports
+            .iter()
+            .map(|&port| {
+                let mut child = guarded(
+                    Command::new("redis-server")
+                        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                        .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                        // Replicas sync at once, and a replica fails over whatever its lag.
+                        .args(["--repl-diskless-sync-delay", "0"])
+                        .args(["--cluster-replica-validity-factor", "0"])
+                        .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                        .args(["--save", "", "--appendonly", "no"])
+                        .arg("--dir")
+                        .arg(&dir)
+                        .stdin(Stdio::null())
+                        .stdout(Stdio::null()),
+                );
+                wait_for_port(port, "redis-server (cluster)", &mut child);
+                Some(child)
+            })
+            .collect();
+        let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&nodes)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli");
+        assert!(
+            created.status.success(),
+            "cluster create: {}",
+            String::from_utf8_lossy(&created.stdout)
+        );
+        let cluster = Self {
+            ports,
+            children,
+            dir,
+        };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// Until every live node says the cluster is ok (all slots served) and every live replica
+    /// is in sync with its master.
+    pub fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for (i, &port) in self.ports.iter().enumerate() {
+            if self.children[i].is_none() {
+                continue;
+            }
+            loop {
+                let info = redis_cli(port, &["cluster", "info"]);
+                let replication = redis_cli(port, &["info", "replication"]);
+                let synced = replication.contains("role:master")
+                    || replication.contains("master_link_status:up");
+                if info.contains("cluster_state:ok") && synced {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the cluster did not become ok");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// The nodes for `--redis-cluster`.
+    pub fn urls(&self) -> String {
+        let urls: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect();
+        urls.join(",")
+    }
+
+    /// Which live masters hold keys matching `pattern`, and how many each.
+    pub fn masters_with(&self, pattern: &str) -> Vec<(usize, usize)> {
+        (0..self.ports.len())
+            .filter(|&i| self.children[i].is_some())
+            .filter(|&i| redis_cli(self.ports[i], &["role"]).starts_with("master"))
+            .map(|i| {
+                let keys = redis_cli(self.ports[i], &["--scan", "--pattern", pattern]);
+                (i, keys.lines().filter(|l| !l.is_empty()).count())
+            })
+            .collect()
+    }
+
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.children[i].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for i in 0..self.children.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -10,6 +10,7 @@ mod harness;
 
 mod algorithms;
 mod answers;
+mod cluster;
 mod concurrency;
 mod config;
 mod examples;

@@ -1,0 +1,133 @@
+//! Global limits on a Redis Cluster: buckets spread over its masters, and a master's failover
+//! under load.
+
+use crate::harness::{Client, Envoy, Options, Quota, RedisCluster};
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// A lease call of `n` items for new keys, straight to the service: its status and time.
+fn lease_call(quota: &Quota, n: usize) -> (u16, Duration) {
+    let items: Vec<_> = (0..n)
+        .map(|i| {
+            json!({"rule": "r", "limit_id": "cluster", "key": format!("key-{i}"),
+                   "requests": 100, "per_ms": 1000, "burst": 100, "wanted": 25, "used": 0,
+                   "demand": 50.0})
+        })
+        .collect();
+    let body = json!({"instance": "probe", "items": items}).to_string();
+    let started = Instant::now();
+    let status = match ureq::post(&format!("http://127.0.0.1:{}/v1/lease", quota.port))
+        .set("content-type", "application/json")
+        .send_string(&body)
+    {
+        Ok(r) => r.status(),
+        Err(ureq::Error::Status(s, _)) => s,
+        Err(e) => panic!("{e}"),
+    };
+    (status, started.elapsed())
+}
+
+#[test]
+fn a_cluster_holds_the_buckets_on_all_its_masters_and_survives_a_failover() {
+    let mut cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    // A storage timeout for a debug build (the release build's figures are in docs/quota-api.md).
+    let quota = Quota::start(&[
+        "--redis-cluster",
+        &urls,
+        "--lease-ttl-ms",
+        "1000",
+        "--storage-timeout-ms",
+        "500",
+    ]);
+
+    // 1 000 keys in one call: one script per slot, sent together.
+    let (status, took) = lease_call(&quota, 1_000);
+    eprintln!("1000 new keys on a 3-master cluster: {status} in {took:?}");
+
+    assert_eq!(status, 200);
+    let spread = cluster.masters_with("{tg:cluster:*}:b");
+    assert_eq!(spread.len(), 3, "{spread:?}");
+    assert!(spread.iter().all(|(_, keys)| *keys > 200), "{spread:?}");
+
+    // One Envoy under load on a global key; its master is killed.
+    let plugin = json!({
+        "rules": [{"name": "g", "scope": "global", "limit": {"requests": 100, "per": "1s"}, "burst": 100}],
+        "quota_service": {"upstream": "quota", "failure_mode": "deny", "instances_hint": 1,
+                          "timeout": "100ms", "retry": "200ms"}
+    });
+    let e = Envoy::start_with(
+        &plugin,
+        &Options {
+            quota_port: Some(quota.port),
+            ..Options::default()
+        },
+    );
+    let started = Instant::now();
+    let c = Client::new();
+    let mut statuses = Vec::new();
+    let mut slowest = Duration::ZERO;
+    let mut send = |statuses: &mut Vec<u16>, span: Duration| {
+        let until = Instant::now() + span;
+        while Instant::now() < until {
+            let sent = Instant::now();
+            statuses.push(c.get(&e.url("/"), &[]).status);
+            slowest = slowest.max(sent.elapsed());
+        }
+    };
+    send(&mut statuses, Duration::from_millis(1_000));
+    // The Envoy's bucket: its limit id is 16 hex digits (the probe's is "cluster").
+    let holder = cluster
+        .masters_with("{tg:????????????????:*}:b")
+        .into_iter()
+        .find(|(_, keys)| *keys > 0)
+        .map(|(i, _)| i)
+        .expect("a master holds the Envoy's bucket");
+    let granted_before = e.prometheus("tollgate_quota_granted{}");
+    cluster.kill(holder);
+    let killed = Instant::now();
+    // During the failover: the failure mode (deny), never a request held past the timeout.
+    while e.counter("g", "fallback") == 0 {
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "no failure mode"
+        );
+        send(&mut statuses, Duration::from_millis(100));
+    }
+    let failure_seen = killed.elapsed();
+    cluster.wait_ok();
+    let promoted = killed.elapsed();
+    // Then grants resume.
+    let resume_deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        send(&mut statuses, Duration::from_millis(200));
+        let leased = e.prometheus("tollgate_quota_granted{}") > granted_before
+            || statuses.iter().rev().take(20).any(|s| *s == 200);
+        if leased && e.counter("g", "fallback") > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < resume_deadline,
+            "grants did not resume: last {:?}, quota: {}",
+            &statuses[statuses.len().saturating_sub(10)..],
+            quota
+                .metrics()
+                .lines()
+                .filter(|l| l.starts_with("tollgate_quota_lease_calls_total"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    let resumed = killed.elapsed();
+    send(&mut statuses, Duration::from_millis(1_000));
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = statuses.iter().filter(|s| **s == 200).count() as i64;
+    let bound = 100 + (100.0 * elapsed).ceil() as i64;
+    eprintln!(
+        "failover: failure mode after {failure_seen:?}, cluster ok after {promoted:?}, 200s again \
+         after {resumed:?}; {admitted} admitted in {elapsed:.1} s (bound {bound}), slowest {slowest:?}"
+    );
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 429), "no 5xx");
+    assert!(slowest < Duration::from_millis(500), "slowest {slowest:?}");
+    assert!(admitted <= bound, "{admitted} admitted, bound {bound}");
+}
