@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use tollgate::config::{Config, HostCaps};
 
-/// Shared data nginx (ngx_wasm_module) needs per slot: 123–131 bytes measured (docs/nginx.md),
+/// Shared data nginx (ngx_wasm_module) needs per slot: 128–129 bytes measured (docs/nginx.md),
 /// with room to spare.
 const NGINX_BYTES_PER_SLOT: u64 = 136;
 /// Room in an nginx `shm_kv` zone for tollgate's own few keys and the zone's bookkeeping.
@@ -78,9 +78,10 @@ fn main() -> ExitCode {
     println!("{name}: ok: {}", parsed.summary());
     let slots = parsed.slots();
     let zone = (slots * NGINX_BYTES_PER_SLOT + NGINX_ZONE_MARGIN).max(NGINX_MIN_ZONE);
+    // nginx refuses zone sizes that are not whole pages: whole 64 KiB it is.
     println!(
         "shared data: {slots} slots; on nginx: shm_kv * {}k eviction=none; (or larger)",
-        zone.div_ceil(1024)
+        zone.div_ceil(64 * 1024) * 64
     );
     if parsed.rules.iter().any(|r| r.global.is_some()) && !matches!(host, Some(Host::Envoy)) {
         println!(

@@ -45,7 +45,7 @@ fn a_valid_configuration_is_summarised_with_its_shared_data() {
         "{stdout}"
     );
     assert!(stdout.contains("shared data: 1000 slots"), "{stdout}");
-    assert!(stdout.contains("shm_kv * 197k eviction=none"), "{stdout}");
+    assert!(stdout.contains("shm_kv * 256k eviction=none"), "{stdout}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -18,7 +18,9 @@ const FAILED: u32 = 1 << 30;
 const MARK_MAX: u64 = (1 << 30) - 1;
 const RAN_DRY: u32 = 1 << 31;
 const CAPPED: u32 = 1 << 30;
-const SPENT: u32 = CAPPED - 1;
+/// The last answer granted nothing.
+const DENIED: u32 = 1 << 29;
+const SPENT: u32 = DENIED - 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseAllowance {
@@ -90,7 +92,7 @@ fn parts(state: &State) -> Parts {
     Parts {
         granted: u64::from(read_u32(state, 0)),
         spent: u64::from(spent & SPENT),
-        flags: spent & (RAN_DRY | CAPPED),
+        flags: spent & (RAN_DRY | CAPPED | DENIED),
         reported: u64::from(read_u32(state, 8)),
         rate: u64::from(read_u32(state, 12)),
         base,
@@ -155,7 +157,7 @@ impl Parts {
         if !self.live(now_ms) {
             self = Parts {
                 reported: self.reported,
-                flags: self.flags & RAN_DRY,
+                flags: self.flags & (RAN_DRY | DENIED),
                 base: now_ms,
                 until: now_ms,
                 ..Parts::default()
@@ -208,10 +210,8 @@ impl LeaseAllowance {
                 now_ms >= p.until - term / 4
             };
             // A token lease asks again when running low; a rate lease only if asking can get
-            // more (it was not capped by fairness) and not in the first eighth of its term.
-            let running_low = left < self.low_water
-                && (p.rate == 0
-                    || (p.flags & CAPPED == 0 && now_ms - p.base >= (p.until - p.base) / 8));
+            // more (it was not capped by fairness).
+            let running_low = left < self.low_water && (p.rate == 0 || p.flags & CAPPED == 0);
             let mut next = Parts {
                 spent: p.spent.saturating_add(cost),
                 flags: if left == 0 {
@@ -238,9 +238,10 @@ impl LeaseAllowance {
                 delay_ns: 0,
             };
         }
-        if p.live(now_ms) && p.rate > 0 {
-            // Out of this proxy's share of the rate: refused now, not held. Enough accrues
-            // after `wait` (unless the lease ends first, or a renewal changes the rate).
+        if p.live(now_ms) && p.rate > 0 && p.flags & CAPPED != 0 {
+            // Out of this proxy's fair share of the rate: refused now, not held. Enough accrues
+            // after `wait` (unless the lease ends first, or a renewal changes the rate). A lease
+            // that was not capped asks for more instead (below).
             let accrual_needed = u128::from((p.spent + cost).saturating_sub(p.granted)) * 1_000_000;
             let after_base = accrual_needed.div_ceil(u128::from(p.rate));
             let at = u64::try_from(after_base).map_or(u64::MAX, |ms| p.base.saturating_add(ms));
@@ -265,6 +266,16 @@ impl LeaseAllowance {
         }
         if marked && p.mark_flags & FAILED != 0 {
             return Decision::Fallback;
+        }
+        if marked && p.flags & DENIED != 0 {
+            // The last answer had nothing for this key: while the next is on its way, refuse
+            // rather than hold requests for what is most likely nothing again.
+            let wait = (p.mark - now_ms).saturating_mul(1_000_000);
+            return Decision::Deny {
+                retry_after_ns: wait,
+                remaining: available,
+                reset_ns: wait,
+            };
         }
         if marked {
             return Decision::Wait { claim: None };
@@ -326,7 +337,7 @@ impl LeaseAllowance {
         encode(&Parts {
             granted: carried.saturating_add(g.tokens),
             spent: 0,
-            flags: if nothing { RAN_DRY } else { 0 } | if capped { CAPPED } else { 0 },
+            flags: if nothing { RAN_DRY | DENIED } else { 0 } | if capped { CAPPED } else { 0 },
             reported: g.remaining,
             rate: if until > now_ms { g.rate_mtps } else { 0 },
             base: now_ms,
@@ -456,9 +467,10 @@ mod tests {
     #[test]
     fn a_rate_lease_accrues_and_refuses_at_once_when_spent() {
         let l = lease();
-        // 2 tokens outright and 10 per second (10 000 mtps) for 1 s from T0, as asked.
+        // 2 tokens outright and 10 per second (10 000 mtps) for 1 s from T0, capped by fairness
+        // (it asked for 30).
         let mut g = grant(2, 10_000, T0, 1_000);
-        g.asked.demand_mtps = 10_000;
+        g.asked.demand_mtps = 30_000;
         let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
         s = allowed(&l, &s, T0);
         s = allowed(&l, &s, T0);
@@ -521,17 +533,31 @@ mod tests {
         let s = l.grant(&[0; STATE_BYTES], T0, &g);
         let next = allowed(&l, &s, T0 + 100);
         assert!(!l.claimed(&s, &next));
-        // Not capped: running low claims, but not in the lease's first eighth.
+        // Not capped: running low claims at once, and with nothing left it asks for more
+        // rather than refuse (the service may well have it).
         let mut g = grant(0, 10_000, T0, 1_000);
         g.asked.demand_mtps = 10_000;
         let s = l.grant(&[0; STATE_BYTES], T0, &g);
         let next = allowed(&l, &s, T0 + 100);
-        assert!(!l.claimed(&s, &next));
-        let next2 = allowed(&l, &next, T0 + 200);
-        assert!(l.claimed(&next, &next2));
-        // Refused for want of quota: the next ask wants the whole rate.
+        assert!(l.claimed(&s, &next));
+        assert_eq!(
+            l.decide(&next, (T0 + 150) * MS, 1),
+            Decision::Wait { claim: None }
+        );
+        // Refused for want of quota: the next ask wants the whole rate, and while it is on its
+        // way, requests are refused rather than held (only the claimant waits).
         let none = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
         assert_eq!(l.ask(&none, T0 + 200).demand_mtps, 100_000);
+        let Decision::Wait {
+            claim: Some(claimed),
+        } = l.decide(&none, (T0 + 200) * MS, 1)
+        else {
+            panic!("the mark expired: a claim");
+        };
+        assert!(matches!(
+            l.decide(&claimed, (T0 + 201) * MS, 1),
+            Decision::Deny { .. }
+        ));
     }
 
     #[test]
