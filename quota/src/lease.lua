@@ -1,10 +1,12 @@
 -- All items of one lease call (or, on a Redis Cluster, those whose keys share one slot),
 -- atomically: the same step as GlobalBucket::new and GlobalBucket::lease in core/src/lease.rs,
 -- with the same arithmetic in the same order, so both stores grant alike.
--- KEYS, two per item: the bucket hash (`tokens` in millionths, `updated`, and per holder
---   `@<instance>` -> "wanted:demand:asked:share:until"), the epoch marker of the item's slot.
--- ARGV: instance, ttl_ms, cold ("1": conservative, "0": full), then five per item: requests,
---   per_ms, burst, wanted, demand (milli-tokens per second).
+-- ARGV: instance, ttl_ms, cold ("1": conservative, "0": full), the number of items, then seven
+--   per item: the bucket hash (`tokens` in millionths, `updated`, and per holder `@<instance>` ->
+--   "wanted:demand:asked:share:until"), the epoch marker of the item's slot, requests, per_ms,
+--   burst, wanted, demand (milli-tokens per second).
+-- KEYS: the same key names, declared (one Redis, or one slot of a cluster); none when the
+--   script runs all of a cluster master's items (its keys span slots: allow-cross-slot-keys).
 -- Returns five numbers per item: granted, remaining, reset_ms, share (milli-tokens per second),
 --   retry_ms.
 -- Written for speed (Redis's Lua makes every table and string costly): holders live in
@@ -70,10 +72,9 @@ end
 
 local out = {}
 
-local function lease(bkey, mkey, requests, per, burst, wanted, demand)
+local function lease(bkey, mkey, b, epoch, requests, per, burst, wanted, demand)
   local rate = requests / per
   local rate_mtps = floor(requests * 1000000 / per)
-  local b = call('HGETALL', bkey)
   local tokens, updated
   local n = 0
   for i = 1, #b, 2 do
@@ -97,10 +98,12 @@ local function lease(bkey, mkey, requests, per, burst, wanted, demand)
     n = 0
     -- The slot's epoch: set with its first bucket (whatever the cold-start mode, so that a
     -- change of mode finds it), gone when the node loses its data.
-    local epoch = tonumber(call('GET', mkey))
     if epoch == nil then
-      epoch = now
-      call('SET', mkey, format('%d', now))
+      epoch = tonumber(call('GET', mkey))
+      if epoch == nil then
+        epoch = now
+        call('SET', mkey, format('%d', now))
+      end
     end
     if cold then
       tokens, updated = 0, min(epoch, now)
@@ -223,9 +226,19 @@ local function lease(bkey, mkey, requests, per, burst, wanted, demand)
   out[o + 4], out[o + 5] = share, retry
 end
 
-for i = 0, #KEYS / 2 - 1 do
-  local a = 4 + i * 5
-  lease(KEYS[i * 2 + 1], KEYS[i * 2 + 2], tonumber(ARGV[a]), tonumber(ARGV[a + 1]),
-        tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]))
+-- Every read first: a key this node does not serve (a cluster that moved slots) fails the
+-- script before anything was written, so the caller can run the items again elsewhere.
+local items = tonumber(ARGV[4])
+local buckets, epochs = {}, {}
+for i = 0, items - 1 do
+  local a = 5 + i * 7
+  local b = call('HGETALL', ARGV[a])
+  buckets[i] = b
+  if #b == 0 then epochs[i] = tonumber(call('GET', ARGV[a + 1])) end
+end
+for i = 0, items - 1 do
+  local a = 5 + i * 7
+  lease(ARGV[a], ARGV[a + 1], buckets[i], epochs[i], tonumber(ARGV[a + 2]),
+        tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]))
 end
 return out

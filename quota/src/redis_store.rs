@@ -10,12 +10,15 @@ use crate::store::StoreError;
 use futures::future::join_all;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
+use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 use tollgate_core::lease::{LeaseGrant, LeaseItem};
 
 const LEASE_LUA: &str = include_str!("lease.lua");
+/// On a cluster the script may touch keys of several slots of the master it runs on (Redis 7).
+const CLUSTER_FLAGS: &str = "#!lua flags=allow-cross-slot-keys\n";
 const SLOTS: usize = 16_384;
 
 /// Where the Redis data lives.
@@ -38,6 +41,17 @@ pub struct RedisStore {
     script: redis::Script,
     timeout: Duration,
     conservative: bool,
+    /// Cluster: which master serves each slot (as last learnt), so that a call runs one script
+    /// per master rather than per slot. Empty: unknown (one script per slot).
+    masters: RwLock<Vec<u16>>,
+}
+
+/// One script run: where (the master serving `slot`, on a cluster), which items, and whether
+/// their keys are declared (they are, unless they span several slots of one master).
+struct Run {
+    slot: u16,
+    members: Vec<usize>,
+    declared: bool,
 }
 
 /// A cluster slot of a hash tag (CRC16/XMODEM, as Redis Cluster computes it).
@@ -115,87 +129,284 @@ impl RedisStore {
             .map_err(|_| StoreError::Timeout(Duration::from_secs(5)))??;
         // The slots' marker keys, worked out once (a few ms) before the first call needs them.
         let _ = marker(0);
+        let script = match conn {
+            Connection::Single(_) => redis::Script::new(LEASE_LUA),
+            Connection::Cluster(_) => redis::Script::new(&format!("{CLUSTER_FLAGS}{LEASE_LUA}")),
+        };
         let store = Self {
             conn,
-            script: redis::Script::new(LEASE_LUA),
+            script,
             timeout,
             conservative,
+            masters: RwLock::new(Vec::new()),
         };
+        store.learn_masters().await;
         Ok(store)
     }
 
-    /// Serve all items in one script run per slot group (all of them on a single Redis), the
-    /// runs sent together, the whole bounded by the storage timeout.
+    /// Ask the cluster which master serves each slot (`CLUSTER SLOTS`); on failure, forget.
+    async fn learn_masters(&self) {
+        let Connection::Cluster(mut conn) = self.conn.clone() else {
+            return;
+        };
+        let asked = tokio::time::timeout(
+            Duration::from_secs(2),
+            conn.route_command(
+                redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+            ),
+        )
+        .await;
+        let mut masters = vec![u16::MAX; SLOTS];
+        let ranges = match asked {
+            Ok(Ok(v)) => slot_ranges(v),
+            _ => Vec::new(),
+        };
+        let mut nodes: Vec<(String, u16)> = Vec::new();
+        for (start, end, node) in ranges {
+            let id = nodes.iter().position(|n| *n == node).unwrap_or_else(|| {
+                nodes.push(node);
+                nodes.len() - 1
+            });
+            let (start, end) = (usize::from(start), usize::from(end).min(SLOTS - 1));
+            if let Some(range) = masters.get_mut(start..=end) {
+                range.fill(u16::try_from(id).unwrap_or(u16::MAX));
+            }
+        }
+        let known = !nodes.is_empty() && masters.iter().all(|&m| m != u16::MAX);
+        if let Ok(mut m) = self.masters.write() {
+            *m = if known { masters } else { Vec::new() };
+        }
+    }
+
+    /// The items grouped into script runs: all in one on a single Redis; on a cluster one per
+    /// master when the slot map is known, else one per slot.
+    fn runs(&self, items: &[LeaseItem]) -> Vec<Run> {
+        let masters = self.masters.read().map(|m| m.clone()).unwrap_or_default();
+        let declared = masters.is_empty() || matches!(self.conn, Connection::Single(_));
+        let mut groups: BTreeMap<usize, Run> = BTreeMap::new();
+        for (i, item) in items.iter().enumerate() {
+            let slot = slot(&tag(item));
+            let group = match self.conn {
+                Connection::Single(_) => 0,
+                Connection::Cluster(_) => {
+                    masters.get(slot).map_or(SLOTS + slot, |&m| usize::from(m))
+                }
+            };
+            groups
+                .entry(group)
+                .or_insert_with(|| Run {
+                    slot: u16::try_from(slot).unwrap_or(0),
+                    members: Vec::new(),
+                    declared,
+                })
+                .members
+                .push(i);
+        }
+        groups.into_values().collect()
+    }
+
+    /// Serve all items in one script run (one per master on a cluster), the runs sent together,
+    /// the whole bounded by the storage timeout. On a cluster whose slots moved, the runs that
+    /// failed go again one per slot, and the slot map is learnt anew.
     pub async fn lease(
         &self,
         instance: &str,
         items: &[LeaseItem],
         ttl_ms: u64,
     ) -> Result<Vec<LeaseGrant>, StoreError> {
-        let mut groups: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for (i, item) in items.iter().enumerate() {
-            let group = match self.conn {
-                Connection::Single(_) => 0,
-                Connection::Cluster(_) => slot(&tag(item)),
-            };
-            groups.entry(group).or_default().push(i);
-        }
-        let runs = groups.values().map(|members| {
-            let mut invocation = self.script.prepare_invoke();
-            invocation
-                .arg(instance)
-                .arg(ttl_ms)
-                .arg(if self.conservative { "1" } else { "0" });
-            for &i in members {
-                let item = &items[i];
-                let tag = tag(item);
-                invocation
-                    .key(format!("{{{tag}}}:b"))
-                    .key(marker(slot(&tag)))
-                    .arg(item.requests)
-                    .arg(item.per_ms)
-                    .arg(item.burst)
-                    .arg(item.wanted)
-                    .arg(item.demand_mtps());
-            }
-            let conn = self.conn.clone();
-            async move {
-                let answers: Vec<(u64, u64, u64, u64, u64)> = match conn {
-                    Connection::Single(mut c) => invocation.invoke_async(&mut c).await,
-                    Connection::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+        let work = async {
+            let runs = self.runs(items);
+            let results = join_all(runs.iter().map(|r| self.run(instance, items, r, ttl_ms))).await;
+            let mut grants = vec![None; items.len()];
+            let mut again = Vec::new();
+            for (run, result) in runs.into_iter().zip(results) {
+                match result {
+                    Ok(answers) => place(&mut grants, &run.members, answers, ttl_ms),
+                    Err(e) if matches!(self.conn, Connection::Cluster(_)) => {
+                        tracing::debug!(error = %e, "a run failed: again slot by slot");
+                        again.extend(run.members);
+                    }
+                    Err(e) => return Err(e),
                 }
-                .map_err(failed)?;
-                if answers.len() != members.len() {
-                    return Err(failed(
-                        "the lease script answered the wrong number of items",
-                    ));
-                }
-                Ok::<_, StoreError>((members, answers))
             }
-        });
-        let results = tokio::time::timeout(self.timeout, join_all(runs))
+            if !again.is_empty() {
+                self.learn_masters().await;
+                let mut by_slot: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+                for i in again {
+                    by_slot.entry(slot(&tag(&items[i]))).or_default().push(i);
+                }
+                let runs: Vec<Run> = by_slot
+                    .into_iter()
+                    .map(|(slot, members)| Run {
+                        slot: u16::try_from(slot).unwrap_or(0),
+                        members,
+                        declared: true,
+                    })
+                    .collect();
+                let results =
+                    join_all(runs.iter().map(|r| self.run(instance, items, r, ttl_ms))).await;
+                for (run, result) in runs.into_iter().zip(results) {
+                    place(&mut grants, &run.members, result?, ttl_ms);
+                }
+            }
+            grants
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| failed("an item got no answer"))
+        };
+        tokio::time::timeout(self.timeout, work)
             .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?;
-        let mut grants = vec![None; items.len()];
-        for result in results {
-            let (members, answers) = result?;
-            for (&i, (granted, remaining, reset_ms, share, retry_ms)) in members.iter().zip(answers)
-            {
-                grants[i] = Some(LeaseGrant {
-                    granted,
-                    ttl_ms,
-                    remaining,
-                    reset_ms,
-                    rate: share as f64 / 1_000.0,
-                    retry_ms,
-                });
-            }
-        }
-        grants
-            .into_iter()
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| failed("an item got no answer"))
+            .map_err(|_| StoreError::Timeout(self.timeout))?
     }
+
+    /// One script run: `run`'s items, on the master serving `run.slot` (a cluster) or on the one
+    /// Redis. Loads the script first if that Redis does not have it.
+    async fn run(
+        &self,
+        instance: &str,
+        items: &[LeaseItem],
+        run: &Run,
+        ttl_ms: u64,
+    ) -> Result<Vec<Answer>, StoreError> {
+        let keys: Vec<(String, &str)> = run
+            .members
+            .iter()
+            .map(|&i| {
+                let tag = tag(&items[i]);
+                (format!("{{{tag}}}:b"), marker(slot(&tag)))
+            })
+            .collect();
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha.arg(self.script.get_hash());
+        if run.declared {
+            evalsha.arg(keys.len() * 2);
+            for (bucket, marker) in &keys {
+                evalsha.arg(bucket).arg(*marker);
+            }
+        } else {
+            evalsha.arg(0);
+        }
+        evalsha
+            .arg(instance)
+            .arg(ttl_ms)
+            .arg(if self.conservative { "1" } else { "0" })
+            .arg(run.members.len());
+        for (&i, (bucket, marker)) in run.members.iter().zip(&keys) {
+            let item = &items[i];
+            evalsha
+                .arg(bucket)
+                .arg(*marker)
+                .arg(item.requests)
+                .arg(item.per_ms)
+                .arg(item.burst)
+                .arg(item.wanted)
+                .arg(item.demand_mtps());
+        }
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(self.script_text());
+        let answers: Vec<Answer> = match self.conn.clone() {
+            Connection::Single(mut c) => match evalsha.query_async::<Vec<Answer>>(&mut c).await {
+                Err(e)
+                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    load.query_async::<()>(&mut c).await.map_err(failed)?;
+                    evalsha.query_async(&mut c).await
+                }
+                other => other,
+            }
+            .map_err(failed),
+            Connection::Cluster(mut c) => {
+                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                    run.slot,
+                    SlotAddr::Master,
+                )));
+                // Server errors come back as values here: make them errors.
+                let first = c
+                    .route_command(evalsha.clone(), to.clone())
+                    .await
+                    .and_then(redis::Value::extract_error);
+                let value = match first {
+                    Err(e)
+                        if e.kind()
+                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                    {
+                        c.route_command(load, to.clone())
+                            .await
+                            .and_then(redis::Value::extract_error)
+                            .map_err(failed)?;
+                        c.route_command(evalsha, to)
+                            .await
+                            .and_then(redis::Value::extract_error)
+                    }
+                    other => other,
+                };
+                value
+                    .map_err(failed)
+                    .and_then(|v| redis::from_redis_value(v).map_err(failed))
+            }
+        }?;
+        if answers.len() != run.members.len() {
+            return Err(failed(
+                "the lease script answered the wrong number of items",
+            ));
+        }
+        Ok(answers)
+    }
+
+    fn script_text(&self) -> String {
+        match self.conn {
+            Connection::Single(_) => LEASE_LUA.to_owned(),
+            Connection::Cluster(_) => format!("{CLUSTER_FLAGS}{LEASE_LUA}"),
+        }
+    }
+}
+
+/// Per item: granted, remaining, reset_ms, share (milli-tokens per second), retry_ms.
+type Answer = (u64, u64, u64, u64, u64);
+
+fn place(grants: &mut [Option<LeaseGrant>], members: &[usize], answers: Vec<Answer>, ttl_ms: u64) {
+    for (&i, (granted, remaining, reset_ms, share, retry_ms)) in members.iter().zip(answers) {
+        grants[i] = Some(LeaseGrant {
+            granted,
+            ttl_ms,
+            remaining,
+            reset_ms,
+            rate: share as f64 / 1_000.0,
+            retry_ms,
+        });
+    }
+}
+
+/// `CLUSTER SLOTS`' answer as (first slot, last slot, master's host and port); entries that do
+/// not read so are left out.
+fn slot_ranges(answer: redis::Value) -> Vec<(u16, u16, (String, u16))> {
+    use redis::Value;
+    let Value::Array(entries) = answer else {
+        return Vec::new();
+    };
+    let int = |v: &Value| match v {
+        Value::Int(n) => u16::try_from(*n).ok(),
+        _ => None,
+    };
+    entries
+        .iter()
+        .filter_map(|entry| {
+            let Value::Array(parts) = entry else {
+                return None;
+            };
+            let (start, end) = (int(parts.first()?)?, int(parts.get(1)?)?);
+            let Value::Array(node) = parts.get(2)? else {
+                return None;
+            };
+            let host = match node.first()? {
+                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                Value::SimpleString(s) => s.clone(),
+                _ => return None,
+            };
+            Some((start, end, (host, int(node.get(1)?)?)))
+        })
+        .collect()
 }
 
 /// The hash tag of an item's keys.
