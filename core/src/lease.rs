@@ -273,12 +273,7 @@ impl GlobalBucket {
         };
         let fair_tokens = max_min_fair(item.burst, &of_live(|h| h.wanted))[at];
         let fair_rate = max_min_fair(rate_mtps, &of_live(|h| h.demand))[at];
-        let reserved: u64 = self
-            .holders
-            .iter()
-            .filter(|h| h.until_ms > now_ms)
-            .map(|h| h.share)
-            .sum();
+        let reserved = self.reserved_at(now_ms);
         let share = demand
             .min(fair_rate)
             .min(rate_mtps.saturating_sub(reserved));
@@ -306,17 +301,21 @@ impl GlobalBucket {
         }
     }
 
+    /// The refill rate reserved at `now_ms` (milli-tokens per second).
+    fn reserved_at(&self, now_ms: u64) -> u64 {
+        self.holders
+            .iter()
+            .filter(|h| h.until_ms > now_ms)
+            .map(|h| h.share)
+            .sum()
+    }
+
     /// Milliseconds until the bucket is full (its unreserved refill first, its whole rate once
     /// the reservations end), and, for an instance that got nothing, until asking again can get
     /// something (a token flows in, or a reservation ends).
     fn timing(&self, item: &LeaseItem, now_ms: u64, got_nothing: bool) -> (u64, u64) {
         let rate = item.requests as f64 / item.per_ms as f64;
-        let reserved: u64 = self
-            .holders
-            .iter()
-            .filter(|h| h.until_ms > now_ms)
-            .map(|h| h.share)
-            .sum();
+        let reserved = self.reserved_at(now_ms);
         let free = (rate - reserved as f64 / 1e6).max(0.0);
         let last_until = self
             .holders
