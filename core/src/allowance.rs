@@ -256,20 +256,12 @@ impl LeaseAllowance {
                 reset_ns: wait_ns,
             };
         }
-        if marked && p.mark_flags & EXHAUSTED != 0 {
-            let wait = (p.mark - now_ms).saturating_mul(1_000_000);
-            return Decision::Deny {
-                retry_after_ns: wait,
-                remaining: available,
-                reset_ns: wait,
-            };
-        }
         if marked && p.mark_flags & FAILED != 0 {
             return Decision::Fallback;
         }
-        if marked && p.flags & DENIED != 0 {
-            // The last answer had nothing for this key: while the next is on its way, refuse
-            // rather than hold requests for what is most likely nothing again.
+        // Exhausted until the mark; or the last answer had nothing for this key and the next is
+        // on its way: refuse rather than hold requests for what is most likely nothing again.
+        if marked && (p.mark_flags & EXHAUSTED != 0 || p.flags & DENIED != 0) {
             let wait = (p.mark - now_ms).saturating_mul(1_000_000);
             return Decision::Deny {
                 retry_after_ns: wait,

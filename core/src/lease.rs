@@ -179,34 +179,29 @@ pub enum ColdStart {
 impl GlobalBucket {
     /// A bucket the store does not know, first asked for at `now_ms`.
     pub fn new(item: &LeaseItem, now_ms: u64, ttl_ms: u64, cold: ColdStart) -> Self {
-        let full = Self {
-            tokens: item.burst as f64,
-            updated_ms: now_ms,
-            holders: Vec::new(),
-            idle_at_ms: now_ms,
-        };
-        let ColdStart::Conservative { epoch_ms } = cold else {
-            return full;
-        };
-        let mut bucket = Self {
-            tokens: 0.0,
-            updated_ms: epoch_ms.min(now_ms),
-            holders: vec![Holder {
-                instance: String::new(),
-                // Rounded up: all of the refill, never a fraction less.
-                share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
-                asked_ms: epoch_ms,
-                until_ms: epoch_ms.saturating_add(ttl_ms),
-                ..Holder::default()
-            }],
-            idle_at_ms: 0,
-        };
-        bucket.refill(item, now_ms);
-        bucket.forget(now_ms, ttl_ms);
-        if bucket.tokens >= item.burst as f64 && bucket.holders.is_empty() {
-            return full;
+        match cold {
+            ColdStart::Full => Self {
+                tokens: item.burst as f64,
+                updated_ms: now_ms,
+                holders: Vec::new(),
+                idle_at_ms: now_ms,
+            },
+            // Empty at the epoch, with the whole rate held by the proxies of before; the first
+            // lease refills it from there (long after the epoch: full, as if never lost).
+            ColdStart::Conservative { epoch_ms } => Self {
+                tokens: 0.0,
+                updated_ms: epoch_ms.min(now_ms),
+                holders: vec![Holder {
+                    instance: String::new(),
+                    // Rounded up: all of the refill, never a fraction less.
+                    share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+                    asked_ms: epoch_ms,
+                    until_ms: epoch_ms.saturating_add(ttl_ms),
+                    ..Holder::default()
+                }],
+                idle_at_ms: 0,
+            },
         }
-        bucket
     }
 
     /// Add what flowed in since the last update: the refill rate less what was reserved.

@@ -38,7 +38,9 @@ enum Connection {
 
 pub struct RedisStore {
     conn: Connection,
-    script: redis::Script,
+    /// The lease script as sent with `SCRIPT LOAD`, and its SHA-1 for `EVALSHA`.
+    script: String,
+    script_sha: String,
     timeout: Duration,
     conservative: bool,
     /// Cluster: which master serves each slot (as last learnt), so that a call runs one script
@@ -130,12 +132,14 @@ impl RedisStore {
         // The slots' marker keys, worked out once (a few ms) before the first call needs them.
         let _ = marker(0);
         let script = match conn {
-            Connection::Single(_) => redis::Script::new(LEASE_LUA),
-            Connection::Cluster(_) => redis::Script::new(&format!("{CLUSTER_FLAGS}{LEASE_LUA}")),
+            Connection::Single(_) => LEASE_LUA.to_owned(),
+            Connection::Cluster(_) => format!("{CLUSTER_FLAGS}{LEASE_LUA}"),
         };
+        let script_sha = redis::Script::new(&script).get_hash().to_owned();
         let store = Self {
             conn,
             script,
+            script_sha,
             timeout,
             conservative,
             masters: RwLock::new(Vec::new()),
@@ -179,14 +183,18 @@ impl RedisStore {
         }
     }
 
-    /// The items grouped into script runs: all in one on a single Redis; on a cluster one per
-    /// master when the slot map is known, else one per slot.
-    fn runs(&self, items: &[LeaseItem]) -> Vec<Run> {
-        let masters = self.masters.read().map(|m| m.clone()).unwrap_or_default();
+    /// `members` of `items` grouped into script runs: all in one on a single Redis; on a cluster
+    /// one per master when `per_master` and the slot map is known, else one per slot.
+    fn runs(&self, items: &[LeaseItem], members: &[usize], per_master: bool) -> Vec<Run> {
+        let masters = self.masters.read();
+        let masters: &[u16] = match &masters {
+            Ok(m) if per_master => m,
+            _ => &[],
+        };
         let declared = masters.is_empty() || matches!(self.conn, Connection::Single(_));
         let mut groups: BTreeMap<usize, Run> = BTreeMap::new();
-        for (i, item) in items.iter().enumerate() {
-            let slot = slot(&tag(item));
+        for &i in members {
+            let slot = slot(&tag(&items[i]));
             let group = match self.conn {
                 Connection::Single(_) => 0,
                 Connection::Cluster(_) => {
@@ -216,7 +224,8 @@ impl RedisStore {
         ttl_ms: u64,
     ) -> Result<Vec<LeaseGrant>, StoreError> {
         let work = async {
-            let runs = self.runs(items);
+            let all: Vec<usize> = (0..items.len()).collect();
+            let runs = self.runs(items, &all, true);
             let results = join_all(runs.iter().map(|r| self.run(instance, items, r, ttl_ms))).await;
             let mut grants = vec![None; items.len()];
             let mut again = Vec::new();
@@ -232,18 +241,7 @@ impl RedisStore {
             }
             if !again.is_empty() {
                 self.learn_masters().await;
-                let mut by_slot: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-                for i in again {
-                    by_slot.entry(slot(&tag(&items[i]))).or_default().push(i);
-                }
-                let runs: Vec<Run> = by_slot
-                    .into_iter()
-                    .map(|(slot, members)| Run {
-                        slot: u16::try_from(slot).unwrap_or(0),
-                        members,
-                        declared: true,
-                    })
-                    .collect();
+                let runs = self.runs(items, &again, false);
                 let results =
                     join_all(runs.iter().map(|r| self.run(instance, items, r, ttl_ms))).await;
                 for (run, result) in runs.into_iter().zip(results) {
@@ -278,7 +276,7 @@ impl RedisStore {
             })
             .collect();
         let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(self.script.get_hash());
+        evalsha.arg(&self.script_sha);
         if run.declared {
             evalsha.arg(keys.len() * 2);
             for (bucket, marker) in &keys {
@@ -304,7 +302,7 @@ impl RedisStore {
                 .arg(item.demand_mtps());
         }
         let mut load = redis::cmd("SCRIPT");
-        load.arg("LOAD").arg(self.script_text());
+        load.arg("LOAD").arg(&self.script);
         let answers: Vec<Answer> = match self.conn.clone() {
             Connection::Single(mut c) => match evalsha.query_async::<Vec<Answer>>(&mut c).await {
                 Err(e)
@@ -352,13 +350,6 @@ impl RedisStore {
             ));
         }
         Ok(answers)
-    }
-
-    fn script_text(&self) -> String {
-        match self.conn {
-            Connection::Single(_) => LEASE_LUA.to_owned(),
-            Connection::Cluster(_) => format!("{CLUSTER_FLAGS}{LEASE_LUA}"),
-        }
     }
 }
 

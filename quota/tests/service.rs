@@ -321,40 +321,27 @@ fn unsafe_cont(pid: u32) {
 
 #[test]
 fn the_binary_serves_and_stops_gracefully_on_sigterm() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate-quota"))
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let health = loop {
-        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            use std::io::{Read, Write};
-            s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-                .unwrap();
-            let mut out = String::new();
-            let _ = s.read_to_string(&mut out);
-            break out;
-        }
-        assert!(Instant::now() < deadline, "did not start");
-        std::thread::sleep(Duration::from_millis(10));
+    let mut svc = Binary::start(&[]);
+    let health = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", svc.port)).unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
     };
     assert!(
         health.starts_with("HTTP/1.1 200") && health.ends_with("ok\n"),
         "{health}"
     );
     Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &svc.child.id().to_string()])
         .status()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = svc.child.try_wait().unwrap() {
             break status;
         }
         assert!(Instant::now() < deadline, "still running after SIGTERM");
