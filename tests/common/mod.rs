@@ -372,8 +372,28 @@ impl Quota {
     }
 
     /// Stop the service without closing its socket (SIGSTOP): calls hang until [`Self::resume`].
+    /// Returns once every thread is stopped: `kill` returns before the signal takes effect, and a
+    /// thread still running could answer one more call.
     pub fn pause(&self) {
         self.signal(libc::SIGSTOP);
+        let Some(child) = &self.child else { return };
+        let tasks = format!("/proc/{}/task", child.id());
+        let all_stopped = || {
+            std::fs::read_dir(&tasks).is_ok_and(|entries| {
+                entries.flatten().all(|task| {
+                    std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                        // The state follows the parenthesised command name.
+                        stat.rsplit_once(") ")
+                            .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+                    })
+                })
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !all_stopped() {
+            assert!(Instant::now() < deadline, "the quota service did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     pub fn resume(&self) {
