@@ -71,6 +71,8 @@ bench: dist
 	.venv/bin/pip install --quiet --disable-pip-version-check matplotlib
 	cargo build --release -p tollgate-quota
 	cd bench/noop && cargo build --release --target wasm32-wasip1
+	cd bench/rawnoop && cargo build --release --target wasm32-wasip1 \
+		&& cargo build --release --target wasm32-wasip1 --features every-callback --target-dir target/every-callback
 	cd bench/probe && cargo build --release --target wasm32-wasip1
 	$(MAKE) probe
 	.venv/bin/python bench/run.py

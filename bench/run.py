@@ -9,6 +9,7 @@ over the run, divided by requests) is the one to trust on a noisy shared machine
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -24,6 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 ENVOY = REPO / ".venv/bin/envoy"
 TOLLGATE = REPO / "dist/release/tollgate.wasm"
 NOOP = REPO / "bench/noop/target/wasm32-wasip1/release/tollgate_bench_noop.wasm"
+# Do-nothing modules on the raw ABI: the two callbacks Envoy needs, and every callback tollgate
+# exports (as a module that also runs in nginx must).
+RAW_NOOP = REPO / "bench/rawnoop/target/wasm32-wasip1/release/tollgate_bench_rawnoop.wasm"
+RAW_NOOP_ALL = REPO / "bench/rawnoop/target/every-callback/wasm32-wasip1/release/tollgate_bench_rawnoop.wasm"
 # tollgate built with `--features probe` (times its callbacks) and the host-call probe filter.
 TOLLGATE_PROBE = REPO / "target/probe/wasm32-wasip1/release/tollgate.wasm"
 HOST_PROBE = REPO / "bench/probe/target/wasm32-wasip1/release/tollgate_bench_probe.wasm"
@@ -315,15 +320,40 @@ def parse_wrk(out):
             "rejected": int(non2xx.group(1)) if non2xx else 0, "seconds": took}
 
 
+def perf_counts_instructions():
+    """True if `perf stat` can count retired instructions here (not in most VMs)."""
+    try:
+        out = subprocess.run(["perf", "stat", "-x,", "-e", "instructions", "true"],
+                             capture_output=True, text=True, timeout=10).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(line.split(",")[0].strip().isdigit() for line in out.splitlines())
+
+
+PERF_INSTRUCTIONS = perf_counts_instructions()
+
+
 def measure(server, seconds, keys=None):
     wrk(server.url, 1, keys=keys)  # warm-up: connections, JIT, caches
     calls = lambda: server.stat("wasmcustom.tollgate.quota.calls") if isinstance(server, EnvoyServer) else 0
     calls_before = calls()
+    counter = None
+    if PERF_INSTRUCTIONS:
+        counter = subprocess.Popen(["perf", "stat", "-x,", "-e", "instructions", "-p",
+                                    ",".join(str(p) for p in server.pids)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     before = cpu_ticks(server.pids)
     out = wrk(server.url, seconds, keys=keys)
     after = cpu_ticks(server.pids)
     r = parse_wrk(out)
     r["cpu_us"] = (after - before) / CLK_TCK * 1e6 / max(r["requests"], 1)
+    r["instructions"] = None
+    if counter:
+        counter.send_signal(signal.SIGINT)
+        _, err = counter.communicate(timeout=10)
+        counts = [int(line.split(",")[0]) for line in err.splitlines() if line.split(",")[0].strip().isdigit()]
+        if counts:
+            r["instructions"] = counts[0] / max(r["requests"], 1)
     r["calls_per_1000"] = (calls() - calls_before) * 1000 / max(r["requests"], 1)
     return r
 
@@ -339,7 +369,14 @@ def setups(quota_port, quota_redis_port):
     for path, limit in (("allowed", HUGE), ("rejected", 1)):
         out += [
             ("Envoy, no filter", path, envoy([]), None) if path == "allowed" else None,
-            ("Envoy + do-nothing Wasm filter", path, envoy([wasm_filter(NOOP, {})]), None) if path == "allowed" else None,
+            ("Envoy + SDK do-nothing filter", path, envoy([wasm_filter(NOOP, {})]), None) if path == "allowed" else None,
+            ("Envoy + raw-ABI do-nothing, 2 callbacks", path, envoy([wasm_filter(RAW_NOOP, {})]), None)
+            if path == "allowed" else None,
+            ("Envoy + raw-ABI do-nothing, every callback", path, envoy([wasm_filter(RAW_NOOP_ALL, {})]), None)
+            if path == "allowed" else None,
+            ("tollgate, one rule that matches nothing", path,
+             tg({"rules": [{"name": "bench", "match": {"path": "/never"}, "limit": {"requests": 1, "per": "1m"}}]}),
+             None) if path == "allowed" else None,
             ("Envoy local_ratelimit per client IP", path, envoy([native_local_ratelimit(limit)]), None),
             ("tollgate token bucket per client IP", path, tg(tollgate_plugin(limit)), None),
             ("tollgate per client IP, no rate-limit headers", path,
@@ -361,7 +398,7 @@ def setups(quota_port, quota_redis_port):
     return [s for s in out if s]
 
 
-SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile")
+SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split")
 
 
 def main():
@@ -404,6 +441,8 @@ def main():
             saved["global"] = sections.global_load()
         if "profile" in wanted:
             saved["profile"], saved["hostcalls"] = sections.profile()
+        if "split" in wanted:
+            saved["split"] = sections.process_split()
     finally:
         for p in (quota, quota_redis, quota_redis2, redis):
             p.stop()
@@ -416,7 +455,11 @@ def cost(args, qp, qrp):
     """CPU per request, throughput and latency of every setup: interleaved rounds, medians."""
     results = {}
     todo = [s for s in setups(qp, qrp) if not args.only or args.only in s[0]]
+    listed = [(name, path) for name, path, _, _ in todo]
+    order = random.Random(1)
     for r in range(args.rounds):
+        # A new order every round: no setup always runs after the same neighbour.
+        order.shuffle(todo)
         for name, path, factory, keys in todo:
             server = factory()
             try:
@@ -427,12 +470,15 @@ def cost(args, qp, qrp):
             print(f"round {r + 1} {name} [{path}]: {m['cpu_us']:.1f} us/req, {m['rps']:.0f} req/s, "
                   f"p50 {m['p50_ms']:.2f} ms, p99 {m['p99_ms']:.2f} ms, rejected {m['rejected']}/{m['requests']}",
                   flush=True)
-    medians = {k: {f: statistics.median(m[f] for m in v) for f in v[0]} for k, v in results.items()}
+    def median(values):
+        values = [x for x in values if x is not None]
+        return statistics.median(values) if values else None
+    medians = {k: {f: median(m[f] for m in v) for f in v[0]} for k, v in results.items()}
     return [{"setup": k[0], "path": k[1], "rounds": len(results[k]),
              "cpu_min": min(m["cpu_us"] for m in results[k]),
              "cpu_max": max(m["cpu_us"] for m in results[k]),
-             "per_round": results[k], **v}
-            for k, v in medians.items()]
+             "per_round": results[k], **medians[k]}
+            for k in listed]
 
 
 def inside(p):
@@ -449,14 +495,38 @@ def report(saved, args):
     rows = saved["cost"]
     get = {(r["setup"], r["path"]): r for r in rows}
     cpu = lambda name, path="allowed": get[(name, path)]["cpu_us"]
-    base, floor, ng = cpu("Envoy, no filter"), cpu("Envoy + do-nothing Wasm filter"), cpu("nginx, no limiting")
+    base, floor, ng = cpu("Envoy, no filter"), cpu("Envoy + SDK do-nothing filter"), cpu("nginx, no limiting")
 
     def paired(a, b, field="cpu_us", path="allowed"):
         """Median over rounds of a − b measured in the same round: drift between rounds cancels."""
         ra, rb = get[(a, path)]["per_round"], get[(b, path)]["per_round"]
         return statistics.median(x[field] - y[field] for x, y in zip(ra, rb))
 
-    NONE, NOOP = "Envoy, no filter", "Envoy + do-nothing Wasm filter"
+    NONE, NOOP = "Envoy, no filter", "Envoy + SDK do-nothing filter"
+    RAW2, RAW_ALL = "Envoy + raw-ABI do-nothing, 2 callbacks", "Envoy + raw-ABI do-nothing, every callback"
+    PER_IP, PER_IP_BARE = "tollgate token bucket per client IP", "tollgate per client IP, no rate-limit headers"
+    NEVER = "tollgate, one rule that matches nothing"
+
+    def ratio(a, b, path="allowed"):
+        """Median over rounds of a / b measured in the same round."""
+        ra, rb = get[(a, path)]["per_round"], get[(b, path)]["per_round"]
+        return statistics.median(x["cpu_us"] / y["cpu_us"] for x, y in zip(ra, rb))
+
+    floor_ratio, floor_ratio_bare = ratio(PER_IP, NOOP), ratio(PER_IP_BARE, NOOP)
+    proper, proper_bare = paired(PER_IP, RAW2), paired(PER_IP_BARE, RAW2)
+    instructions = {k: r.get("instructions") for k, r in get.items()}
+    have_instructions = any(v is not None for v in instructions.values())
+    # Where each µs goes: paired differences of setups that add one thing at a time.
+    steps = [
+        ("Envoy enters a module twice per request (context create, request headers)", RAW2, NONE),
+        ("… and for the callbacks a module that also runs in nginx must export (response headers and "
+         "body, done, log, delete)", RAW_ALL, RAW2),
+        ("the SDK's own per-request work (boxed context, hash map, dispatch)", NOOP, RAW_ALL),
+        ("tollgate: a request no rule applies to (its path read and matched)", NEVER, RAW_ALL),
+        ("… one bucket for everyone, no headers (time, stash)", "tollgate one bucket (no key), no rate-limit headers", NEVER),
+        ("… keyed by client IP (the address read)", PER_IP_BARE, "tollgate one bucket (no key), no rate-limit headers"),
+        ("… with the two draft headers on the response", PER_IP, PER_IP_BARE),
+    ]
     native = paired("Envoy local_ratelimit per client IP", NONE)
     ours = paired("tollgate token bucket per client IP", NOOP)
     ours_bare = paired("tollgate per client IP, no rate-limit headers", NOOP)
@@ -479,6 +549,12 @@ def report(saved, args):
     strict = get[("tollgate global, strict (memory)", "allowed")]
     p99_gap = statistics.median(x["p99_ms"] / y["p99_ms"] - 1 for x, y in zip(
         lease["per_round"], local["per_round"]))
+    lease_over = get[("tollgate global, lease (memory)", "rejected")]
+    local_over = get[("tollgate token bucket per client IP", "rejected")]
+    p99_gap_over = statistics.median(x["p99_ms"] / y["p99_ms"] - 1 for x, y in zip(
+        lease_over["per_round"], local_over["per_round"]))
+    shared = {g["load"]: g for g in saved.get("global", []) if g["rule"] == "global" and "p99_ratio" in g}
+    over3 = next((g for load, g in shared.items() if load.startswith("over")), None)
     prof = {p["config"]: p for p in saved["profile"]}
     tb, bare = prof["token bucket per client IP"], prof["no rate-limit headers"]
     ours_inside, bare_inside = inside(tb), inside(bare)
@@ -496,8 +572,17 @@ def report(saved, args):
         "",
         "## Targets",
         "",
+        "Same-run figures first: each is the median over rounds of a ratio or difference between two "
+        "setups measured in the same round, which cancels this VM's drift between rounds.",
+        "",
         "| target | measured | met? |",
         "|---|---|---|",
+        f"| tollgate per client IP, draft headers on, costs no more CPU per request than the SDK's do-nothing "
+        f"filter | **{floor_ratio:.2f}×** the do-nothing filter's CPU per request ({floor_ratio_bare:.2f}× without "
+        f"headers) | {'yes' if floor_ratio <= 1.0 else 'no'} |",
+        f"| the decision proper (tollgate minus the raw-ABI do-nothing module) ≤ Envoy local_ratelimit's added "
+        f"cost per client IP | {proper:.1f} µs ({proper_bare:.1f} µs without headers) vs native {native:.1f} µs | "
+        f"{'yes' if proper_bare <= native else 'no'} |",
         f"| tollgate's own decision ≤ Envoy local_ratelimit's added cost | per client IP: {bare_inside:.1f} µs "
         f"inside tollgate's callbacks without rate-limit headers ({ours_inside:.1f} µs with them), of which "
         f"{address:.1f} µs reads the client address; CPU/request over the do-nothing filter {ours_bare:.1f} µs "
@@ -509,13 +594,24 @@ def report(saved, args):
         f"| … aiming for nginx limit_req's | nginx: {nginx_lr:.1f} µs; tollgate as above | "
         f"{'yes' if bare_inside <= nginx_lr else 'no'} |",
         f"| no allocations on the hot path | {allocs(bare):.2f} heap allocations per allowed request inside "
-        f"tollgate's callbacks, none of them tollgate's own: the SDK boxes each HTTP context, and the host "
-        "allocates the client address it returns in the module's memory | ours: yes |",
+        f"tollgate's callbacks, none of them tollgate's own (the host allocates the client address it returns "
+        "in the module's memory) | yes |",
         f"| lease mode ≤ 10 quota calls per 1000 requests at steady state | {lease['calls_per_1000']:.1f} "
         f"(Redis: {lease_redis['calls_per_1000']:.1f}); strict mode: {strict['calls_per_1000']:.0f} | "
         f"{'yes' if max(lease['calls_per_1000'], lease_redis['calls_per_1000']) <= 10 else 'no'} |",
         f"| lease mode p99 within 10% of local mode | {lease['p99_ms']:.2f} ms vs {local['p99_ms']:.2f} ms "
         f"(paired: {p99_gap * 100:+.0f}%) | {'yes' if p99_gap <= 0.10 else 'no'} |",
+        f"| … and over the limit (every request refused) | {lease_over['p99_ms']:.2f} ms vs "
+        f"{local_over['p99_ms']:.2f} ms (paired: {p99_gap_over * 100:+.0f}%) | "
+        f"{'yes' if p99_gap_over <= 0.10 else 'no'} |",
+    ]
+    if over3:
+        lines.append(f"| 3 Envoys sharing 200/s over the limit: p99 within 10% of a local rule's, ≤ 10 quota calls "
+                     f"per 1000 requests | p99 {over3['p99_ratio']:.2f}× the local rule's (paired over "
+                     f"{over3['rounds']} rounds, [below](#global-limits-under-and-over-the-limit)); "
+                     f"{over3['calls_per_1000']:.2f} calls per 1000 requests | "
+                     f"{'yes' if over3['p99_ratio'] <= 1.10 and over3['calls_per_1000'] <= 10 else 'no'} |")
+    lines += [
         "",
         "CPU per request measured from outside scatters by several µs between rounds on this VM (see "
         "[Noise](#noise)), so the decision cost is judged by the time tollgate spends inside its own "
@@ -532,11 +628,75 @@ def report(saved, args):
         f"busy key ({nostash_inside:.1f} → {ours_inside:.1f} µs inside the callbacks), stats are handed to "
         "Envoy per tick rather than per request, and the request path makes no heap allocation of its own.",
         "",
+        "## Where each µs goes",
+        "",
+        "Setups that add one thing at a time, measured in the same rounds (paired medians, CPU µs per "
+        "request); the right column is the time the probe build spends inside tollgate's own callbacks "
+        "for the same step (see [Where the time goes](#where-the-time-goes)).",
+        "",
+        "| step | CPU µs/request (paired) | instructions/request | inside tollgate's callbacks |",
+        "|---|---|---|---|",
+    ]
+    inside_of = {
+        NEVER: None,
+        "tollgate one bucket (no key), no rate-limit headers": one_inside,
+        PER_IP_BARE: bare_inside - one_inside,
+        PER_IP: ours_inside - bare_inside,
+    }
+    for label, a, b in steps:
+        ia, ib = instructions.get((a, "allowed")), instructions.get((b, "allowed"))
+        instr = f"{ia - ib:+,.0f}" if ia is not None and ib is not None else "n/a"
+        ins = inside_of.get(a)
+        lines.append(f"| {label} | {paired(a, b):+.1f} | {instr} | {'' if ins is None else f'{ins:.1f} µs'} |")
+    lines += [
+        f"| **tollgate per client IP with headers, over Envoy without filters** | **{paired(PER_IP, NONE):+.1f}** | "
+        f"| {ours_inside:.1f} µs |",
+        "",
+        "Instruction counts: " + ("`perf stat -e instructions` on the proxy process during each round." if
+                                  have_instructions else "not available on this machine (`perf stat -e "
+                                  "instructions` reports the counter as not supported: a VM without hardware "
+                                  "performance counters); the bench records them where the counter exists."),
+        "",
+    ]
+    split = saved.get("split")
+    if split:
+        parts = [k for k in split[0] if k not in ("setup", "cpu_us")]
+        lines += [
+            "Where the proxy's CPU goes, sampled (`perf record -e cpu-clock` on the Envoy process, same load, "
+            "median of 3 rounds; each sample's share of the CPU per request):",
+            "",
+            "| setup | CPU µs/request | " + " | ".join(parts) + " |",
+            "|---|---|" + "---|" * len(parts),
+        ]
+        for row in split:
+            lines.append(f"| {row['setup']} | {row['cpu_us']:.1f} | "
+                         + " | ".join(f"{row[k]:.1f}" for k in parts) + " |")
+    else:
+        lines.append("Sampling where the proxy's CPU goes (`perf record -e cpu-clock`) was not possible on this "
+                     "machine.")
+    lines += [
+        "",
+        f"Reading: the SDK's own per-request work is {paired(NOOP, RAW_ALL):+.1f} µs over a raw-ABI module that "
+        f"Envoy enters as often; the callbacks themselves cost {paired(RAW_ALL, NONE):+.1f} µs. What separates a do-nothing module from "
+        "one that Envoy enters twice is the callbacks themselves, and a module that also runs in nginx "
+        "cannot leave them out: ngx_wasm_module calls `proxy_on_response_body`, `proxy_on_log`, "
+        "`proxy_on_done` and `proxy_on_delete` without checking that the module exports them (a missing "
+        "one crashes the nginx worker), and the ABI has no way to tell Envoy per configuration which "
+        "callbacks to skip. So tollgate's floor is the do-nothing filter's less the SDK's own work, and to "
+        "cost no more than the SDK's do-nothing filter, everything tollgate does would have to fit in that "
+        "work; it cannot, since one host call that returns data (the client address) costs more. What "
+        "tollgate does comes on top of the floor: reading the request (a host call that returns data costs about 1 µs, because "
+        "Envoy calls back into the module to allocate the result), the decision, and the headers. Whole-"
+        "process CPU is more than the time inside the callbacks because each host call and callback entry "
+        "also costs Envoy time outside the module (V8 entry and exit, argument conversion, the host's side "
+        "of each call) and a larger module touches more memory.",
+        "",
         "## Cost per request",
         "",
         "Each proxy with one worker (Envoy `--concurrency 1`, nginx `worker_processes 1`) pinned to core 0, a "
         f"static 200 answered by the proxy itself, `wrk -t{LOAD_THREADS} -c32 --latency` pinned to the other "
-        f"core on loopback for {args.seconds} s after a 1 s warm-up, {args.rounds} interleaved rounds, medians. "
+        f"core on loopback for {args.seconds} s after a 1 s warm-up, {args.rounds} interleaved rounds (every "
+        "setup once per round, in an order shuffled each round), medians. "
         "**CPU µs/request** is the proxy process's user+sys time over the run divided by the requests served: "
         "the figure to trust here (throughput and latency move with whatever else runs on the host).",
         "",
@@ -621,9 +781,8 @@ def report(saved, args):
         "in (`set_shared_data`, `increment_metric`, `get_current_time`, `set_header`) 0.1–0.3 µs. A request "
         "for a busy key makes one returning call (its client address) instead of two (address and the "
         "shared bucket); the decision proper is mostly the shared-bucket visit that one request in "
-        "`worker_batch + 1` makes to refill the stash. The allocations left are the SDK's (a boxed context "
-        "per request) and the host's (the returned client address; a stash refill's group read); a 429 "
-        "also builds the local reply's header list. The 429 storm's request callback includes Envoy "
+        "`worker_batch + 1` makes to refill the stash. The allocations left are the host's (the returned "
+        "client address; a stash refill's group read); a 429 also builds the local reply's header list. The 429 storm's request callback includes Envoy "
         "building and sending the local reply (`send_http_response`).",
         "",
         "## Accuracy",
@@ -701,16 +860,20 @@ def report(saved, args):
         "",
         "## Global limits under and over the limit",
         "",
-        "3 Envoys (one worker each), one key shared by all, `wrk -c4` against each for 5 s; the same load "
-        "on a local rule (a third of the limit per Envoy) for comparison. Over the limit, rate leases let "
-        "each Envoy admit at its share and refuse beyond it at once.",
+        "3 Envoys (one worker each, not pinned: they share both cores with the 3 `wrk -c4` and the quota "
+        "service), one key shared by all, 5 s after a 1 s warm-up; the same load on a local rule (a third "
+        "of the limit per Envoy) right after, in each of several rounds; medians over rounds (p99: the "
+        "slowest Envoy's). **p99 vs local** is the median over rounds of the global run's p99 divided by "
+        "the local run's of the same round. Over the limit, rate leases let each Envoy admit at its share "
+        "and refuse beyond it at once.",
         "",
-        "| load | rule | requests | admitted | quota calls / 1000 requests | p50 ms | p99 ms |",
-        "|---|---|---|---|---|---|---|",
+        "| load | rule | rounds | requests | admitted | quota calls / 1000 requests | p50 ms | p99 ms | p99 vs local |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for g in saved.get("global", []):
-        lines.append(f"| {g['load']} | {g['rule']} | {g['requests']} | {g['admitted']} | "
-                     f"{g['calls_per_1000']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} |")
+        ratio = f"{g['p99_ratio']:.2f}×" if "p99_ratio" in g else ""
+        lines.append(f"| {g['load']} | {g['rule']} | {g.get('rounds', 1)} | {g['requests']:.0f} | {g['admitted']:.0f} | "
+                     f"{g['calls_per_1000']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {ratio} |")
     lines += [
         "",
         "A lease call stands for many requests: a grant is a quarter of the key's burst by default (up to "

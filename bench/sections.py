@@ -285,47 +285,139 @@ def quota_throughput(seconds=5):
     return rows
 
 
-def global_load(seconds=5):
+def global_load(seconds=5, rounds=5):
     """3 Envoys under and over a shared limit: quota calls per 1000 requests and p99, against the
-    same load on a local rule (no quota service)."""
-    rows = []
+    same load on a local rule (no quota service), in interleaved rounds (global, then local, in
+    each round) so that the p99 ratio is taken between runs made side by side."""
     port = free_port()
     service = Proc([str(QUOTA), "--listen", f"127.0.0.1:{port}", "--cold-start", "full"],
                    env={**run.os.environ, "RUST_LOG": "error"})
     wait_http(f"http://127.0.0.1:{port}/healthz")
+    runs = {}
     try:
-        for load, requests in (("under the limit", HUGE), ("over the limit (200/s shared)", 200)):
-            for scope in ("global", "local"):
-                plugin = tollgate_plugin(requests, key=(), per="1s",
-                                         scope="global" if scope == "global" else None)
-                if scope == "global":
-                    plugin["quota_service"]["instances_hint"] = 3
-                else:
-                    plugin["rules"][0]["limit"]["requests"] = max(requests // 3, 1)
-                envoys = [EnvoyServer([wasm_filter(TOLLGATE, plugin)],
-                                      [quota_cluster(port)] if scope == "global" else [], pin=False)
-                          for _ in range(3)]
-                try:
-                    results = wrk_together([e.url for e in envoys], seconds, connections=4)
-                    ok = sum(answered_2xx(e) for e in envoys)
-                    calls = sum(e.stat("wasmcustom.tollgate.quota.calls") for e in envoys)
-                finally:
-                    for e in envoys:
-                        e.stop()
-                total = sum(r["requests"] for r in results)
-                row = {"load": load, "rule": scope, "requests": total, "admitted": ok,
-                       "calls_per_1000": calls * 1000 / max(total, 1),
-                       "p50_ms": max(r["p50_ms"] for r in results), "p99_ms": max(r["p99_ms"] for r in results),
-                       "seconds": results[0]["seconds"]}
-                rows.append(row)
-                print(f"global load, {load}, {scope} rule: {total} requests, {ok} admitted, "
-                      f"{row['calls_per_1000']:.2f} calls/1000, p99 {row['p99_ms']:.2f} ms", flush=True)
+        for r in range(rounds):
+            for load, requests in (("under the limit", HUGE), ("over the limit (200/s shared)", 200)):
+                for scope in ("global", "local"):
+                    plugin = tollgate_plugin(requests, key=(), per="1s",
+                                             scope="global" if scope == "global" else None)
+                    if scope == "global":
+                        plugin["quota_service"]["instances_hint"] = 3
+                    else:
+                        plugin["rules"][0]["limit"]["requests"] = max(requests // 3, 1)
+                    envoys = [EnvoyServer([wasm_filter(TOLLGATE, plugin)],
+                                          [quota_cluster(port)] if scope == "global" else [], pin=False)
+                              for _ in range(3)]
+                    try:
+                        # Warm-up: connections, JIT, and the first leases.
+                        wrk_together([e.url for e in envoys], 1, connections=4)
+                        before = [(answered_2xx(e), e.stat("wasmcustom.tollgate.quota.calls")) for e in envoys]
+                        results = wrk_together([e.url for e in envoys], seconds, connections=4)
+                        ok = sum(answered_2xx(e) - b[0] for e, b in zip(envoys, before))
+                        calls = sum(e.stat("wasmcustom.tollgate.quota.calls") - b[1] for e, b in zip(envoys, before))
+                    finally:
+                        for e in envoys:
+                            e.stop()
+                    total = sum(x["requests"] for x in results)
+                    m = {"requests": total, "admitted": ok, "calls_per_1000": calls * 1000 / max(total, 1),
+                         "p50_ms": max(x["p50_ms"] for x in results), "p99_ms": max(x["p99_ms"] for x in results),
+                         "seconds": results[0]["seconds"]}
+                    runs.setdefault((load, scope), []).append(m)
+                    print(f"global load round {r + 1}, {load}, {scope} rule: {total} requests, {ok} admitted, "
+                          f"{m['calls_per_1000']:.2f} calls/1000, p99 {m['p99_ms']:.2f} ms", flush=True)
     finally:
         service.stop()
+    rows = []
+    for (load, scope), ms in runs.items():
+        row = {"load": load, "rule": scope, "rounds": len(ms),
+               **{f: statistics.median(m[f] for m in ms) for f in ms[0]}}
+        if scope == "global":
+            local = runs[(load, "local")]
+            row["p99_ratio"] = statistics.median(g["p99_ms"] / l["p99_ms"] for g, l in zip(ms, local))
+        rows.append(row)
     return rows
 
 
 # ---------------------------------------------------------------- where the time goes
+
+def perf_samples_cpu():
+    """True if `perf record` can sample this machine's CPU clock (a software event: VMs have it)."""
+    try:
+        return subprocess.run(["perf", "record", "-e", "cpu-clock", "-o", "/dev/null", "true"],
+                              capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def dso_shares(data):
+    """Shares of samples by where the code ran: the module's JIT code, Envoy's binary (the host and
+    V8's runtime), the kernel, and the rest (libc, vdso)."""
+    out = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", "dso", "-g", "none",
+                          "--stdio"], capture_output=True, text=True, timeout=120).stdout
+    shares = {"module (JIT code)": 0.0, "Envoy (host and V8 runtime)": 0.0, "kernel": 0.0, "other": 0.0}
+    for line in out.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "%" not in line:
+            continue
+        pct, _, dso = line.partition("%")
+        try:
+            share = float(pct) / 100
+        except ValueError:
+            continue
+        dso = dso.strip()
+        if dso.startswith("[JIT]") or dso.startswith("perf-") or dso == "[unknown]":
+            shares["module (JIT code)"] += share
+        elif dso == "envoy":
+            shares["Envoy (host and V8 runtime)"] += share
+        elif dso.startswith("[kernel"):
+            shares["kernel"] += share
+        else:
+            shares["other"] += share
+    return shares
+
+
+def process_split(seconds=4, rounds=3):
+    """Where the proxy's CPU per request goes, by sampling it (`perf record -e cpu-clock`): the
+    module's code, Envoy's own, the kernel. `None` where perf cannot sample."""
+    if not perf_samples_cpu():
+        print("process split: perf cannot sample here; skipped", flush=True)
+        return None
+    setups = [
+        ("Envoy, no filter", []),
+        ("Envoy + raw-ABI do-nothing, 2 callbacks", [wasm_filter(run.RAW_NOOP, {})]),
+        ("Envoy + raw-ABI do-nothing, every callback", [wasm_filter(run.RAW_NOOP_ALL, {})]),
+        ("Envoy + SDK do-nothing filter", [wasm_filter(run.NOOP, {})]),
+        ("tollgate token bucket per client IP", [wasm_filter(TOLLGATE, tollgate_plugin(HUGE))]),
+    ]
+    found = {}
+    for _ in range(rounds):
+        for name, filters in setups:
+            server = EnvoyServer(filters)
+            data = run.tempfile.mktemp(prefix="tollgate-perf-")
+            try:
+                run.wrk(server.url, 1)
+                sampler = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-o", data, "-p",
+                                            str(server.proc.p.pid)],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                before = run.cpu_ticks(server.pids)
+                result = run.parse_wrk(run.wrk(server.url, seconds))
+                after = run.cpu_ticks(server.pids)
+                sampler.send_signal(run.signal.SIGINT)
+                sampler.wait(timeout=30)
+                cpu_us = (after - before) / run.CLK_TCK * 1e6 / max(result["requests"], 1)
+                shares = dso_shares(data)
+                found.setdefault(name, []).append({k: v * cpu_us for k, v in shares.items()} | {"cpu_us": cpu_us})
+            finally:
+                server.stop()
+                if run.os.path.exists(data):
+                    run.os.unlink(data)
+    rows = []
+    for name, _ in setups:
+        ms = found[name]
+        rows.append({"setup": name, **{k: statistics.median(m[k] for m in ms) for k in ms[0]}})
+        print(f"process split {name}: {rows[-1]}", flush=True)
+    return rows
+
+
 
 CALLBACKS = ("create", "request", "client_address", "evaluate", "timer", "response", "log")
 

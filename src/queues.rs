@@ -3,7 +3,8 @@
 //! calls in flight. Host-independent: the callbacks resume what these say.
 
 use crate::engine::{Admitted, Inputs, Refill};
-use std::collections::{BTreeSet, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeSet;
 
 /// A request waiting for a global rule's quota, decided again on every tick.
 #[derive(Debug)]
@@ -19,9 +20,9 @@ pub struct Queues {
     held: BTreeSet<(u64, u32)>,
     waiting: Vec<Waiting>,
     /// Decisions made on the tick for paused requests, picked up by their contexts.
-    resumed: HashMap<u32, Admitted>,
+    resumed: FxHashMap<u32, Admitted>,
     /// Refills sent and not answered yet, by call token.
-    in_flight: HashMap<u32, Vec<Refill>>,
+    in_flight: FxHashMap<u32, Vec<Refill>>,
 }
 
 impl Queues {

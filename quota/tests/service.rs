@@ -305,11 +305,21 @@ async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
     );
 }
 
+/// Stops `pid` and returns once it is stopped (`kill` returns before the signal takes effect).
 fn unsafe_stop(pid: u32) {
     Command::new("kill")
         .args(["-STOP", &pid.to_string()])
         .status()
         .unwrap();
+    let stat = format!("/proc/{pid}/stat");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !std::fs::read_to_string(&stat).is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('T'))
+    }) {
+        assert!(Instant::now() < deadline, "{pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 fn unsafe_cont(pid: u32) {

@@ -1,11 +1,11 @@
 //! Which context made each call in flight, by token: Envoy delivers every answer through the root
 //! context, so a request's answer is found by the token of its call.
 
+use rustc_hash::FxHashMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 thread_local! {
-    static CALLS: RefCell<HashMap<u32, u32>> = RefCell::new(HashMap::new());
+    static CALLS: RefCell<FxHashMap<u32, u32>> = RefCell::new(FxHashMap::default());
 }
 
 /// Note that context `context_id` made the call `token`.

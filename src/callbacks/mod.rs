@@ -10,13 +10,15 @@ use crate::{abi, host};
 use http::Http;
 use log::debug;
 use root::Root;
+use rustc_hash::FxHashMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
 
+// Context ids are the host's small integers, never a client's: a fast hash (several lookups per
+// request) needs no protection against chosen keys.
 thread_local! {
-    static ROOTS: RefCell<HashMap<u32, Root>> = RefCell::new(HashMap::new());
+    static ROOTS: RefCell<FxHashMap<u32, Root>> = RefCell::new(FxHashMap::default());
     /// Requests in progress. The map keeps its capacity: a new request allocates nothing.
-    static STREAMS: RefCell<HashMap<u32, Http>> = RefCell::new(HashMap::new());
+    static STREAMS: RefCell<FxHashMap<u32, Http>> = RefCell::new(FxHashMap::default());
 }
 
 fn with_root<R>(id: u32, default: R, f: impl FnOnce(&mut Root) -> R) -> R {
