@@ -3,6 +3,7 @@
 //! Nothing here knows about proxy-wasm. The filter adapts Envoy's shared data to [`CasStore`];
 //! tests and the quota service use [`MemoryStore`].
 
+pub mod adaptive;
 pub mod algorithm;
 pub mod allowance;
 pub mod concurrency;
@@ -16,6 +17,7 @@ pub mod slot;
 pub mod stash;
 pub mod state;
 pub mod store;
+pub mod throttle;
 pub mod token_bucket;
 pub mod warm_up;
 
