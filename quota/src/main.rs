@@ -29,6 +29,15 @@ struct Args {
     /// service follows failovers.
     #[arg(long, env = "TOLLGATE_QUOTA_REDIS_CLUSTER", value_delimiter = ',')]
     redis_cluster: Option<Vec<String>>,
+    /// Keep the buckets in the Redis master that Sentinel names `--redis-master`: one or more
+    /// sentinels, comma-separated (redis://127.0.0.1:26379,redis://127.0.0.1:26380). After any
+    /// storage error the service asks the sentinels again, so it follows failovers.
+    #[arg(long, env = "TOLLGATE_QUOTA_REDIS_SENTINEL", value_delimiter = ',',
+          conflicts_with_all = ["redis", "redis_cluster"], requires = "redis_master")]
+    redis_sentinel: Option<Vec<String>>,
+    /// The master's name in Sentinel's configuration (with `--redis-sentinel`).
+    #[arg(long, env = "TOLLGATE_QUOTA_REDIS_MASTER", requires = "redis_sentinel")]
+    redis_master: Option<String>,
     /// How buckets the store does not know start: `conservative` (after a restart of the memory
     /// store, or a Redis slot that lost its data: nothing is granted for one lease TTL, then the
     /// bucket refills from empty) or `full` (a restart can admit up to a burst more per key).
@@ -88,14 +97,19 @@ async fn main() {
 async fn run(args: Args) -> Result<(), String> {
     let timeout = Duration::from_millis(args.storage_timeout_ms);
     let conservative = args.cold_start == ColdStartArg::Conservative;
-    let target = match (&args.redis, &args.redis_cluster) {
-        (Some(url), _) => Some(RedisTarget::Single(url.clone())),
-        (None, Some(nodes)) => Some(RedisTarget::Cluster(nodes.clone())),
-        (None, None) => None,
+    let target = match (&args.redis, &args.redis_cluster, &args.redis_sentinel) {
+        (Some(url), _, _) => Some(RedisTarget::Single(url.clone())),
+        (None, Some(nodes), _) => Some(RedisTarget::Cluster(nodes.clone())),
+        (None, None, Some(sentinels)) => Some(RedisTarget::Sentinel {
+            sentinels: sentinels.clone(),
+            master: args.redis_master.clone().unwrap_or_default(),
+        }),
+        (None, None, None) => None,
     };
     let storage = match &target {
         Some(RedisTarget::Single(_)) => "redis",
         Some(RedisTarget::Cluster(_)) => "redis-cluster",
+        Some(RedisTarget::Sentinel { .. }) => "redis-sentinel",
         None => "memory",
     };
     let store = match &target {

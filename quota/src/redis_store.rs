@@ -1,4 +1,5 @@
-//! Global buckets in Redis or a Redis Cluster: one Lua script per call (per slot on a cluster).
+//! Global buckets in Redis, a Redis Cluster or a Redis watched by Sentinel: one Lua script per
+//! call (per master on a cluster).
 //!
 //! A bucket is one hash, `{tg:<limit_id>:<key>}:b` (tokens, updated, its holders), so an item
 //! touches one cluster slot. Each slot also has an epoch marker (a key whose hash tag is
@@ -11,6 +12,7 @@ use futures::future::join_all;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::sentinel::{SentinelClient, SentinelServerType};
 use std::collections::BTreeMap;
 use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
@@ -28,12 +30,48 @@ pub enum RedisTarget {
     Single(String),
     /// A Redis Cluster, given by one or more of its nodes.
     Cluster(Vec<String>),
+    /// The master of `master` as Redis Sentinel names it, asked of one of `sentinels`.
+    Sentinel {
+        sentinels: Vec<String>,
+        master: String,
+    },
 }
 
 #[derive(Clone)]
 enum Connection {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(std::sync::Arc<SentinelLink>),
+}
+
+/// The master Sentinel names: connected when first needed, and asked of the sentinels again after
+/// any error (after a failover the old address is a replica that refuses writes, or gone).
+struct SentinelLink {
+    sentinel: tokio::sync::Mutex<SentinelClient>,
+    master: std::sync::Mutex<Option<ConnectionManager>>,
+    config: redis::aio::ConnectionManagerConfig,
+}
+
+impl SentinelLink {
+    async fn connection(&self) -> redis::RedisResult<ConnectionManager> {
+        if let Some(c) = self.master.lock().ok().and_then(|m| m.clone()) {
+            return Ok(c);
+        }
+        let client = self.sentinel.lock().await.async_get_client().await?;
+        let c = client
+            .get_connection_manager_with_config(self.config.clone())
+            .await?;
+        if let Ok(mut m) = self.master.lock() {
+            *m = Some(c.clone());
+        }
+        Ok(c)
+    }
+
+    fn forget(&self) {
+        if let Ok(mut m) = self.master.lock() {
+            *m = None;
+        }
+    }
 }
 
 pub struct RedisStore {
@@ -97,12 +135,25 @@ impl RedisStore {
         let connect_timeout = timeout.max(Duration::from_millis(500));
         let connecting = async {
             match target {
+                RedisTarget::Sentinel { sentinels, master } => {
+                    let sentinel = SentinelClient::build(
+                        sentinels.clone(),
+                        master.clone(),
+                        None,
+                        SentinelServerType::Master,
+                    )
+                    .map_err(failed)?;
+                    let link = SentinelLink {
+                        sentinel: tokio::sync::Mutex::new(sentinel),
+                        master: std::sync::Mutex::new(None),
+                        config: manager_config(connect_timeout, timeout),
+                    };
+                    link.connection().await.map_err(failed)?;
+                    Ok(Connection::Sentinel(std::sync::Arc::new(link)))
+                }
                 RedisTarget::Single(url) => {
                     let client = redis::Client::open(url.as_str()).map_err(failed)?;
-                    let config = redis::aio::ConnectionManagerConfig::new()
-                        .set_connection_timeout(Some(connect_timeout))
-                        .set_response_timeout(Some(timeout))
-                        .set_number_of_retries(0);
+                    let config = manager_config(connect_timeout, timeout);
                     client
                         .get_connection_manager_with_config(config)
                         .await
@@ -132,7 +183,7 @@ impl RedisStore {
         // The slots' marker keys, worked out once (a few ms) before the first call needs them.
         let _ = marker(0);
         let script = match conn {
-            Connection::Single(_) => LEASE_LUA.to_owned(),
+            Connection::Single(_) | Connection::Sentinel(_) => LEASE_LUA.to_owned(),
             Connection::Cluster(_) => format!("{CLUSTER_FLAGS}{LEASE_LUA}"),
         };
         let script_sha = redis::Script::new(&script).get_hash().to_owned();
@@ -191,12 +242,12 @@ impl RedisStore {
             Ok(m) if per_master => m,
             _ => &[],
         };
-        let declared = masters.is_empty() || matches!(self.conn, Connection::Single(_));
+        let declared = masters.is_empty() || !matches!(self.conn, Connection::Cluster(_));
         let mut groups: BTreeMap<usize, Run> = BTreeMap::new();
         for &i in members {
             let slot = slot(&tag(&items[i]));
             let group = match self.conn {
-                Connection::Single(_) => 0,
+                Connection::Single(_) | Connection::Sentinel(_) => 0,
                 Connection::Cluster(_) => {
                     masters.get(slot).map_or(SLOTS + slot, |&m| usize::from(m))
                 }
@@ -304,16 +355,17 @@ impl RedisStore {
         let mut load = redis::cmd("SCRIPT");
         load.arg("LOAD").arg(&self.script);
         let answers: Vec<Answer> = match self.conn.clone() {
-            Connection::Single(mut c) => match evalsha.query_async::<Vec<Answer>>(&mut c).await {
-                Err(e)
-                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                {
-                    load.query_async::<()>(&mut c).await.map_err(failed)?;
-                    evalsha.query_async(&mut c).await
-                }
-                other => other,
+            Connection::Single(mut c) => {
+                eval_or_load(&mut c, &evalsha, &load).await.map_err(failed)
             }
-            .map_err(failed),
+            Connection::Sentinel(link) => {
+                let mut c = link.connection().await.map_err(failed)?;
+                let answers = eval_or_load(&mut c, &evalsha, &load).await;
+                if answers.is_err() {
+                    link.forget();
+                }
+                answers.map_err(failed)
+            }
             Connection::Cluster(mut c) => {
                 let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
                     run.slot,
@@ -350,6 +402,31 @@ impl RedisStore {
             ));
         }
         Ok(answers)
+    }
+}
+
+fn manager_config(
+    connect_timeout: Duration,
+    timeout: Duration,
+) -> redis::aio::ConnectionManagerConfig {
+    redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(0)
+}
+
+/// Run the script by its hash, loading it first where the server does not know it.
+async fn eval_or_load(
+    c: &mut ConnectionManager,
+    evalsha: &redis::Cmd,
+    load: &redis::Cmd,
+) -> redis::RedisResult<Vec<Answer>> {
+    match evalsha.query_async::<Vec<Answer>>(c).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            load.query_async::<()>(c).await?;
+            evalsha.query_async(c).await
+        }
+        other => other,
     }
 }
 

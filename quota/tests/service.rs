@@ -135,14 +135,28 @@ struct Redis {
     port: u16,
 }
 
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 impl Redis {
     fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        Self::start_with(&[])
+    }
+
+    /// A redis-server with `extra` arguments after the port and binding (a leading config file
+    /// path goes first: `redis-server FILE --sentinel` runs a sentinel).
+    fn start_with(extra: &[&str]) -> Self {
+        Self::spawn(free_port(), None, extra)
+    }
+
+    fn spawn(port: u16, config: Option<&str>, extra: &[&str]) -> Self {
         let child = Command::new(std::env::var("REDIS_SERVER").unwrap_or("redis-server".into()))
+            .args(config)
             .args([
                 "--port",
                 &port.to_string(),
@@ -152,6 +166,7 @@ impl Redis {
                 "",
             ])
             .args(["--appendonly", "no"])
+            .args(extra)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server (make test installs it)");
@@ -644,4 +659,83 @@ fn slow_and_idle_clients_are_cut_off_and_connections_are_capped() {
     let n = s.read(&mut out).unwrap();
     let answer = String::from_utf8_lossy(&out[..n]);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+}
+
+/// A master, its replica and three sentinels watching it (down after 500 ms): the store follows
+/// the failover when the master is killed, and grants resume from the promoted replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_store_follows_a_sentinel_failover() {
+    let mut master = Redis::start();
+    let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+    let dir = std::env::temp_dir().join(format!("tollgate-sentinel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sentinels: Vec<Redis> = (0..3)
+        .map(|i| {
+            // Sentinel rewrites its configuration file: each gets its own.
+            let file = dir.join(format!("sentinel-{i}.conf"));
+            std::fs::write(
+                &file,
+                format!(
+                    "sentinel monitor tgm 127.0.0.1 {} 2\n\
+                     sentinel down-after-milliseconds tgm 500\n\
+                     sentinel failover-timeout tgm 2000\n",
+                    master.port
+                ),
+            )
+            .unwrap();
+            Redis::spawn(free_port(), Some(file.to_str().unwrap()), &["--sentinel"])
+        })
+        .collect();
+    let target = RedisTarget::Sentinel {
+        sentinels: sentinels.iter().map(Redis::url).collect(),
+        master: "tgm".into(),
+    };
+    let store = Store::Redis(
+        RedisStore::connect(&target, Duration::from_millis(200), false)
+            .await
+            .unwrap(),
+    );
+    let first = store
+        .lease("a", &[item("k", 1_000, 10)], 60_000)
+        .await
+        .unwrap();
+    assert_eq!(first[0].granted, 10);
+    // The replica has the bucket before the master goes (replication is asynchronous).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let out = Command::new("redis-cli")
+            .args(["-p", &replica.port.to_string(), "DBSIZE"])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&out.stdout).trim() != "0" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica never caught up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = master.child.kill();
+    let _ = master.child.wait();
+    let killed = Instant::now();
+    let mut failures = 0;
+    let granted = loop {
+        match store.lease("a", &[item("k", 1_000, 10)], 60_000).await {
+            Ok(g) => break g,
+            Err(_) => failures += 1,
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "no grant 20 s after the master was killed ({failures} failed calls)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!(
+        "grants resumed {:?} after the master was killed ({failures} calls failed meanwhile)",
+        killed.elapsed()
+    );
+    assert!(failures > 0, "the calls never noticed the master was gone");
+    // The promoted replica kept the bucket: 10 of 1 000 were spent before.
+    assert_eq!(granted[0].granted, 10);
+    assert!(granted[0].remaining <= 980, "{:?}", granted[0]);
+    drop(sentinels);
+    let _ = std::fs::remove_dir_all(&dir);
 }
