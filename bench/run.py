@@ -333,7 +333,9 @@ def perf_counts_instructions():
 PERF_INSTRUCTIONS = perf_counts_instructions()
 
 
-def measure(server, seconds, keys=None):
+def measure(server, seconds, keys=None, record=None):
+    """One measured run after a warm-up; with `record`, the proxy is also sampled into that
+    `perf record` file while it runs."""
     wrk(server.url, 1, keys=keys)  # warm-up: connections, JIT, caches
     calls = lambda: server.stat("wasmcustom.tollgate.quota.calls") if isinstance(server, EnvoyServer) else 0
     calls_before = calls()
@@ -342,9 +344,17 @@ def measure(server, seconds, keys=None):
         counter = subprocess.Popen(["perf", "stat", "-x,", "-e", "instructions", "-p",
                                     ",".join(str(p) for p in server.pids)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sampler = None
+    if record:
+        sampler = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-o", record, "-p",
+                                    ",".join(str(p) for p in server.pids)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     before = cpu_ticks(server.pids)
     out = wrk(server.url, seconds, keys=keys)
     after = cpu_ticks(server.pids)
+    if sampler:
+        sampler.send_signal(signal.SIGINT)
+        sampler.wait(timeout=30)
     r = parse_wrk(out)
     r["cpu_us"] = (after - before) / CLK_TCK * 1e6 / max(r["requests"], 1)
     r["instructions"] = None

@@ -394,16 +394,7 @@ def process_split(seconds=4, rounds=3):
             server = EnvoyServer(filters)
             data = run.tempfile.mktemp(prefix="tollgate-perf-")
             try:
-                run.wrk(server.url, 1)
-                sampler = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-o", data, "-p",
-                                            str(server.proc.p.pid)],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                before = run.cpu_ticks(server.pids)
-                result = run.parse_wrk(run.wrk(server.url, seconds))
-                after = run.cpu_ticks(server.pids)
-                sampler.send_signal(run.signal.SIGINT)
-                sampler.wait(timeout=30)
-                cpu_us = (after - before) / run.CLK_TCK * 1e6 / max(result["requests"], 1)
+                cpu_us = run.measure(server, seconds, record=data)["cpu_us"]
                 shares = dso_shares(data)
                 found.setdefault(name, []).append({k: v * cpu_us for k, v in shares.items()} | {"cpu_us": cpu_us})
             finally:

@@ -171,7 +171,7 @@ impl Adaptive {
         let mut next = self.advance(w, now_ns);
         next.in_flight = next.in_flight.saturating_sub(1);
         let b = &mut next.buckets[(next.newest % self.buckets as u64) as usize];
-        let rt = u32::try_from(rt_us).unwrap_or(u32::MAX);
+        let rt = crate::state::saturating_u32(rt_us);
         b.min_rt_us = if b.passed == 0 {
             rt
         } else {

@@ -10,7 +10,9 @@
 //! failed (`FAILED`). Refills themselves are the filter's business: this module decides, claims,
 //! says what to ask for, and applies answers.
 
-use crate::state::{read_u32, read_u64, write_u32, write_u64, Decision, State, STATE_BYTES};
+use crate::state::{
+    read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State, STATE_BYTES,
+};
 
 const EXHAUSTED: u32 = 1 << 31;
 const FAILED: u32 = 1 << 30;
@@ -102,18 +104,18 @@ fn parts(state: &State) -> Parts {
     }
 }
 
-fn u32_of(n: u64) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
-
 fn encode(p: &Parts) -> State {
     let mut s = [0; STATE_BYTES];
-    write_u32(&mut s, 0, u32_of(p.granted));
-    write_u32(&mut s, 4, u32_of(p.spent.min(u64::from(SPENT))) | p.flags);
-    write_u32(&mut s, 8, u32_of(p.reported));
-    write_u32(&mut s, 12, u32_of(p.rate));
+    write_u32(&mut s, 0, saturating_u32(p.granted));
+    write_u32(
+        &mut s,
+        4,
+        saturating_u32(p.spent.min(u64::from(SPENT))) | p.flags,
+    );
+    write_u32(&mut s, 8, saturating_u32(p.reported));
+    write_u32(&mut s, 12, saturating_u32(p.rate));
     write_u64(&mut s, 16, p.base);
-    write_u32(&mut s, 24, u32_of(p.until.saturating_sub(p.base)));
+    write_u32(&mut s, 24, saturating_u32(p.until.saturating_sub(p.base)));
     let mark = if p.mark == 0 {
         0
     } else {

@@ -41,6 +41,11 @@ pub(crate) fn write_u32(s: &mut State, at: usize, v: u32) {
     s[at..at + 4].copy_from_slice(&v.to_le_bytes());
 }
 
+/// `n`, or `u32::MAX` if it does not fit: counts stored in 32 bits stop at their maximum.
+pub(crate) fn saturating_u32(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 pub(crate) fn read_u64(s: &State, at: usize) -> u64 {
     let mut b = [0; 8];
     b.copy_from_slice(&s[at..at + 8]);

@@ -6,7 +6,7 @@
 //! what is left of it. Every request counts, refused ones too (the SRE formula's `requests` are the
 //! attempts): a backend that stops accepting is asked less and less, and still probed.
 
-use crate::state::{read_u32, read_u64, write_u32, write_u64, State, STATE_BYTES};
+use crate::state::{read_u32, read_u64, saturating_u32, write_u32, write_u64, State, STATE_BYTES};
 
 /// `k` is kept in thousandths.
 pub const K_SCALE: u64 = 1_000;
@@ -69,10 +69,10 @@ impl SreThrottle {
     fn encode(c: &Counts) -> State {
         let mut next = [0; STATE_BYTES];
         write_u64(&mut next, 0, c.window);
-        write_u32(&mut next, 8, saturate(c.requests));
-        write_u32(&mut next, 12, saturate(c.accepts));
-        write_u32(&mut next, 16, saturate(c.previous_requests));
-        write_u32(&mut next, 20, saturate(c.previous_accepts));
+        write_u32(&mut next, 8, saturating_u32(c.requests));
+        write_u32(&mut next, 12, saturating_u32(c.accepts));
+        write_u32(&mut next, 16, saturating_u32(c.previous_requests));
+        write_u32(&mut next, 20, saturating_u32(c.previous_accepts));
         next
     }
 
@@ -122,10 +122,6 @@ impl SreThrottle {
         let c = self.counts(state, now_ns);
         c.requests == 0 && c.previous_requests == 0
     }
-}
-
-fn saturate(n: u64) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 /// A draw in `0..2^32` from a seed (SplitMix64): requests need no random source of the host's, a

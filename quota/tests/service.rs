@@ -575,11 +575,7 @@ struct Binary {
 
 impl Binary {
     fn start(args: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_tollgate-quota"))
             .args([
                 "--listen",
