@@ -6,17 +6,30 @@
 //! × the window's minimum response time. A request is refused when the in-flight count has reached
 //! the capacity *and* the overload signal is on: the upstream's own CPU (an EWMA of what it reports)
 //! above a threshold, or, without such reports, the window's mean response time inflated past a
-//! factor of its minimum. After a refusal the signal stays on for a cool-down, so that the limit
-//! does not flap around the threshold.
+//! factor of its minimum. After a refusal made while the signal was on, the signal stays on for a
+//! cool-down, so that the limit does not flap around the threshold (refusals made only because of
+//! the cool-down do not extend it: the limit lets go once the upstream has recovered).
+//!
+//! Priorities: each request has a level (higher is more important) and its level a share of the
+//! capacity; while the signal is on, a request is admitted if the in-flight count of its level and
+//! above is below that share. Optionally each request belongs to a flow (a tenant), and a flow may
+//! hold at most an equal part of its level's share among the flows with requests in flight.
 //!
 //! Everything is a pure function of the encoded state and the time passed in.
 
+use crate::state::saturating_u32;
+
 /// Most buckets a window may have.
 pub const MAX_BUCKETS: usize = 16;
+/// Priority levels (0 the lowest).
+pub const LEVELS: usize = 4;
+/// Flows counted for fairness: flow keys hash into this many counters.
+pub const FLOWS: usize = 16;
+const HEADER_BYTES: usize = 40 + FLOWS * 2;
 /// Bytes of an encoded [`Window`].
-pub const WINDOW_BYTES: usize = 32 + MAX_BUCKETS * 12;
+pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 12;
 
-/// Fixed-point scale of ratios (threshold, decay, factor, signal): thousandths.
+/// Fixed-point scale of ratios (threshold, decay, factor, share, signal): thousandths.
 pub const MILLI: u64 = 1_000;
 
 /// Where the overload signal comes from.
@@ -38,6 +51,26 @@ pub struct Adaptive {
     signal: Signal,
 }
 
+/// Where a request sits while in flight: its priority level and its flow's counter, if the rule
+/// is fair per flow.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Seat {
+    /// `0..LEVELS`, higher is more important (larger values count as the highest).
+    pub level: u8,
+    /// `0..FLOWS` (larger values wrap).
+    pub flow: Option<u8>,
+}
+
+impl Seat {
+    fn level(self) -> usize {
+        usize::from(self.level).min(LEVELS - 1)
+    }
+
+    fn flow(self) -> Option<usize> {
+        self.flow.map(|f| usize::from(f) % FLOWS)
+    }
+}
+
 /// One bucket: completions, their summed and minimum response times.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Bucket {
@@ -51,11 +84,14 @@ struct Bucket {
 pub struct Window {
     /// Index (time / bucket length) of the newest bucket + 1; 0: never used.
     newest: u64,
-    in_flight: u32,
     /// The smoothed CPU signal, thousandths; `u32::MAX`: no report yet.
     cpu_milli: u32,
-    /// When the last refusal was, ns; 0: none.
-    refused_ns: u64,
+    /// When the last refusal made while the signal was on happened, ns; 0: none.
+    hot_ns: u64,
+    /// Requests in flight per level.
+    in_flight: [u32; LEVELS],
+    /// Requests in flight per flow counter.
+    flows: [u16; FLOWS],
     buckets: [Bucket; MAX_BUCKETS],
 }
 
@@ -64,8 +100,20 @@ pub struct Window {
 pub enum Admission {
     /// Admitted: write the window (its in-flight count went up).
     Admit(Window),
-    /// Refused: write the window (the refusal starts or extends the cool-down).
+    /// Refused: write the window (the refusal may start the cool-down).
     Refuse(Window),
+}
+
+/// What a window says at a time, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Status {
+    /// The estimated capacity (0: not known yet).
+    pub capacity: u64,
+    pub in_flight: u64,
+    /// The signal's value in thousandths: the smoothed CPU, or the mean response time over the
+    /// minimum.
+    pub signal_milli: u64,
+    pub overloaded: bool,
 }
 
 impl Adaptive {
@@ -130,48 +178,77 @@ impl Adaptive {
         Some((u64::try_from(capacity).unwrap_or(u64::MAX).max(1), min_rt))
     }
 
-    /// True if the overload signal is on at `now_ns`.
-    pub fn overloaded(&self, w: &Window, now_ns: u64) -> bool {
-        if w.refused_ns != 0 && now_ns.saturating_sub(w.refused_ns) < self.cool_down_ns {
-            return true;
-        }
+    /// The signal's value in thousandths, if there is one yet.
+    fn signal_milli(&self, w: &Window) -> Option<u64> {
         match self.signal {
-            Signal::Cpu { threshold, .. } => {
-                w.cpu_milli != u32::MAX && u64::from(w.cpu_milli) > threshold
-            }
-            Signal::Latency { factor } => {
+            Signal::Cpu { .. } => w.cpu_milli(),
+            Signal::Latency { .. } => {
                 let (mut passed, mut sum, mut min_rt) = (0u64, 0u64, u64::MAX);
                 for b in w.buckets.iter().take(self.buckets).filter(|b| b.passed > 0) {
                     passed += u64::from(b.passed);
                     sum += u64::from(b.rt_sum_us);
                     min_rt = min_rt.min(u64::from(b.min_rt_us));
                 }
-                passed > 0 && sum * MILLI > passed * min_rt.max(1) * factor
+                (passed > 0).then(|| sum * MILLI / (passed * min_rt.max(1)))
             }
         }
     }
 
-    /// Decide a request at `now_ns`.
-    pub fn admit(&self, w: &Window, now_ns: u64) -> Admission {
+    /// True if the signal itself (without the cool-down) is on.
+    fn hot(&self, w: &Window) -> bool {
+        let limit = match self.signal {
+            Signal::Cpu { threshold, .. } => threshold,
+            Signal::Latency { factor } => factor,
+        };
+        self.signal_milli(w).is_some_and(|v| v > limit)
+    }
+
+    /// True if the overload signal is on at `now_ns` (the cool-down included).
+    pub fn overloaded(&self, w: &Window, now_ns: u64) -> bool {
+        self.cooling(w, now_ns) || self.hot(w)
+    }
+
+    fn cooling(&self, w: &Window, now_ns: u64) -> bool {
+        w.hot_ns != 0 && now_ns.saturating_sub(w.hot_ns) < self.cool_down_ns
+    }
+
+    /// Decide a request of `seat` at `now_ns`; its level may fill `share_milli` thousandths of
+    /// the capacity (with the requests of higher levels).
+    pub fn admit(&self, w: &Window, now_ns: u64, seat: Seat, share_milli: u64) -> Admission {
         let mut next = self.advance(w, now_ns);
         let full = self
             .capacity(&next)
-            .is_some_and(|(capacity, _)| u64::from(next.in_flight) >= capacity);
-        if full && self.overloaded(&next, now_ns) {
-            next.refused_ns = now_ns.max(1);
-            return Admission::Refuse(next);
+            .is_some_and(|(capacity, _)| next.full_for(seat, capacity, share_milli));
+        if full {
+            let hot = self.hot(&next);
+            if hot || self.cooling(&next, now_ns) {
+                if hot {
+                    next.hot_ns = now_ns.max(1);
+                }
+                return Admission::Refuse(next);
+            }
         }
-        next.in_flight = next.in_flight.saturating_add(1);
+        let level = &mut next.in_flight[seat.level()];
+        *level = level.saturating_add(1);
+        if let Some(f) = seat.flow() {
+            next.flows[f] = next.flows[f].saturating_add(1);
+        }
         Admission::Admit(next)
     }
 
-    /// A request admitted earlier completed after `rt_us`; `cpu_milli` is the utilisation the
-    /// upstream reported with it, if any.
-    pub fn complete(&self, w: &Window, now_ns: u64, rt_us: u64, cpu_milli: Option<u64>) -> Window {
-        let mut next = self.advance(w, now_ns);
-        next.in_flight = next.in_flight.saturating_sub(1);
+    /// A request admitted earlier in `seat` completed after `rt_us`; `cpu_milli` is the
+    /// utilisation the upstream reported with it, if any.
+    pub fn complete(
+        &self,
+        w: &Window,
+        now_ns: u64,
+        seat: Seat,
+        rt_us: u64,
+        cpu_milli: Option<u64>,
+    ) -> Window {
+        let mut next = self.abandon(w, now_ns, seat);
         let b = &mut next.buckets[(next.newest % self.buckets as u64) as usize];
-        let rt = crate::state::saturating_u32(rt_us);
+        let rt = saturating_u32(rt_us);
         b.min_rt_us = if b.passed == 0 {
             rt
         } else {
@@ -190,17 +267,48 @@ impl Adaptive {
         next
     }
 
-    /// A request admitted earlier ended without an answer worth measuring (client gone).
-    pub fn abandon(&self, w: &Window, now_ns: u64) -> Window {
+    /// A request admitted earlier in `seat` ended without an answer worth measuring (client
+    /// gone, or no response from the upstream).
+    pub fn abandon(&self, w: &Window, now_ns: u64, seat: Seat) -> Window {
         let mut next = self.advance(w, now_ns);
-        next.in_flight = next.in_flight.saturating_sub(1);
+        let level = &mut next.in_flight[seat.level()];
+        *level = level.saturating_sub(1);
+        if let Some(f) = seat.flow() {
+            next.flows[f] = next.flows[f].saturating_sub(1);
+        }
         next
+    }
+
+    /// What the window says at `now_ns`.
+    pub fn status(&self, w: &Window, now_ns: u64) -> Status {
+        let w = self.advance(w, now_ns);
+        Status {
+            capacity: self.capacity(&w).map_or(0, |(c, _)| c),
+            in_flight: w.in_flight(),
+            signal_milli: self.signal_milli(&w).unwrap_or(0),
+            overloaded: self.overloaded(&w, now_ns),
+        }
+    }
+
+    /// True if the window holds nothing worth keeping at `now_ns`: nothing in flight, no
+    /// completion in the window, no cool-down running.
+    pub fn is_idle(&self, w: &Window, now_ns: u64) -> bool {
+        let w = self.advance(w, now_ns);
+        w.in_flight() == 0
+            && !self.cooling(&w, now_ns)
+            && w.buckets.iter().take(self.buckets).all(|b| b.passed == 0)
     }
 }
 
 impl Window {
     pub fn in_flight(&self) -> u64 {
-        u64::from(self.in_flight)
+        self.in_flight.iter().map(|&n| u64::from(n)).sum()
+    }
+
+    /// Requests in flight of `level` and above.
+    pub fn in_flight_from(&self, level: u8) -> u64 {
+        let from = usize::from(level).min(LEVELS - 1);
+        self.in_flight[from..].iter().map(|&n| u64::from(n)).sum()
     }
 
     /// The smoothed CPU signal in thousandths, if the upstream reported any.
@@ -208,14 +316,41 @@ impl Window {
         (self.cpu_milli != u32::MAX && self.newest != 0).then_some(u64::from(self.cpu_milli))
     }
 
+    /// True if `seat` may not take another request with `capacity` estimated.
+    fn full_for(&self, seat: Seat, capacity: u64, share_milli: u64) -> bool {
+        let allowance = (u128::from(capacity) * u128::from(share_milli))
+            .div_ceil(u128::from(MILLI))
+            .max(1);
+        let allowance = u64::try_from(allowance).unwrap_or(u64::MAX);
+        if self.in_flight_from(seat.level) >= allowance {
+            return true;
+        }
+        let Some(f) = seat.flow() else {
+            return false;
+        };
+        let mine = u64::from(self.flows[f]);
+        let others = self
+            .flows
+            .iter()
+            .enumerate()
+            .filter(|&(i, &n)| i != f && n > 0)
+            .count() as u64;
+        mine >= allowance.div_ceil(others + 1)
+    }
+
     pub fn encode(&self) -> [u8; WINDOW_BYTES] {
         let mut out = [0; WINDOW_BYTES];
         out[0..8].copy_from_slice(&self.newest.to_le_bytes());
-        out[8..12].copy_from_slice(&self.in_flight.to_le_bytes());
-        out[12..16].copy_from_slice(&self.cpu_milli.to_le_bytes());
-        out[16..24].copy_from_slice(&self.refused_ns.to_le_bytes());
+        out[8..12].copy_from_slice(&self.cpu_milli.to_le_bytes());
+        out[16..24].copy_from_slice(&self.hot_ns.to_le_bytes());
+        for (i, n) in self.in_flight.iter().enumerate() {
+            out[24 + i * 4..28 + i * 4].copy_from_slice(&n.to_le_bytes());
+        }
+        for (i, n) in self.flows.iter().enumerate() {
+            out[40 + i * 2..42 + i * 2].copy_from_slice(&n.to_le_bytes());
+        }
         for (i, b) in self.buckets.iter().enumerate() {
-            let at = 32 + i * 12;
+            let at = HEADER_BYTES + i * 12;
             out[at..at + 4].copy_from_slice(&b.passed.to_le_bytes());
             out[at + 4..at + 8].copy_from_slice(&b.rt_sum_us.to_le_bytes());
             out[at + 8..at + 12].copy_from_slice(&b.min_rt_us.to_le_bytes());
@@ -234,13 +369,18 @@ impl Window {
         let u64_at = |at: usize| u64::from(u32_at(at)) | u64::from(u32_at(at + 4)) << 32;
         let mut w = Self {
             newest: u64_at(0),
-            in_flight: u32_at(8),
-            cpu_milli: u32_at(12),
-            refused_ns: u64_at(16),
-            buckets: [Bucket::default(); MAX_BUCKETS],
+            cpu_milli: u32_at(8),
+            hot_ns: u64_at(16),
+            ..Self::default()
         };
+        for (i, n) in w.in_flight.iter_mut().enumerate() {
+            *n = u32_at(24 + i * 4);
+        }
+        for (i, n) in w.flows.iter_mut().enumerate() {
+            *n = u16::from_le_bytes([bytes[40 + i * 2], bytes[41 + i * 2]]);
+        }
         for (i, b) in w.buckets.iter_mut().enumerate() {
-            let at = 32 + i * 12;
+            let at = HEADER_BYTES + i * 12;
             *b = Bucket {
                 passed: u32_at(at),
                 rt_sum_us: u32_at(at + 4),
@@ -250,7 +390,6 @@ impl Window {
         w
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,7 +415,7 @@ mod tests {
     }
 
     fn admitted(a: &Adaptive, w: &Window, now: u64) -> Window {
-        match a.admit(w, now) {
+        match a.admit(w, now, Seat::default(), MILLI) {
             Admission::Admit(w) => w,
             Admission::Refuse(_) => panic!("refused at {now}"),
         }
@@ -293,7 +432,7 @@ mod tests {
     ) -> Window {
         for t in (start..start + ms * MS).step_by(MS as usize) {
             w = admitted(a, &w, t);
-            w = a.complete(&w, t + rt_us * 1_000, rt_us, cpu);
+            w = a.complete(&w, t + rt_us * 1_000, Seat::default(), rt_us, cpu);
         }
         w
     }
@@ -319,14 +458,14 @@ mod tests {
         w = admitted(&a, &w, now);
         // The upstream slows to 5× its minimum: the window's mean passes twice the minimum.
         for _ in 0..400 {
-            w = a.complete(&w, now, 100_000, None);
+            w = a.complete(&w, now, Seat::default(), 100_000, None);
         }
         assert_eq!(w.in_flight(), 0);
         for _ in 0..20 {
             w = admitted(&a, &w, now);
         }
         assert!(a.overloaded(&w, now));
-        let Admission::Refuse(w) = a.admit(&w, now) else {
+        let Admission::Refuse(w) = a.admit(&w, now, Seat::default(), MILLI) else {
             panic!("admitted")
         };
         // The cool-down keeps the signal on after the slow answers leave the window.
@@ -336,6 +475,97 @@ mod tests {
         assert!(a.overloaded(&w, now + 900 * MS));
     }
 
+    /// Capacity 20, the latency signal on, nothing in flight, at 1 s.
+    fn overloaded_window(a: &Adaptive) -> Window {
+        let mut w = steady(a, Window::default(), 0, 1_000, 20_000, None);
+        for _ in 0..400 {
+            w = a.complete(&a.advance(&w, 1_000 * MS), 1_000 * MS, Seat::default(), 100_000, None);
+        }
+        w.in_flight = [0; LEVELS];
+        assert!(a.overloaded(&w, 1_000 * MS));
+        w
+    }
+
+    /// Admit requests of `seat` until one is refused; how many were admitted.
+    fn fill(a: &Adaptive, w: &mut Window, now: u64, seat: Seat, share: u64) -> u64 {
+        for n in 0..1_000 {
+            match a.admit(w, now, seat, share) {
+                Admission::Admit(next) => *w = next,
+                Admission::Refuse(next) => {
+                    *w = next;
+                    return n;
+                }
+            }
+        }
+        panic!("never refused")
+    }
+
+    #[test]
+    fn refusals_in_the_cool_down_alone_do_not_extend_it() {
+        let a = latency();
+        let mut w = overloaded_window(&a);
+        let now = 1_000 * MS;
+        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 20);
+        assert_eq!(w.hot_ns, now);
+        // The upstream is quick again (1–2 s); 20 requests in flight, the cool-down running.
+        let mut calm = steady(&a, Window::default(), now, 1_000, 20_000, None);
+        calm.hot_ns = w.hot_ns;
+        calm.in_flight[0] = 20;
+        assert!(!a.hot(&calm));
+        let Admission::Refuse(after) = a.admit(&calm, now + 500 * MS, Seat::default(), MILLI)
+        else {
+            panic!("admitted in the cool-down")
+        };
+        assert_eq!(after.hot_ns, now, "a refusal of the cool-down alone restarted it");
+        let over = now + 1_050 * MS;
+        assert!(a.capacity(&a.advance(&after, over)).is_some());
+        assert!(matches!(
+            a.admit(&after, over, Seat::default(), MILLI),
+            Admission::Admit(_)
+        ));
+    }
+
+    #[test]
+    fn lower_levels_are_refused_first_and_the_highest_may_use_everything() {
+        let a = latency();
+        let mut w = overloaded_window(&a);
+        let now = 1_000 * MS;
+        let low = Seat { level: 0, flow: None };
+        let high = Seat { level: 3, flow: None };
+        assert_eq!(fill(&a, &mut w, now, low, 600), 12);
+        // The highest level counts only itself: it may use the whole capacity (the low
+        // requests in flight end and are not replaced).
+        assert_eq!(fill(&a, &mut w, now, high, MILLI), 20);
+        w = a.abandon(&w, now, high);
+        for _ in 0..10 {
+            w = a.abandon(&w, now, low);
+        }
+        // 2 low and 19 high in flight: room for a high request, not for a low one.
+        assert!(matches!(a.admit(&w, now, low, 600), Admission::Refuse(_)));
+        assert!(matches!(a.admit(&w, now, high, MILLI), Admission::Admit(_)));
+    }
+
+    #[test]
+    fn flows_of_a_level_share_it_equally() {
+        let a = latency();
+        let mut w = overloaded_window(&a);
+        let now = 1_000 * MS;
+        let seat = |f| Seat {
+            level: 0,
+            flow: Some(f),
+        };
+        // Alone, a flow may use the whole allowance.
+        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 20);
+        for _ in 0..12 {
+            w = a.abandon(&w, now, seat(1));
+        }
+        // With a second flow in flight, each may hold half.
+        assert_eq!(fill(&a, &mut w, now, seat(2), MILLI), 10);
+        assert!(matches!(a.admit(&w, now, seat(1), MILLI), Admission::Admit(_)));
+        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 2);
+        assert_eq!(w.flows[1], 10);
+    }
+
     #[test]
     fn the_cpu_signal_is_a_moving_average_against_the_threshold() {
         let a = cpu();
@@ -343,7 +573,7 @@ mod tests {
         assert_eq!(w.cpu_milli(), Some(500));
         assert!(!a.overloaded(&w, 200 * MS));
         // One report of 100% moves the average by 5% of the gap only.
-        w = a.complete(&admitted(&a, &w, 200 * MS), 201 * MS, 1_000, Some(1_000));
+        w = a.complete(&admitted(&a, &w, 200 * MS), 201 * MS, Seat::default(), 1_000, Some(1_000));
         assert_eq!(w.cpu_milli(), Some(525));
         w = steady(&a, w, 202 * MS, 200, 1_000, Some(1_000));
         assert!(a.overloaded(&w, 402 * MS), "{:?}", w.cpu_milli());
@@ -379,20 +609,40 @@ mod tests {
     proptest! {
         #[test]
         fn encoding_round_trips_and_in_flight_never_underflows(
-            events in prop::collection::vec((0u64..3, 0u64..50, 0u64..200_000), 0..300),
+            events in prop::collection::vec(
+                (0u64..3, 0u64..50, 0u64..200_000, 0u8..6, prop::option::of(0u8..20)),
+                0..300,
+            ),
         ) {
             let a = cpu();
             let mut w = Window::default();
             let mut now = 0;
-            for (kind, step_ms, rt) in events {
+            let mut held = Vec::new();
+            for (kind, step_ms, rt, level, flow) in events {
                 now += step_ms * MS;
+                let seat = Seat { level, flow };
                 w = match kind {
-                    0 => match a.admit(&w, now) {
-                        Admission::Admit(w) | Admission::Refuse(w) => w,
+                    0 => match a.admit(&w, now, seat, rt % 1_200) {
+                        Admission::Admit(w) => {
+                            held.push(seat);
+                            w
+                        }
+                        Admission::Refuse(w) => w,
                     },
-                    1 => a.complete(&w, now, rt, Some(rt % 1_200)),
-                    _ => a.abandon(&w, now),
+                    1 => match held.pop() {
+                        Some(seat) => a.complete(&w, now, seat, rt, Some(rt % 1_200)),
+                        None => w,
+                    },
+                    _ => match held.pop() {
+                        Some(seat) => a.abandon(&w, now, seat),
+                        None => w,
+                    },
                 };
+                prop_assert_eq!(w.in_flight(), held.len() as u64);
+                prop_assert_eq!(
+                    w.flows.iter().map(|&n| u64::from(n)).sum::<u64>(),
+                    held.iter().filter(|s| s.flow.is_some()).count() as u64
+                );
                 prop_assert_eq!(Window::decode(&w.encode()), w);
                 prop_assert!(w.in_flight() < 1_000);
             }
