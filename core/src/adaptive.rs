@@ -3,12 +3,18 @@
 //!
 //! A window of buckets (default 10 × 100 ms) records the requests that completed in each and their
 //! minimum response time. Estimated capacity = the most completions of any full bucket, per second,
-//! × the window's minimum response time. A request is refused when the in-flight count has reached
-//! the capacity *and* the overload signal is on: the upstream's own CPU (an EWMA of what it reports)
+//! × the minimum response time. A request is refused when the in-flight count has reached the
+//! capacity *and* the overload signal is on: the upstream's own CPU (an EWMA of what it reports)
 //! above a threshold, or, without such reports, the window's mean response time inflated past a
-//! factor of its minimum. After a refusal made while the signal was on, the signal stays on for a
-//! cool-down, so that the limit does not flap around the threshold (refusals made only because of
-//! the cool-down do not extend it: the limit lets go once the upstream has recovered).
+//! factor of the minimum. After a refusal the signal stays on for a cool-down, so that the limit
+//! does not flap around the threshold; under sustained overload every refusal extends it, and the
+//! limit lets go one cool-down after the last refusal.
+//!
+//! The minimum response time is remembered longer than the window (a sliding minimum over one to
+//! two `min_rt_period`s): a queue that stands at the upstream inflates every response time of a
+//! window alike, and a window's own minimum would take the queue for the service time. The
+//! capacity measured while the signal itself was on is kept through the cool-down, so that
+//! refusals that hold the in-flight count below it (lower priorities) do not shrink the estimate.
 //!
 //! Priorities: each request has a level (higher is more important) and its level a share of the
 //! capacity; while the signal is on, a request is admitted if the in-flight count of its level and
@@ -25,9 +31,10 @@ pub const MAX_BUCKETS: usize = 16;
 pub const LEVELS: usize = 4;
 /// Flows counted for fairness: flow keys hash into this many counters.
 pub const FLOWS: usize = 16;
-const HEADER_BYTES: usize = 40 + FLOWS * 2;
+const HEADER_BYTES: usize = 88;
+const _: () = assert!(40 + FLOWS * 2 <= 72 && 24 + LEVELS * 4 <= 40);
 /// Bytes of an encoded [`Window`].
-pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 12;
+pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 8;
 
 /// Fixed-point scale of ratios (threshold, decay, factor, share, signal): thousandths.
 pub const MILLI: u64 = 1_000;
@@ -48,6 +55,7 @@ pub struct Adaptive {
     buckets: usize,
     bucket_ns: u64,
     cool_down_ns: u64,
+    min_rt_period_ns: u64,
     signal: Signal,
 }
 
@@ -71,12 +79,11 @@ impl Seat {
     }
 }
 
-/// One bucket: completions, their summed and minimum response times.
+/// One bucket: completions and their summed response times.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Bucket {
     passed: u32,
     rt_sum_us: u32,
-    min_rt_us: u32,
 }
 
 /// The process-wide state of one adaptive key.
@@ -86,8 +93,14 @@ pub struct Window {
     newest: u64,
     /// The smoothed CPU signal, thousandths; `u32::MAX`: no report yet.
     cpu_milli: u32,
-    /// When the last refusal made while the signal was on happened, ns; 0: none.
-    hot_ns: u64,
+    /// The capacity estimated at the last refusal made while the signal itself was on.
+    latched: u32,
+    /// When the last refusal was, ns; 0: none.
+    refused_ns: u64,
+    /// Index (time / min_rt_period) of the newest minimum response time + 1.
+    floor_period: u64,
+    /// The least response time of this period and of the one before, µs (0: none).
+    floors: [u32; 2],
     /// Requests in flight per level.
     in_flight: [u32; LEVELS],
     /// Requests in flight per flow counter.
@@ -117,15 +130,26 @@ pub struct Status {
 }
 
 impl Adaptive {
-    pub fn new(buckets: usize, bucket_ns: u64, cool_down_ns: u64, signal: Signal) -> Option<Self> {
+    pub fn new(
+        buckets: usize,
+        bucket_ns: u64,
+        cool_down_ns: u64,
+        min_rt_period_ns: u64,
+        signal: Signal,
+    ) -> Option<Self> {
         let signal_ok = match signal {
             Signal::Cpu { threshold, decay } => threshold > 0 && decay < MILLI,
             Signal::Latency { factor } => factor > MILLI,
         };
-        ((2..=MAX_BUCKETS).contains(&buckets) && bucket_ns > 0 && signal_ok).then_some(Self {
+        let ok = (2..=MAX_BUCKETS).contains(&buckets)
+            && bucket_ns > 0
+            && min_rt_period_ns > 0
+            && signal_ok;
+        ok.then_some(Self {
             buckets,
             bucket_ns,
             cool_down_ns,
+            min_rt_period_ns,
             signal,
         })
     }
@@ -150,26 +174,38 @@ impl Adaptive {
             next.buckets[index] = Bucket::default();
         }
         next.newest = newest;
+        let period = now_ns / self.min_rt_period_ns + 1;
+        if period == w.floor_period + 1 {
+            next.floors = [0, w.floors[0]];
+        } else if period > w.floor_period {
+            next.floors = [0, 0];
+        }
+        next.floor_period = next.floor_period.max(period);
         next
     }
 
+    /// The least response time remembered, µs.
+    fn min_rt(w: &Window) -> Option<u64> {
+        w.floors
+            .iter()
+            .filter(|&&f| f > 0)
+            .min()
+            .map(|&f| u64::from(f))
+    }
+
     /// The estimated capacity (requests in flight the upstream serves without queueing), and the
-    /// window's minimum response time; `None` until a full bucket has completions.
+    /// minimum response time; `None` until a full bucket has completions.
     pub fn capacity(&self, w: &Window) -> Option<(u64, u64)> {
         let current = (w.newest % self.buckets as u64) as usize;
         let mut max_passed = 0u64;
-        let mut min_rt = u64::MAX;
         for (i, b) in w.buckets.iter().take(self.buckets).enumerate() {
-            if b.passed == 0 {
-                continue;
-            }
-            min_rt = min_rt.min(u64::from(b.min_rt_us));
             // The current bucket is still filling: its count would understate throughput.
             if i != current {
                 max_passed = max_passed.max(u64::from(b.passed));
             }
         }
-        if max_passed == 0 || min_rt == u64::MAX {
+        let min_rt = Self::min_rt(w)?;
+        if max_passed == 0 {
             return None;
         }
         // passed per bucket × buckets per second × min RT in seconds, rounded up.
@@ -183,13 +219,13 @@ impl Adaptive {
         match self.signal {
             Signal::Cpu { .. } => w.cpu_milli(),
             Signal::Latency { .. } => {
-                let (mut passed, mut sum, mut min_rt) = (0u64, 0u64, u64::MAX);
-                for b in w.buckets.iter().take(self.buckets).filter(|b| b.passed > 0) {
+                let (mut passed, mut sum) = (0u64, 0u64);
+                for b in w.buckets.iter().take(self.buckets) {
                     passed += u64::from(b.passed);
                     sum += u64::from(b.rt_sum_us);
-                    min_rt = min_rt.min(u64::from(b.min_rt_us));
                 }
-                (passed > 0).then(|| sum * MILLI / (passed * min_rt.max(1)))
+                let min_rt = Self::min_rt(w)?;
+                (passed > 0).then(|| sum * MILLI / (passed * min_rt))
             }
         }
     }
@@ -209,22 +245,26 @@ impl Adaptive {
     }
 
     fn cooling(&self, w: &Window, now_ns: u64) -> bool {
-        w.hot_ns != 0 && now_ns.saturating_sub(w.hot_ns) < self.cool_down_ns
+        w.refused_ns != 0 && now_ns.saturating_sub(w.refused_ns) < self.cool_down_ns
     }
 
     /// Decide a request of `seat` at `now_ns`; its level may fill `share_milli` thousandths of
     /// the capacity (with the requests of higher levels).
     pub fn admit(&self, w: &Window, now_ns: u64, seat: Seat, share_milli: u64) -> Admission {
         let mut next = self.advance(w, now_ns);
-        let full = self
-            .capacity(&next)
-            .is_some_and(|(capacity, _)| next.full_for(seat, capacity, share_milli));
-        if full {
-            let hot = self.hot(&next);
-            if hot || self.cooling(&next, now_ns) {
+        let hot = self.hot(&next);
+        let cooling = self.cooling(&next, now_ns);
+        if hot || cooling {
+            let measured = self.capacity(&next).map(|(c, _)| c);
+            let capacity = match (measured, cooling && !hot) {
+                (m, true) => m.max(Some(u64::from(next.latched)).filter(|&c| c > 0)),
+                (m, false) => m,
+            };
+            if capacity.is_some_and(|c| next.full_for(seat, c, share_milli)) {
                 if hot {
-                    next.hot_ns = now_ns.max(1);
+                    next.latched = saturating_u32(measured.unwrap_or(0));
                 }
+                next.refused_ns = now_ns.max(1);
                 return Admission::Refuse(next);
             }
         }
@@ -247,13 +287,10 @@ impl Adaptive {
         cpu_milli: Option<u64>,
     ) -> Window {
         let mut next = self.abandon(w, now_ns, seat);
+        let rt = saturating_u32(rt_us).max(1);
+        let floor = &mut next.floors[0];
+        *floor = if *floor == 0 { rt } else { (*floor).min(rt) };
         let b = &mut next.buckets[(next.newest % self.buckets as u64) as usize];
-        let rt = saturating_u32(rt_us);
-        b.min_rt_us = if b.passed == 0 {
-            rt
-        } else {
-            b.min_rt_us.min(rt)
-        };
         b.passed = b.passed.saturating_add(1);
         b.rt_sum_us = b.rt_sum_us.saturating_add(rt);
         if let (Some(cpu), Signal::Cpu { decay, .. }) = (cpu_milli, self.signal) {
@@ -342,7 +379,11 @@ impl Window {
         let mut out = [0; WINDOW_BYTES];
         out[0..8].copy_from_slice(&self.newest.to_le_bytes());
         out[8..12].copy_from_slice(&self.cpu_milli.to_le_bytes());
-        out[16..24].copy_from_slice(&self.hot_ns.to_le_bytes());
+        out[12..16].copy_from_slice(&self.latched.to_le_bytes());
+        out[16..24].copy_from_slice(&self.refused_ns.to_le_bytes());
+        out[72..80].copy_from_slice(&self.floor_period.to_le_bytes());
+        out[80..84].copy_from_slice(&self.floors[0].to_le_bytes());
+        out[84..88].copy_from_slice(&self.floors[1].to_le_bytes());
         for (i, n) in self.in_flight.iter().enumerate() {
             out[24 + i * 4..28 + i * 4].copy_from_slice(&n.to_le_bytes());
         }
@@ -350,10 +391,9 @@ impl Window {
             out[40 + i * 2..42 + i * 2].copy_from_slice(&n.to_le_bytes());
         }
         for (i, b) in self.buckets.iter().enumerate() {
-            let at = HEADER_BYTES + i * 12;
+            let at = HEADER_BYTES + i * 8;
             out[at..at + 4].copy_from_slice(&b.passed.to_le_bytes());
             out[at + 4..at + 8].copy_from_slice(&b.rt_sum_us.to_le_bytes());
-            out[at + 8..at + 12].copy_from_slice(&b.min_rt_us.to_le_bytes());
         }
         out
     }
@@ -370,7 +410,10 @@ impl Window {
         let mut w = Self {
             newest: u64_at(0),
             cpu_milli: u32_at(8),
-            hot_ns: u64_at(16),
+            latched: u32_at(12),
+            refused_ns: u64_at(16),
+            floor_period: u64_at(72),
+            floors: [u32_at(80), u32_at(84)],
             ..Self::default()
         };
         for (i, n) in w.in_flight.iter_mut().enumerate() {
@@ -380,11 +423,10 @@ impl Window {
             *n = u16::from_le_bytes([bytes[40 + i * 2], bytes[41 + i * 2]]);
         }
         for (i, b) in w.buckets.iter_mut().enumerate() {
-            let at = HEADER_BYTES + i * 12;
+            let at = HEADER_BYTES + i * 8;
             *b = Bucket {
                 passed: u32_at(at),
                 rt_sum_us: u32_at(at + 4),
-                min_rt_us: u32_at(at + 8),
             };
         }
         w
@@ -398,7 +440,14 @@ mod tests {
     const MS: u64 = 1_000_000;
 
     fn latency() -> Adaptive {
-        Adaptive::new(10, 100 * MS, 1_000 * MS, Signal::Latency { factor: 2_000 }).unwrap()
+        Adaptive::new(
+            10,
+            100 * MS,
+            1_000 * MS,
+            10_000 * MS,
+            Signal::Latency { factor: 2_000 },
+        )
+        .unwrap()
     }
 
     fn cpu() -> Adaptive {
@@ -406,6 +455,7 @@ mod tests {
             10,
             100 * MS,
             1_000 * MS,
+            10_000 * MS,
             Signal::Cpu {
                 threshold: 800,
                 decay: 950,
@@ -479,7 +529,13 @@ mod tests {
     fn overloaded_window(a: &Adaptive) -> Window {
         let mut w = steady(a, Window::default(), 0, 1_000, 20_000, None);
         for _ in 0..400 {
-            w = a.complete(&a.advance(&w, 1_000 * MS), 1_000 * MS, Seat::default(), 100_000, None);
+            w = a.complete(
+                &a.advance(&w, 1_000 * MS),
+                1_000 * MS,
+                Seat::default(),
+                100_000,
+                None,
+            );
         }
         w.in_flight = [0; LEVELS];
         assert!(a.overloaded(&w, 1_000 * MS));
@@ -501,28 +557,63 @@ mod tests {
     }
 
     #[test]
-    fn refusals_in_the_cool_down_alone_do_not_extend_it() {
+    fn the_cool_down_keeps_the_capacity_measured_while_overloaded_and_each_refusal_extends_it() {
         let a = latency();
         let mut w = overloaded_window(&a);
         let now = 1_000 * MS;
         assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 20);
-        assert_eq!(w.hot_ns, now);
-        // The upstream is quick again (1–2 s); 20 requests in flight, the cool-down running.
-        let mut calm = steady(&a, Window::default(), now, 1_000, 20_000, None);
-        calm.hot_ns = w.hot_ns;
-        calm.in_flight[0] = 20;
+        assert_eq!((w.latched, w.refused_ns), (20, now));
+        // The next second the upstream is quick again but passes half as many (lower levels
+        // held back): its own estimate would be 10.
+        let mut calm = a.advance(&w, now);
+        calm.buckets = [Bucket::default(); MAX_BUCKETS];
+        calm.in_flight = [0; LEVELS];
+        for t in (now..now + 1_000 * MS).step_by(2 * MS as usize) {
+            calm = a.complete(
+                &admitted(&a, &calm, t),
+                t + 20 * MS,
+                Seat::default(),
+                20_000,
+                None,
+            );
+        }
+        assert_eq!(a.capacity(&calm).map(|c| c.0), Some(10));
         assert!(!a.hot(&calm));
-        let Admission::Refuse(after) = a.admit(&calm, now + 500 * MS, Seat::default(), MILLI)
-        else {
-            panic!("admitted in the cool-down")
-        };
-        assert_eq!(after.hot_ns, now, "a refusal of the cool-down alone restarted it");
-        let over = now + 1_050 * MS;
-        assert!(a.capacity(&a.advance(&after, over)).is_some());
+        let t = now + 900 * MS;
+        calm.in_flight = [15, 0, 0, 0];
         assert!(matches!(
-            a.admit(&after, over, Seat::default(), MILLI),
+            a.admit(&calm, t, Seat::default(), MILLI),
             Admission::Admit(_)
         ));
+        calm.in_flight = [20, 0, 0, 0];
+        let Admission::Refuse(after) = a.admit(&calm, t, Seat::default(), MILLI) else {
+            panic!("admitted past the capacity in the cool-down")
+        };
+        assert_eq!((after.latched, after.refused_ns), (20, t));
+        // One cool-down after the last refusal, with the signal off, everything goes again.
+        assert!(matches!(
+            a.admit(&after, t + 900 * MS, Seat::default(), MILLI),
+            Admission::Refuse(_)
+        ));
+        assert!(matches!(
+            a.admit(&after, t + 1_001 * MS, Seat::default(), MILLI),
+            Admission::Admit(_)
+        ));
+    }
+
+    #[test]
+    fn a_standing_queue_does_not_pass_for_the_service_time() {
+        let a = latency();
+        // 20 ms of service, then a queue that makes every answer take 100 ms for two seconds.
+        let w = steady(&a, Window::default(), 0, 1_000, 20_000, None);
+        let w = steady(&a, w, 1_000 * MS, 2_000, 100_000, None);
+        assert_eq!(a.capacity(&w), Some((20, 20_000)));
+        assert!(a.hot(&w));
+        // Minimums are remembered one to two periods (10 s here).
+        let w = steady(&a, w, 3_000 * MS, 9_000, 100_000, None);
+        assert_eq!(a.capacity(&w).map(|c| c.1), Some(20_000));
+        let w = steady(&a, w, 12_000 * MS, 9_000, 100_000, None);
+        assert_eq!(a.capacity(&w).map(|c| c.1), Some(100_000));
     }
 
     #[test]
@@ -530,8 +621,14 @@ mod tests {
         let a = latency();
         let mut w = overloaded_window(&a);
         let now = 1_000 * MS;
-        let low = Seat { level: 0, flow: None };
-        let high = Seat { level: 3, flow: None };
+        let low = Seat {
+            level: 0,
+            flow: None,
+        };
+        let high = Seat {
+            level: 3,
+            flow: None,
+        };
         assert_eq!(fill(&a, &mut w, now, low, 600), 12);
         // The highest level counts only itself: it may use the whole capacity (the low
         // requests in flight end and are not replaced).
@@ -561,7 +658,10 @@ mod tests {
         }
         // With a second flow in flight, each may hold half.
         assert_eq!(fill(&a, &mut w, now, seat(2), MILLI), 10);
-        assert!(matches!(a.admit(&w, now, seat(1), MILLI), Admission::Admit(_)));
+        assert!(matches!(
+            a.admit(&w, now, seat(1), MILLI),
+            Admission::Admit(_)
+        ));
         assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 2);
         assert_eq!(w.flows[1], 10);
     }
@@ -573,7 +673,13 @@ mod tests {
         assert_eq!(w.cpu_milli(), Some(500));
         assert!(!a.overloaded(&w, 200 * MS));
         // One report of 100% moves the average by 5% of the gap only.
-        w = a.complete(&admitted(&a, &w, 200 * MS), 201 * MS, Seat::default(), 1_000, Some(1_000));
+        w = a.complete(
+            &admitted(&a, &w, 200 * MS),
+            201 * MS,
+            Seat::default(),
+            1_000,
+            Some(1_000),
+        );
         assert_eq!(w.cpu_milli(), Some(525));
         w = steady(&a, w, 202 * MS, 200, 1_000, Some(1_000));
         assert!(a.overloaded(&w, 402 * MS), "{:?}", w.cpu_milli());
@@ -590,14 +696,17 @@ mod tests {
 
     #[test]
     fn bad_parameters_are_refused() {
-        assert!(Adaptive::new(1, MS, 0, Signal::Latency { factor: 2_000 }).is_none());
-        assert!(Adaptive::new(17, MS, 0, Signal::Latency { factor: 2_000 }).is_none());
-        assert!(Adaptive::new(10, 0, 0, Signal::Latency { factor: 2_000 }).is_none());
-        assert!(Adaptive::new(10, MS, 0, Signal::Latency { factor: 1_000 }).is_none());
+        let latency = Signal::Latency { factor: 2_000 };
+        assert!(Adaptive::new(1, MS, 0, MS, latency).is_none());
+        assert!(Adaptive::new(17, MS, 0, MS, latency).is_none());
+        assert!(Adaptive::new(10, 0, 0, MS, latency).is_none());
+        assert!(Adaptive::new(10, MS, 0, 0, latency).is_none());
+        assert!(Adaptive::new(10, MS, 0, MS, Signal::Latency { factor: 1_000 }).is_none());
         assert!(Adaptive::new(
             10,
             MS,
             0,
+            MS,
             Signal::Cpu {
                 threshold: 800,
                 decay: 1_000

@@ -124,7 +124,10 @@ impl SreThrottle {
     /// True if the counts say nothing any more (no request in this or the previous window).
     pub fn is_idle(&self, c: &Counts, now_ns: u64) -> bool {
         let c = self.advance(c, now_ns);
-        c.requests.iter().chain(&c.previous_requests).all(|&n| n == 0)
+        c.requests
+            .iter()
+            .chain(&c.previous_requests)
+            .all(|&n| n == 0)
     }
 }
 
