@@ -31,7 +31,7 @@ pub const MAX_BUCKETS: usize = 16;
 pub const LEVELS: usize = 4;
 /// Flows counted for fairness: flow keys hash into this many counters.
 pub const FLOWS: usize = 16;
-const HEADER_BYTES: usize = 88;
+const HEADER_BYTES: usize = 96;
 const _: () = assert!(40 + FLOWS * 2 <= 72 && 24 + LEVELS * 4 <= 40);
 /// Bytes of an encoded [`Window`].
 pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 8;
@@ -39,15 +39,22 @@ pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 8;
 /// Fixed-point scale of ratios (threshold, decay, factor, share, signal): thousandths.
 pub const MILLI: u64 = 1_000;
 
-/// Where the overload signal comes from.
+/// Where the overload signal comes from: the upstream's CPU while it reports it (a report within
+/// the window), else latency inflation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Signal {
-    /// The upstream's CPU utilisation as it reports it, smoothed: overloaded above `threshold`
-    /// (thousandths). `decay`: the weight of history in the moving average (thousandths).
-    Cpu { threshold: u64, decay: u64 },
-    /// Overloaded when the window's mean response time exceeds its minimum × `factor`
+pub struct Signal {
+    /// Overloaded when the window's mean response time exceeds the minimum × `latency_factor`
     /// (thousandths).
-    Latency { factor: u64 },
+    pub latency_factor: u64,
+    pub cpu: Option<Cpu>,
+}
+
+/// The upstream's CPU utilisation as it reports it, smoothed: overloaded above `threshold`
+/// (thousandths). `decay`: the weight of history in the moving average (thousandths).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Cpu {
+    pub threshold: u64,
+    pub decay: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -93,6 +100,8 @@ pub struct Window {
     newest: u64,
     /// The smoothed CPU signal, thousandths; `u32::MAX`: no report yet.
     cpu_milli: u32,
+    /// When the CPU was last reported, ns; 0: never.
+    cpu_ns: u64,
     /// The capacity estimated at the last refusal made while the signal itself was on.
     latched: u32,
     /// When the last refusal was, ns; 0: none.
@@ -137,10 +146,10 @@ impl Adaptive {
         min_rt_period_ns: u64,
         signal: Signal,
     ) -> Option<Self> {
-        let signal_ok = match signal {
-            Signal::Cpu { threshold, decay } => threshold > 0 && decay < MILLI,
-            Signal::Latency { factor } => factor > MILLI,
-        };
+        let signal_ok = signal.latency_factor > MILLI
+            && signal
+                .cpu
+                .is_none_or(|c| c.threshold > 0 && c.decay < MILLI);
         let ok = (2..=MAX_BUCKETS).contains(&buckets)
             && bucket_ns > 0
             && min_rt_period_ns > 0
@@ -216,25 +225,31 @@ impl Adaptive {
 
     /// The signal's value in thousandths, if there is one yet.
     fn signal_milli(&self, w: &Window) -> Option<u64> {
-        match self.signal {
-            Signal::Cpu { .. } => w.cpu_milli(),
-            Signal::Latency { .. } => {
-                let (mut passed, mut sum) = (0u64, 0u64);
-                for b in w.buckets.iter().take(self.buckets) {
-                    passed += u64::from(b.passed);
-                    sum += u64::from(b.rt_sum_us);
-                }
-                let min_rt = Self::min_rt(w)?;
-                (passed > 0).then(|| sum * MILLI / (passed * min_rt))
-            }
+        if let Some(cpu) = self.reported_cpu(w) {
+            return Some(cpu);
         }
+        let (mut passed, mut sum) = (0u64, 0u64);
+        for b in w.buckets.iter().take(self.buckets) {
+            passed += u64::from(b.passed);
+            sum += u64::from(b.rt_sum_us);
+        }
+        let min_rt = Self::min_rt(w)?;
+        (passed > 0).then(|| sum * MILLI / (passed * min_rt))
+    }
+
+    /// The smoothed CPU, if the signal is the CPU and it was reported within the window.
+    fn reported_cpu(&self, w: &Window) -> Option<u64> {
+        self.signal.cpu?;
+        let span = self.bucket_ns * self.buckets as u64;
+        let recent = w.cpu_ns != 0 && w.cpu_ns + span >= (w.newest - 1) * self.bucket_ns;
+        recent.then(|| w.cpu_milli()).flatten()
     }
 
     /// True if the signal itself (without the cool-down) is on.
     fn hot(&self, w: &Window) -> bool {
-        let limit = match self.signal {
-            Signal::Cpu { threshold, .. } => threshold,
-            Signal::Latency { factor } => factor,
+        let limit = match (self.signal.cpu, self.reported_cpu(w)) {
+            (Some(cpu), Some(_)) => cpu.threshold,
+            _ => self.signal.latency_factor,
         };
         self.signal_milli(w).is_some_and(|v| v > limit)
     }
@@ -293,7 +308,8 @@ impl Adaptive {
         let b = &mut next.buckets[(next.newest % self.buckets as u64) as usize];
         b.passed = b.passed.saturating_add(1);
         b.rt_sum_us = b.rt_sum_us.saturating_add(rt);
-        if let (Some(cpu), Signal::Cpu { decay, .. }) = (cpu_milli, self.signal) {
+        if let (Some(cpu), Some(Cpu { decay, .. })) = (cpu_milli, self.signal.cpu) {
+            next.cpu_ns = now_ns.max(1);
             let cpu = cpu.min(u64::from(u32::MAX - 1));
             next.cpu_milli = if next.cpu_milli == u32::MAX {
                 cpu as u32
@@ -384,6 +400,7 @@ impl Window {
         out[72..80].copy_from_slice(&self.floor_period.to_le_bytes());
         out[80..84].copy_from_slice(&self.floors[0].to_le_bytes());
         out[84..88].copy_from_slice(&self.floors[1].to_le_bytes());
+        out[88..96].copy_from_slice(&self.cpu_ns.to_le_bytes());
         for (i, n) in self.in_flight.iter().enumerate() {
             out[24 + i * 4..28 + i * 4].copy_from_slice(&n.to_le_bytes());
         }
@@ -414,6 +431,7 @@ impl Window {
             refused_ns: u64_at(16),
             floor_period: u64_at(72),
             floors: [u32_at(80), u32_at(84)],
+            cpu_ns: u64_at(88),
             ..Self::default()
         };
         for (i, n) in w.in_flight.iter_mut().enumerate() {
@@ -445,7 +463,10 @@ mod tests {
             100 * MS,
             1_000 * MS,
             10_000 * MS,
-            Signal::Latency { factor: 2_000 },
+            Signal {
+                latency_factor: 2_000,
+                cpu: None,
+            },
         )
         .unwrap()
     }
@@ -456,9 +477,12 @@ mod tests {
             100 * MS,
             1_000 * MS,
             10_000 * MS,
-            Signal::Cpu {
-                threshold: 800,
-                decay: 950,
+            Signal {
+                latency_factor: 2_000,
+                cpu: Some(Cpu {
+                    threshold: 800,
+                    decay: 950,
+                }),
             },
         )
         .unwrap()
@@ -686,6 +710,21 @@ mod tests {
     }
 
     #[test]
+    fn without_recent_cpu_reports_the_signal_is_latency() {
+        let a = cpu();
+        // No report at all: slow answers are the signal.
+        let w = steady(&a, Window::default(), 0, 1_000, 20_000, None);
+        let w = steady(&a, w, 1_000 * MS, 300, 100_000, None);
+        assert!(a.hot(&w));
+        // Reports of a calm CPU: not overloaded, however slow.
+        let w = steady(&a, w, 1_300 * MS, 300, 100_000, Some(300));
+        assert!(!a.hot(&w));
+        // The reports stop for longer than the window: latency again.
+        let w = steady(&a, w, 2_700 * MS, 300, 100_000, None);
+        assert!(a.hot(&w));
+    }
+
+    #[test]
     fn buckets_that_leave_the_window_are_forgotten() {
         let a = latency();
         let w = steady(&a, Window::default(), 0, 500, 20_000, None);
@@ -696,20 +735,30 @@ mod tests {
 
     #[test]
     fn bad_parameters_are_refused() {
-        let latency = Signal::Latency { factor: 2_000 };
+        let latency = Signal {
+            latency_factor: 2_000,
+            cpu: None,
+        };
         assert!(Adaptive::new(1, MS, 0, MS, latency).is_none());
         assert!(Adaptive::new(17, MS, 0, MS, latency).is_none());
         assert!(Adaptive::new(10, 0, 0, MS, latency).is_none());
         assert!(Adaptive::new(10, MS, 0, 0, latency).is_none());
-        assert!(Adaptive::new(10, MS, 0, MS, Signal::Latency { factor: 1_000 }).is_none());
+        let flat = Signal {
+            latency_factor: 1_000,
+            cpu: None,
+        };
+        assert!(Adaptive::new(10, MS, 0, MS, flat).is_none());
         assert!(Adaptive::new(
             10,
             MS,
             0,
             MS,
-            Signal::Cpu {
-                threshold: 800,
-                decay: 1_000
+            Signal {
+                latency_factor: 2_000,
+                cpu: Some(Cpu {
+                    threshold: 800,
+                    decay: 1_000
+                })
             }
         )
         .is_none());

@@ -3,7 +3,9 @@
 //!
 //! Counts use the two-window estimate of [`crate::sliding_window`]: the previous window weighs
 //! what is left of it. Every request counts, refused ones too (the SRE formula's `requests` are the
-//! attempts): a backend that stops accepting is asked less and less, and still probed.
+//! attempts): a backend that stops accepting is asked less and less, and still probed. A request
+//! that goes through counts when its answer comes (with its accept, if any): a decision to let one
+//! through writes nothing.
 //!
 //! Priorities: requests are counted per level, and the formula's share of refusals falls on the
 //! lowest level first: a level is refused only what the levels below it cannot make up.
@@ -104,20 +106,26 @@ impl SreThrottle {
         u64::try_from(p.min(1 << 32)).unwrap_or(u64::MAX)
     }
 
-    /// Decide a request of `level` at `now_ns` with a uniform `draw` in `0..2^32`: it is counted
-    /// either way; returns the counts to write and whether it is refused.
-    pub fn request(&self, c: &Counts, now_ns: u64, level: u8, draw: u32) -> (Counts, bool) {
-        let refused = u64::from(draw) < self.refusal_p32(c, now_ns, level);
+    /// Decide a request of `level` at `now_ns` with a uniform `draw` in `0..2^32`: the counts to
+    /// write if it is refused (a refusal counts as a request), `None` if it may go (it counts
+    /// once its answer comes, see [`Self::answered`]).
+    pub fn refuse(&self, c: &Counts, now_ns: u64, level: u8, draw: u32) -> Option<Counts> {
+        if u64::from(draw) >= self.refusal_p32(c, now_ns, level) {
+            return None;
+        }
         let mut next = self.advance(c, now_ns);
         let r = &mut next.requests[usize::from(level).min(LEVELS - 1)];
         *r = r.saturating_add(1);
-        (next, refused)
+        Some(next)
     }
 
-    /// Count `n` accepted answers (the upstream answered with a status that is not a failure).
-    pub fn accepted(&self, c: &Counts, now_ns: u64, n: u32) -> Counts {
+    /// Count a request of `level` that was let through and answered, `accepted` if its status is
+    /// not a failure.
+    pub fn answered(&self, c: &Counts, now_ns: u64, level: u8, accepted: bool) -> Counts {
         let mut next = self.advance(c, now_ns);
-        next.accepts = next.accepts.saturating_add(n);
+        let r = &mut next.requests[usize::from(level).min(LEVELS - 1)];
+        *r = r.saturating_add(1);
+        next.accepts = next.accepts.saturating_add(u32::from(accepted));
         next
     }
 
@@ -206,9 +214,9 @@ mod tests {
         now: u64,
     ) -> Counts {
         for i in 0..requests {
-            s = t.request(&s, now, level, u32::MAX - (i as u32 & 1)).0;
+            s = t.answered(&s, now, level, i < accepts);
         }
-        t.accepted(&s, now, accepts as u32)
+        s
     }
 
     fn p(t: &SreThrottle, s: &Counts, now: u64, level: u8) -> f64 {
@@ -242,8 +250,8 @@ mod tests {
     fn refused_requests_count_and_old_windows_fade() {
         let t = throttle();
         let s = with(&t, 100, 0, 0);
-        let (after, refused) = t.request(&s, 0, 0, 0);
-        assert!(refused);
+        let after = t.refuse(&s, 0, 0, 0).expect("refused");
+        assert!(t.refuse(&s, 0, 0, u32::MAX).is_none());
         assert!(t.refusal_p32(&after, 0, 0) > t.refusal_p32(&s, 0, 0));
         // Halfway through the next window the old counts weigh half; two windows on, nothing.
         let half = p(&t, &s, 15 * SECOND, 0);
