@@ -103,6 +103,11 @@ pub fn request_header(name: &str) -> Option<Vec<u8>> {
     map_value(abi::MAP_HTTP_REQUEST_HEADERS, name)
 }
 
+/// A response header (or `:status`) by lower-case name, read in the response callback.
+pub fn response_header(name: &str) -> Option<Vec<u8>> {
+    map_value(abi::MAP_HTTP_RESPONSE_HEADERS, name)
+}
+
 /// A header of the answer to an HTTP call, read in its response callback.
 pub fn call_response_header(name: &str) -> Option<Vec<u8>> {
     map_value(abi::MAP_HTTP_CALL_RESPONSE_HEADERS, name)

@@ -57,16 +57,36 @@ impl Plugin {
                 RuleStat::ALL
                     .iter()
                     .map(|&stat| {
-                        let wanted = stat != RuleStat::InFlight || rule.holds_requests_open();
+                        let wanted = match &rule.guard {
+                            None => {
+                                !stat.is_overload()
+                                    && (stat != RuleStat::InFlight || rule.holds_requests_open())
+                            }
+                            Some(g) => rule_has(g, stat),
+                        };
                         let name = format!("tollgate.rule.{}.{}", rule.name, stat.name());
-                        wanted.then(|| define(&name, stat.is_gauge())).flatten()
+                        let kind = if stat.is_absolute() {
+                            Kind::Absolute
+                        } else if stat.is_gauge() {
+                            Kind::Gauge
+                        } else {
+                            Kind::Counter
+                        };
+                        wanted.then(|| define(&name, kind)).flatten()
                     })
                     .collect()
             })
             .collect();
         let process_metrics = ProcessStat::ALL
             .iter()
-            .map(|&stat| define(stat.name(), stat.is_gauge()))
+            .map(|&stat| {
+                let kind = if stat.is_gauge() {
+                    Kind::Gauge
+                } else {
+                    Kind::Counter
+                };
+                define(stat.name(), kind)
+            })
             .collect();
         info!(
             "configuration loaded on {}: {}",
@@ -276,7 +296,11 @@ impl Plugin {
                 continue;
             };
             // A failed update only loses a count; nothing to do about it here.
+            let absolute = matches!(stat, Stat::Rule(_, s) if s.is_absolute());
             let _ = match &metric.total_key {
+                None if absolute => {
+                    host::record_metric(metric.id, u64::try_from(delta).unwrap_or(0))
+                }
                 None => host::increment_metric(metric.id, delta),
                 Some(key) => match add_to_total(key, delta) {
                     Some(total) => host::record_metric(metric.id, total),
@@ -294,17 +318,41 @@ impl Drop for Plugin {
     }
 }
 
+/// How a stat is handed to the host.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    /// Changed by deltas from every worker: a process-wide total kept in shared data.
+    Gauge,
+    /// Set to values that are process-wide already.
+    Absolute,
+}
+
+/// The stats an overload rule has.
+fn rule_has(guard: &crate::config::Guard, stat: RuleStat) -> bool {
+    let adaptive = matches!(guard.kind, crate::config::GuardKind::Adaptive { .. });
+    match stat {
+        RuleStat::Allowed
+        | RuleStat::Limited
+        | RuleStat::DryRunLimited
+        | RuleStat::StoreErrors
+        | RuleStat::Contended => true,
+        RuleStat::InFlight | RuleStat::Estimate | RuleStat::Signal => adaptive,
+        s => s.is_overload(),
+    }
+}
+
 /// Define a stat at the host; gauges get their process-wide total in shared data.
-fn define(name: &str, gauge: bool) -> Option<Metric> {
-    let kind = if gauge {
-        abi::METRIC_GAUGE
-    } else {
+fn define(name: &str, kind: Kind) -> Option<Metric> {
+    let host_kind = if kind == Kind::Counter {
         abi::METRIC_COUNTER
+    } else {
+        abi::METRIC_GAUGE
     };
-    let id = host::define_metric(kind, name)
+    let id = host::define_metric(host_kind, name)
         .map_err(|s| warn!("cannot define metric {name}: {s}"))
         .ok()?;
-    let total_key = gauge.then(|| {
+    let total_key = (kind == Kind::Gauge).then(|| {
         let key = format!("tollgate.gauge.{name}");
         if let Ok(None) = SharedData.read(&key) {
             // Created before any request changes it: a lost race between workers loses nothing.

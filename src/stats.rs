@@ -24,12 +24,24 @@ pub enum RuleStat {
     Waited,
     /// Token buckets: stashed tokens a worker did not spend in time and gave back.
     StashReturned,
-    /// Gauge, concurrency rules: requests in flight, weighted by cost.
+    /// Gauge, concurrency and adaptive rules: requests in flight (weighted by cost).
     InFlight,
+    /// Overload rules: admitted and shed requests per priority level.
+    Level0Allowed,
+    Level1Allowed,
+    Level2Allowed,
+    Level3Allowed,
+    Level0Shed,
+    Level1Shed,
+    Level2Shed,
+    Level3Shed,
+    /// Adaptive rules: the estimated capacity and the signal (thousandths), as last seen.
+    Estimate,
+    Signal,
 }
 
 impl RuleStat {
-    pub const ALL: [Self; 15] = [
+    pub const ALL: [Self; 25] = [
         Self::Allowed,
         Self::Limited,
         Self::Delayed,
@@ -45,7 +57,39 @@ impl RuleStat {
         Self::Waited,
         Self::StashReturned,
         Self::InFlight,
+        Self::Level0Allowed,
+        Self::Level1Allowed,
+        Self::Level2Allowed,
+        Self::Level3Allowed,
+        Self::Level0Shed,
+        Self::Level1Shed,
+        Self::Level2Shed,
+        Self::Level3Shed,
+        Self::Estimate,
+        Self::Signal,
     ];
+
+    /// Admitted (`shed` false) or shed requests of a priority level.
+    pub fn of_level(level: u8, shed: bool) -> Self {
+        const ALLOWED: [RuleStat; 4] = [
+            RuleStat::Level0Allowed,
+            RuleStat::Level1Allowed,
+            RuleStat::Level2Allowed,
+            RuleStat::Level3Allowed,
+        ];
+        const SHED: [RuleStat; 4] = [
+            RuleStat::Level0Shed,
+            RuleStat::Level1Shed,
+            RuleStat::Level2Shed,
+            RuleStat::Level3Shed,
+        ];
+        let i = usize::from(level).min(3);
+        if shed {
+            SHED[i]
+        } else {
+            ALLOWED[i]
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -64,11 +108,31 @@ impl RuleStat {
             Self::Waited => "waited",
             Self::StashReturned => "stash_returned",
             Self::InFlight => "in_flight",
+            Self::Level0Allowed => "level.0.allowed",
+            Self::Level1Allowed => "level.1.allowed",
+            Self::Level2Allowed => "level.2.allowed",
+            Self::Level3Allowed => "level.3.allowed",
+            Self::Level0Shed => "level.0.shed",
+            Self::Level1Shed => "level.1.shed",
+            Self::Level2Shed => "level.2.shed",
+            Self::Level3Shed => "level.3.shed",
+            Self::Estimate => "estimate",
+            Self::Signal => "signal",
         }
     }
 
     pub fn is_gauge(self) -> bool {
-        self == Self::InFlight
+        matches!(self, Self::InFlight | Self::Estimate | Self::Signal)
+    }
+
+    /// Gauges whose values are absolute (set, not changed by deltas).
+    pub fn is_absolute(self) -> bool {
+        matches!(self, Self::Estimate | Self::Signal)
+    }
+
+    /// Stats only overload rules have.
+    pub fn is_overload(self) -> bool {
+        self as usize >= Self::Level0Allowed as usize
     }
 }
 
@@ -136,6 +200,9 @@ const RULE_STATS: usize = RuleStat::ALL.len();
 const PROCESS_STATS: usize = ProcessStat::ALL.len();
 
 /// Changes since the last hand-over: counters' increments and gauges' deltas.
+/// A value of an absolute gauge not set since the last hand-over.
+const UNSET: i64 = i64::MIN;
+
 #[derive(Debug, Clone)]
 pub struct Stats {
     rules: Vec<[i64; RULE_STATS]>,
@@ -144,8 +211,12 @@ pub struct Stats {
 
 impl Stats {
     pub fn new(rules: usize) -> Self {
+        let mut row = [0; RULE_STATS];
+        for stat in RuleStat::ALL.into_iter().filter(|s| s.is_absolute()) {
+            row[stat as usize] = UNSET;
+        }
         Self {
-            rules: vec![[0; RULE_STATS]; rules],
+            rules: vec![row; rules],
             process: [0; PROCESS_STATS],
         }
     }
@@ -159,6 +230,13 @@ impl Stats {
 
     pub fn bump(&mut self, rule: usize, stat: RuleStat) {
         self.add(rule, stat, 1);
+    }
+
+    /// Set an absolute gauge.
+    pub fn set(&mut self, rule: usize, stat: RuleStat, value: u64) {
+        if let Some(row) = self.rules.get_mut(rule) {
+            row[stat as usize] = i64::try_from(value).unwrap_or(i64::MAX);
+        }
     }
 
     pub fn add_process(&mut self, stat: ProcessStat, n: i64) {
@@ -178,8 +256,9 @@ impl Stats {
     pub fn drain(&mut self, mut f: impl FnMut(Stat, i64)) {
         for (rule, row) in self.rules.iter_mut().enumerate() {
             for stat in RuleStat::ALL {
-                let v = std::mem::take(&mut row[stat as usize]);
-                if v != 0 {
+                let unchanged = if stat.is_absolute() { UNSET } else { 0 };
+                let v = std::mem::replace(&mut row[stat as usize], unchanged);
+                if v != unchanged {
                     f(Stat::Rule(rule, stat), v);
                 }
             }
@@ -205,12 +284,14 @@ mod tests {
         s.add(1, RuleStat::InFlight, -1);
         s.add_process(ProcessStat::QuotaCalls, 2);
         s.bump(7, RuleStat::Allowed); // no such rule: ignored
+        s.set(0, RuleStat::Estimate, 0);
         assert_eq!(s.pending(Stat::Rule(1, RuleStat::InFlight)), 2);
         let mut seen = Vec::new();
         s.drain(|stat, v| seen.push((stat, v)));
         assert_eq!(
             seen,
             [
+                (Stat::Rule(0, RuleStat::Estimate), 0),
                 (Stat::Rule(1, RuleStat::Limited), 1),
                 (Stat::Rule(1, RuleStat::InFlight), 2),
                 (Stat::Process(ProcessStat::QuotaCalls), 2)

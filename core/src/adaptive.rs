@@ -167,6 +167,10 @@ impl Adaptive {
         self.signal
     }
 
+    pub fn cool_down_ns(&self) -> u64 {
+        self.cool_down_ns
+    }
+
     /// The window as of `now_ns`: buckets that fell out of it are emptied.
     pub fn advance(&self, w: &Window, now_ns: u64) -> Window {
         let newest = now_ns / self.bucket_ns + 1;
@@ -283,12 +287,18 @@ impl Adaptive {
                 return Admission::Refuse(next);
             }
         }
+        Admission::Admit(self.occupy(&next, now_ns, seat))
+    }
+
+    /// Count a request of `seat` in flight without deciding it (a dry run's would-be refusal).
+    pub fn occupy(&self, w: &Window, now_ns: u64, seat: Seat) -> Window {
+        let mut next = self.advance(w, now_ns);
         let level = &mut next.in_flight[seat.level()];
         *level = level.saturating_add(1);
         if let Some(f) = seat.flow() {
             next.flows[f] = next.flows[f].saturating_add(1);
         }
-        Admission::Admit(next)
+        next
     }
 
     /// A request admitted earlier in `seat` completed after `rt_us`; `cpu_milli` is the

@@ -4,7 +4,7 @@
 
 use super::calls;
 use crate::abi::{ACTION_CONTINUE, ACTION_PAUSE};
-use crate::engine::{Holds, Inputs, QuotaReport, Step, Strict, WAIT_GRACE_MS};
+use crate::engine::{Holds, Inputs, QuotaReport, Seats, Step, Strict, WAIT_GRACE_MS};
 use crate::host::{self, HostRequest, SharedData};
 use crate::plugin::Plugin;
 use crate::queues::Waiting;
@@ -26,6 +26,10 @@ pub struct Http {
     held_until: Option<u64>,
     /// The call this request waits for, with its checks.
     own_call: Option<(u32, Strict)>,
+    /// What the request holds of overload rules while in flight.
+    seats: Seats,
+    /// Set once the request was let through to the upstream (a response without it is ours).
+    forwarded: bool,
     ended: bool,
 }
 
@@ -38,6 +42,8 @@ impl Http {
             holds: Holds::new(),
             held_until: None,
             own_call: None,
+            seats: Seats::new(),
+            forwarded: false,
             ended: false,
         }
     }
@@ -53,20 +59,36 @@ impl Http {
         };
         let view = HostRequest { caps: plugin.caps };
         let trusted_hops = plugin.engine.borrow().config().trusted_hops;
+        let request = Request::new(&view, trusted_hops);
+        let mut now = None;
+        if plugin.engine.borrow().has_guards() {
+            now = host::now_ns();
+            if let Some(t) = now {
+                let shed =
+                    plugin
+                        .engine
+                        .borrow_mut()
+                        .guard(&SharedData, &request, t, &mut self.seats);
+                if let Some(rejection) = shed {
+                    plugin.reject(&rejection);
+                    return ACTION_PAUSE;
+                }
+            }
+        }
         let mut inputs = Inputs::new();
-        let blocked = plugin
-            .engine
-            .borrow_mut()
-            .gather(&Request::new(&view, trusted_hops), &mut inputs);
+        let blocked = plugin.engine.borrow_mut().gather(&request, &mut inputs);
         if let Some(rejection) = blocked {
+            self.give_up_seats(&plugin);
             plugin.reject(&rejection);
             return ACTION_PAUSE;
         }
         if inputs.is_empty() {
+            self.forwarded = true;
             return ACTION_CONTINUE;
         }
-        let Some(now) = host::now_ns() else {
+        let Some(now) = now.or_else(host::now_ns) else {
             warn!("the host gave no usable time; request not limited");
+            self.forwarded = true;
             return ACTION_CONTINUE;
         };
         if plugin.engine.borrow().is_strict(&inputs) {
@@ -160,6 +182,7 @@ impl Http {
                 .finish_strict(&SharedData, strict, answer.as_ref(), now);
         if step == Step::Wait {
             // The remaining checks hold no leased allowance: nothing to wait for.
+            self.forwarded = true;
             let _ = host::continue_request();
             return;
         }
@@ -171,6 +194,7 @@ impl Http {
     fn carry_out(&mut self, plugin: &Plugin, step: Step, now: u64, paused: bool) -> u32 {
         match step {
             Step::Admit(a) => {
+                self.forwarded = true;
                 self.report = a.report;
                 self.holds.extend(a.holds);
                 // The configuration was checked against the host: only hosts that can resume
@@ -190,6 +214,7 @@ impl Http {
                 ACTION_CONTINUE
             }
             Step::Reject(r) => {
+                self.give_up_seats(plugin);
                 plugin.reject(&r);
                 ACTION_PAUSE
             }
@@ -204,7 +229,39 @@ impl Http {
         if let (Some(report), Some(plugin)) = (self.report.take(), &self.plugin) {
             plugin.add_quota_headers(report);
         }
+        if !self.seats.is_empty() {
+            if let Some(plugin) = self.plugin.clone() {
+                self.learn(&plugin);
+            }
+        }
         ACTION_CONTINUE
+    }
+
+    /// The upstream answered (or, if the request was never let through, this filter did): the
+    /// overload rules learn from the answer.
+    fn learn(&mut self, plugin: &Plugin) {
+        if !self.forwarded {
+            self.give_up_seats(plugin);
+            return;
+        }
+        let now = host::now_ns().unwrap_or(0);
+        let status = host::response_header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse().ok());
+        let seats = std::mem::take(&mut self.seats);
+        plugin
+            .engine
+            .borrow_mut()
+            .answered(&SharedData, seats, now, status, host::response_header);
+    }
+
+    /// Leave the overload rules' seats without an answer to learn from.
+    fn give_up_seats(&mut self, plugin: &Plugin) {
+        if self.seats.is_empty() {
+            return;
+        }
+        let now = host::now_ns().unwrap_or(0);
+        let seats = std::mem::take(&mut self.seats);
+        plugin.engine.borrow_mut().abandon(&SharedData, seats, now);
     }
 
     /// Take over what a decision made on the tick left for this request.
@@ -214,6 +271,7 @@ impl Http {
         };
         let mut queues = plugin.queues.borrow_mut();
         if let Some(a) = queues.take_resumed(self.id) {
+            self.forwarded = true;
             self.report = a.report;
             self.holds.extend(a.holds);
             if a.delay_ns > 0 {
@@ -244,6 +302,7 @@ impl Http {
         if let Some((token, _)) = self.own_call.take() {
             calls::forget(token);
         }
+        self.give_up_seats(&plugin);
         if !self.holds.is_empty() {
             let now = host::now_ns().unwrap_or(0);
             let holds = std::mem::take(&mut self.holds);

@@ -28,6 +28,9 @@ pub(super) struct RawConfig {
     /// The filter's own log level (default info); debug adds one line per decision.
     #[serde(default)]
     pub log_level: LogLevel,
+    /// Priority classes for overload rules (adaptive, sre_throttle): first match wins.
+    #[serde(default)]
+    pub priorities: Vec<super::overload::RawPriority>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
@@ -84,8 +87,9 @@ pub(super) struct RawRule {
     #[serde(default)]
     /// Parts joined into the bucket key; none = one bucket for the whole rule.
     pub key: Vec<KeyPart>,
-    /// requests per per, or {"concurrent": N} for the concurrency algorithm.
-    pub limit: RawLimit,
+    /// requests per per, or {"concurrent": N} for the concurrency algorithm (none for adaptive
+    /// and sre_throttle).
+    pub limit: Option<RawLimit>,
     /// Token bucket: capacity (default limit.requests). Leaky bucket: excess accepted (default 0).
     pub burst: Option<u64>,
     #[serde(default)]
@@ -108,6 +112,10 @@ pub(super) struct RawRule {
     /// Token buckets: tokens a worker may take at once from a busy key's shared bucket and spend
     /// without touching shared data (default 8; 0 turns batches off).
     pub worker_batch: Option<u64>,
+    /// Settings of algorithm "adaptive".
+    pub adaptive: Option<super::overload::RawAdaptive>,
+    /// Settings of algorithm "sre_throttle".
+    pub sre_throttle: Option<super::overload::RawThrottle>,
 }
 
 /// Tokens a request takes: a whole number, or from a request header.
@@ -285,6 +293,8 @@ pub(super) enum Algorithm {
     SlidingWindow,
     LeakyBucket,
     Concurrency,
+    Adaptive,
+    SreThrottle,
 }
 
 impl<'de> Deserialize<'de> for KeyPart {

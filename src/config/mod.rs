@@ -3,6 +3,7 @@
 mod host;
 mod json;
 mod model;
+mod overload;
 mod period;
 #[cfg(not(target_arch = "wasm32"))]
 mod schema;
@@ -12,6 +13,9 @@ mod validate;
 
 pub use host::HostCaps;
 pub use model::*;
+pub use overload::{
+    CpuHeader, Guard, GuardKind, Priorities, PriorityClass, StatusSet, DEFAULT_LEVEL,
+};
 pub use period::{format_duration, Period};
 use std::fmt;
 

@@ -25,6 +25,8 @@ pub struct Config {
     pub quota_service: Option<QuotaService>,
     /// The filter's own log level: messages below it are never formatted.
     pub log_level: LogLevel,
+    /// Levels of requests for overload rules.
+    pub priorities: super::overload::Priorities,
 }
 
 /// Where global rules get their quota.
@@ -102,6 +104,9 @@ pub struct Rule {
     /// Token buckets (and global rules' leased allowance): most tokens a worker stashes at once
     /// per key (0: none).
     pub worker_batch: u64,
+    /// Set for overload rules (adaptive, sre_throttle): they keep windows, not slots; `quota`
+    /// is unused.
+    pub guard: Option<super::overload::Guard>,
 }
 
 /// A limit with the slots that hold its state and how headers state it.
@@ -270,10 +275,12 @@ impl Config {
 impl Rule {
     /// The rule's own quota, then its overrides' limits.
     pub fn quotas(&self) -> impl Iterator<Item = &Quota> {
-        std::iter::once(&self.quota).chain(self.overrides.iter().filter_map(|o| match &o.action {
-            OverrideAction::Limit(q) => Some(q),
-            _ => None,
-        }))
+        let own = self.guard.is_none().then_some(&self.quota);
+        own.into_iter()
+            .chain(self.overrides.iter().filter_map(|o| match &o.action {
+                OverrideAction::Limit(q) => Some(q),
+                _ => None,
+            }))
     }
 
     /// True if an admitted request holds this rule's quota until it ends (concurrency).

@@ -54,7 +54,9 @@ impl RawConfig {
             rules.push(rule);
         }
         let response = self.response.validate("response")?;
+        let priorities = super::overload::priorities(self.priorities)?;
         Ok(Config {
+            priorities,
             rules,
             response,
             rate_limit_headers: self.rate_limit_headers,
@@ -67,6 +69,27 @@ impl RawConfig {
 
 impl RawRule {
     fn validate(self, path: &str, dry_run_all: bool) -> Result<Rule, ConfigError> {
+        if matches!(self.algorithm, Algorithm::Adaptive | Algorithm::SreThrottle) {
+            return self.validate_guard(path, dry_run_all);
+        }
+        let only_for = |given: bool, field: &str| {
+            if given {
+                Err(err(
+                    format!("{path}.{field}"),
+                    format!("only applies to algorithm \"{field}\""),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        only_for(self.adaptive.is_some(), "adaptive")?;
+        only_for(self.sre_throttle.is_some(), "sre_throttle")?;
+        let Some(raw_limit) = &self.limit else {
+            return Err(err(
+                format!("{path}.limit"),
+                "required: {\"requests\": N, \"per\": DURATION}, or {\"concurrent\": N}",
+            ));
+        };
         let matcher = self.matcher.validate(&format!("{path}.match"))?;
         let max_keys = self.max_keys.map_or(DEFAULT_MAX_KEYS, NonZeroU32::get);
         if max_keys > MAX_MAX_KEYS {
@@ -133,15 +156,9 @@ impl RawRule {
             warmup_ns: self.warmup.map(|p| p.ns),
         };
         let name = self.name.0;
-        let limit = params.limit(&self.limit, self.burst, path)?;
+        let limit = params.limit(raw_limit, self.burst, path)?;
         let quota = Quota::new(limit, &name, max_keys);
-
-        let mut seen = HashSet::new();
-        for (j, part) in self.key.iter().enumerate() {
-            if !seen.insert(part) {
-                return Err(err(format!("{path}.key[{j}]"), "repeated key part"));
-            }
-        }
+        check_key(&self.key, path)?;
         let cost = match self.cost {
             None => Cost::Fixed(1),
             Some(RawCost::Fixed(n)) => Cost::Fixed(n),
@@ -247,8 +264,54 @@ impl RawRule {
             dry_run: self.dry_run || dry_run_all,
             global: None,
             worker_batch,
+            guard: None,
         })
     }
+
+    /// An adaptive or sre_throttle rule.
+    fn validate_guard(self, path: &str, dry_run_all: bool) -> Result<Rule, ConfigError> {
+        let guard = self.guard(path, self.algorithm == Algorithm::Adaptive)?;
+        let matcher = self.matcher.validate(&format!("{path}.match"))?;
+        check_key(&self.key, path)?;
+        // Overload is not the client's doing: 503 unless the rule says otherwise.
+        let response = self
+            .response
+            .unwrap_or_else(|| RawResponse {
+                status: 503,
+                body: "overloaded\n".into(),
+                ..RawResponse::default()
+            })
+            .validate(&format!("{path}.response"))?;
+        let response = Some(response);
+        let name = self.name.0;
+        // Never used: the rule keeps windows, not slots.
+        let unused = Concurrency::new(1).map(Limit::Concurrency);
+        let quota = Quota::new(unused.ok_or_else(|| err(path, "internal"))?, &name, 1);
+        Ok(Rule {
+            name,
+            matcher,
+            key: self.key,
+            missing_key: self.missing_key,
+            quota,
+            cost: Cost::Fixed(1),
+            overrides: Vec::new(),
+            response,
+            dry_run: self.dry_run || dry_run_all,
+            global: None,
+            worker_batch: 0,
+            guard: Some(guard),
+        })
+    }
+}
+
+fn check_key(key: &[KeyPart], path: &str) -> Result<(), ConfigError> {
+    let mut seen = HashSet::new();
+    for (j, part) in key.iter().enumerate() {
+        if !seen.insert(part) {
+            return Err(err(format!("{path}.key[{j}]"), "repeated key part"));
+        }
+    }
+    Ok(())
 }
 
 impl RawQuotaService {
@@ -450,13 +513,16 @@ impl LimitParams {
                     .map(Limit::LeakyBucket)
                     .ok_or_else(positive)
             }
-            Algorithm::Concurrency => Err(positive()),
+            // Overload rules have no limit (refused before this).
+            Algorithm::Concurrency | Algorithm::Adaptive | Algorithm::SreThrottle => {
+                Err(positive())
+            }
         }
     }
 }
 
 impl RawMatch {
-    fn validate(self, path: &str) -> Result<Match, ConfigError> {
+    pub(super) fn validate(self, path: &str) -> Result<Match, ConfigError> {
         let path_match = match (self.path, self.path_prefix) {
             (Some(_), Some(_)) => {
                 return Err(err(path, "give either path or path_prefix, not both"));

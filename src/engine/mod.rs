@@ -5,12 +5,14 @@
 
 mod decide;
 mod failure;
+mod guard;
 mod lease;
 mod reply;
 mod strict;
 #[cfg(test)]
 mod tests;
 
+pub use guard::{reported_cpu, Seat, Seats};
 pub use lease::{read_answer, Refill};
 pub use strict::Strict;
 
@@ -130,6 +132,8 @@ pub struct Engine {
     /// After a request's own call failed, until when (ms) this worker's requests apply the
     /// failure mode without calling (`quota_service.retry`).
     calls_off_until_ms: u64,
+    /// Counts the throttle's draws (with the time, their seed).
+    draws: u64,
 }
 
 impl Engine {
@@ -141,6 +145,7 @@ impl Engine {
             refills: Vec::new(),
             stash_reported: 0,
             calls_off_until_ms: 0,
+            draws: 0,
         }
     }
 
@@ -182,7 +187,7 @@ impl Engine {
     ) -> Option<Rejection> {
         inputs.clear();
         for (i, rule) in self.config.rules.iter().enumerate() {
-            if !request.matches(&rule.matcher) {
+            if rule.guard.is_some() || !request.matches(&rule.matcher) {
                 continue;
             }
             let Some(key) = request.key(&rule.key, rule.missing_key) else {

@@ -1,0 +1,413 @@
+//! Overload rules in a request: adaptive concurrency and the success-rate throttle decide it
+//! before the limits (a request they refuse is charged nothing else), keep a seat while it is
+//! in flight, and learn from its answer: response time, status, the CPU the upstream reports.
+
+use super::{Engine, Rejection};
+use crate::config::{CpuHeader, GuardKind, MissingKey, Rule, DEFAULT_LEVEL};
+use crate::request::{Request, RequestView};
+use crate::stats::RuleStat;
+use log::{debug, info};
+use smallvec::SmallVec;
+use tollgate_core::adaptive::{self, Adaptive, Admission, Window, FLOWS, MILLI};
+use tollgate_core::limiter::MAX_CAS_ATTEMPTS;
+use tollgate_core::slot::key_hash;
+use tollgate_core::throttle::{draw, Counts, SreThrottle};
+use tollgate_core::{CasStore, StoreError};
+
+/// What a request holds of one overload rule while it is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seat {
+    rule: u16,
+    /// The key's window (a group index of the rule's table).
+    window: u32,
+    seat: adaptive::Seat,
+    since_ns: u64,
+}
+
+/// A request's seats: inline for the usual one overload rule.
+pub type Seats = SmallVec<[Seat; 1]>;
+
+/// One overload rule's question for a request.
+struct Ask<'a> {
+    /// The key's window in the store.
+    key: &'a str,
+    dry_run: bool,
+    seat: Seat,
+    now: u64,
+}
+
+/// How a read-modify-write of a window ended.
+enum Written<T> {
+    Done(T),
+    /// The store failed, or other workers kept winning the race.
+    Failed(RuleStat),
+}
+
+/// Read the value at `key`, compute the next one and write it with the read's CAS, again on a
+/// lost race. `next` returns the bytes to write (none: nothing to write) and a result.
+fn update<S, T, const N: usize>(
+    store: &S,
+    key: &str,
+    mut next: impl FnMut(Option<&[u8]>) -> (Option<[u8; N]>, T),
+) -> Written<T>
+where
+    S: CasStore + ?Sized,
+{
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (bytes, cas) = match store.read(key) {
+            Ok(Some((bytes, cas))) => (Some(bytes), cas),
+            Ok(None) => (None, 0),
+            Err(_) => return Written::Failed(RuleStat::StoreErrors),
+        };
+        let (value, result) = next(bytes.as_deref());
+        let Some(value) = value else {
+            return Written::Done(result);
+        };
+        match store.write(key, &value, cas) {
+            Ok(()) => return Written::Done(result),
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Unavailable(_)) => return Written::Failed(RuleStat::StoreErrors),
+        }
+    }
+    Written::Failed(RuleStat::Contended)
+}
+
+/// The utilisation in a CPU report, in thousandths: ORCA's text or JSON form
+/// (`cpu_utilization=0.83`, `"cpu_utilization": 0.83`), or a number over `scale`.
+pub fn reported_cpu(value: &[u8], header: &CpuHeader) -> Option<u64> {
+    const FIELD: &[u8] = b"cpu_utilization";
+    let (number, scale) = match value.windows(FIELD.len()).position(|w| w == FIELD) {
+        Some(at) => {
+            let rest = &value[at + FIELD.len()..];
+            let start = rest
+                .iter()
+                .position(|b| !matches!(b, b' ' | b'"' | b'=' | b':'))?;
+            (&rest[start..], 1.0)
+        }
+        None => (value, header.scale),
+    };
+    let end = number
+        .iter()
+        .position(|b| !matches!(b, b'0'..=b'9' | b'.' | b' ' | b'\t'))
+        .unwrap_or(number.len());
+    let text = std::str::from_utf8(&number[..end]).ok()?.trim();
+    let v: f64 = text.parse().ok()?;
+    let milli = v / scale * MILLI as f64;
+    (milli.is_finite() && milli >= 0.0).then(|| milli.min(u32::MAX as f64 / 2.0) as u64)
+}
+
+impl Engine {
+    /// True if some rule is an overload rule.
+    pub fn has_guards(&self) -> bool {
+        self.config.rules.iter().any(|r| r.guard.is_some())
+    }
+
+    /// The priority level of a request: its first matching class's, else the default.
+    fn level_of<V: RequestView>(&self, request: &Request<V>) -> u8 {
+        let classes = &self.config.priorities.classes;
+        classes
+            .iter()
+            .find(|c| request.matches(&c.matcher))
+            .map_or(DEFAULT_LEVEL, |c| c.level)
+    }
+
+    /// Decide the overload rules that apply to `request`: the seats it takes, or the rejection
+    /// (then it holds no seat).
+    pub fn guard<S: CasStore + ?Sized, V: RequestView>(
+        &mut self,
+        store: &S,
+        request: &Request<V>,
+        now: u64,
+        seats: &mut Seats,
+    ) -> Option<Rejection> {
+        let mut level = None;
+        for i in 0..self.config.rules.len() {
+            let rule = &self.config.rules[i];
+            let Some(g) = &rule.guard else {
+                continue;
+            };
+            if !request.matches(&rule.matcher) {
+                continue;
+            }
+            let Some(key) = request.key(&rule.key, rule.missing_key) else {
+                continue;
+            };
+            let window = g.table.locate_hash(key_hash(&key)).group;
+            let flow = if g.fair_key.is_empty() {
+                None
+            } else {
+                request
+                    .key(&g.fair_key, MissingKey::Limit)
+                    .map(|k| (key_hash(&k) % FLOWS as u128) as u8)
+            };
+            let level = *level.get_or_insert_with(|| self.level_of(request));
+            let seat = Seat {
+                rule: u16::try_from(i).unwrap_or(u16::MAX),
+                window,
+                seat: adaptive::Seat { level, flow },
+                since_ns: now,
+            };
+            let key = g.table.store_key(window);
+            let dry_run = rule.dry_run;
+            let admitted = match g.kind {
+                GuardKind::Adaptive { estimator, .. } => {
+                    let share = self.config.priorities.shares[usize::from(level).min(3)];
+                    let ask = Ask {
+                        key: key.as_str(),
+                        dry_run,
+                        seat,
+                        now,
+                    };
+                    self.admit_adaptive(store, i, estimator, share, ask)
+                }
+                GuardKind::Throttle { throttle, .. } => {
+                    self.draws = self.draws.wrapping_add(1);
+                    let d = draw(now ^ self.draws.rotate_left(32));
+                    let ask = Ask {
+                        key: key.as_str(),
+                        dry_run,
+                        seat,
+                        now,
+                    };
+                    self.admit_throttled(store, i, throttle, d, ask)
+                }
+            };
+            let stat = RuleStat::of_level(level, !admitted);
+            self.stats.bump(i, stat);
+            if admitted {
+                self.stats.bump(i, RuleStat::Allowed);
+                seats.push(seat);
+                continue;
+            }
+            self.stats.bump(i, RuleStat::Limited);
+            self.abandon(store, std::mem::take(seats), now);
+            return Some(Rejection {
+                rule: i,
+                quota: None,
+                retry_after_secs: Some(retry_after_secs(&self.config.rules[i])),
+            });
+        }
+        None
+    }
+
+    /// An adaptive rule's decision; true if admitted (a dry run's are).
+    fn admit_adaptive<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        i: usize,
+        estimator: Adaptive,
+        share: u64,
+        ask: Ask,
+    ) -> bool {
+        let Ask {
+            key,
+            dry_run,
+            seat,
+            now,
+        } = ask;
+        let result = update(store, key, |bytes| {
+            let w = Window::decode(bytes.unwrap_or_default());
+            match estimator.admit(&w, now, seat.seat, share) {
+                Admission::Admit(next) => (Some(next.encode()), (true, next)),
+                Admission::Refuse(next) if dry_run => {
+                    let next = estimator.occupy(&next, now, seat.seat);
+                    (Some(next.encode()), (false, next))
+                }
+                Admission::Refuse(next) => (Some(next.encode()), (false, next)),
+            }
+        });
+        match result {
+            Written::Done((admitted, w)) => {
+                self.note_window(i, &estimator, &w, now);
+                if admitted {
+                    self.stats.add(i, RuleStat::InFlight, 1);
+                    return true;
+                }
+                if dry_run {
+                    self.stats.add(i, RuleStat::InFlight, 1);
+                    self.stats.bump(i, RuleStat::DryRunLimited);
+                    info!("dry run: rule {} would shed a request", self.rule_name(i));
+                    return true;
+                }
+                debug!("rule {}: request shed", self.rule_name(i));
+                false
+            }
+            // Without its window the rule cannot judge: the request goes, holding no seat.
+            Written::Failed(stat) => {
+                self.stats.bump(i, stat);
+                true
+            }
+        }
+    }
+
+    /// A throttle's decision; true if admitted (a dry run's are).
+    fn admit_throttled<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        i: usize,
+        throttle: SreThrottle,
+        d: u32,
+        ask: Ask,
+    ) -> bool {
+        let Ask {
+            key,
+            dry_run,
+            seat,
+            now,
+        } = ask;
+        let result = update(store, key, |bytes| {
+            let c = Counts::decode(bytes.unwrap_or_default());
+            match throttle.refuse(&c, now, seat.seat.level, d) {
+                None => (None, true),
+                // A dry run's request goes on and counts with its answer.
+                Some(_) if dry_run => (None, false),
+                Some(next) => (Some(next.encode()), false),
+            }
+        });
+        match result {
+            Written::Done(true) => true,
+            Written::Done(false) if dry_run => {
+                self.stats.bump(i, RuleStat::DryRunLimited);
+                info!(
+                    "dry run: rule {} would throttle a request",
+                    self.rule_name(i)
+                );
+                true
+            }
+            Written::Done(false) => false,
+            Written::Failed(stat) => {
+                self.stats.bump(i, stat);
+                true
+            }
+        }
+    }
+
+    /// The request's answer came: `status`, and `header` reads the response's headers.
+    pub fn answered<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        seats: Seats,
+        now: u64,
+        status: Option<u32>,
+        header: impl Fn(&str) -> Option<Vec<u8>>,
+    ) {
+        for seat in seats {
+            let i = usize::from(seat.rule);
+            let Some(g) = self.config.rules.get(i).and_then(|r| r.guard.as_ref()) else {
+                continue;
+            };
+            let key = g.table.store_key(seat.window);
+            match &g.kind {
+                GuardKind::Adaptive { estimator, cpu } => {
+                    let estimator = *estimator;
+                    let cpu = cpu
+                        .as_ref()
+                        .and_then(|c| reported_cpu(&header(&c.name)?, c));
+                    let rt_us = now.saturating_sub(seat.since_ns) / 1_000;
+                    let result = update(store, key.as_str(), |bytes| {
+                        let w = Window::decode(bytes.unwrap_or_default());
+                        let next = estimator.complete(&w, now, seat.seat, rt_us, cpu);
+                        (Some(next.encode()), next)
+                    });
+                    self.stats.add(i, RuleStat::InFlight, -1);
+                    match result {
+                        Written::Done(w) => self.note_window(i, &estimator, &w, now),
+                        Written::Failed(stat) => self.stats.bump(i, stat),
+                    }
+                }
+                GuardKind::Throttle { throttle, failures } => {
+                    let throttle = *throttle;
+                    let accepted = status.is_some_and(|s| !failures.contains(s));
+                    let result = update(store, key.as_str(), |bytes| {
+                        let c = Counts::decode(bytes.unwrap_or_default());
+                        let next = throttle.answered(&c, now, seat.seat.level, accepted);
+                        (Some(next.encode()), ())
+                    });
+                    if let Written::Failed(stat) = result {
+                        self.stats.bump(i, stat);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The request ended without an answer to learn from (refused by a later rule, client gone):
+    /// its seats are given up.
+    pub fn abandon<S: CasStore + ?Sized>(&mut self, store: &S, seats: Seats, now: u64) {
+        for seat in seats {
+            let i = usize::from(seat.rule);
+            let Some(g) = self.config.rules.get(i).and_then(|r| r.guard.as_ref()) else {
+                continue;
+            };
+            let GuardKind::Adaptive { estimator, .. } = &g.kind else {
+                continue;
+            };
+            let estimator = *estimator;
+            let key = g.table.store_key(seat.window);
+            let result = update(store, key.as_str(), |bytes| {
+                let w = Window::decode(bytes.unwrap_or_default());
+                (Some(estimator.abandon(&w, now, seat.seat).encode()), ())
+            });
+            self.stats.add(i, RuleStat::InFlight, -1);
+            if let Written::Failed(stat) = result {
+                self.stats.bump(i, stat);
+            }
+        }
+    }
+
+    fn rule_name(&self, i: usize) -> &str {
+        self.config.rules.get(i).map_or("?", |r| r.name.as_str())
+    }
+
+    /// Keep what a window says for the rule's gauges.
+    fn note_window(&mut self, i: usize, estimator: &Adaptive, w: &Window, now: u64) {
+        let status = estimator.status(w, now);
+        self.stats.set(i, RuleStat::Estimate, status.capacity);
+        self.stats.set(i, RuleStat::Signal, status.signal_milli);
+    }
+}
+
+/// What a refusal's Retry-After says: the cool-down (adaptive), or one second.
+fn retry_after_secs(rule: &Rule) -> u64 {
+    match rule.guard.as_ref().map(|g| &g.kind) {
+        Some(GuardKind::Adaptive { estimator, .. }) => {
+            estimator.cool_down_ns().div_ceil(1_000_000_000).max(1)
+        }
+        _ => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_reports_are_read_in_every_form() {
+        let orca = CpuHeader {
+            name: "endpoint-load-metrics".into(),
+            scale: 1.0,
+        };
+        let percent = CpuHeader {
+            name: "x-cpu".into(),
+            scale: 100.0,
+        };
+        assert_eq!(
+            reported_cpu(b"TEXT cpu_utilization=0.83, mem_utilization=0.1", &orca),
+            Some(830)
+        );
+        assert_eq!(
+            reported_cpu(b"JSON {\"cpu_utilization\": 0.5}", &orca),
+            Some(500)
+        );
+        assert_eq!(reported_cpu(b"83", &percent), Some(830));
+        assert_eq!(reported_cpu(b" 41.5 ", &percent), Some(415));
+        assert_eq!(
+            reported_cpu(b"1e999", &percent),
+            Some(10),
+            "the number before the e"
+        );
+        for bad in [&b"caf\xe9"[..], b"", b"-3", b"NaN", b"cpu_utilization="] {
+            assert_eq!(reported_cpu(bad, &percent), None, "{bad:?}");
+        }
+    }
+}
