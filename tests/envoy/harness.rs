@@ -31,6 +31,8 @@ pub struct Options {
     /// A second listener ("second", [`Envoy::port2`]) whose tollgate filter has this
     /// configuration, in the same `vm_id` as the first (static listeners only).
     pub second_plugin: Option<Value>,
+    /// A cluster `app` on this port of 127.0.0.1, routed for paths under `/app`.
+    pub app_port: Option<u16>,
 }
 
 impl Default for Options {
@@ -44,6 +46,7 @@ impl Default for Options {
             quota_port: None,
             module: None,
             second_plugin: None,
+            app_port: None,
         }
     }
 }
@@ -99,6 +102,14 @@ fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
     }));
     let port = if name == "main" { opts.port } else { 0 };
+    let mut routes = vec![json!({"match": {"prefix": "/dead"}, "route": {"cluster": "dead"}})];
+    if opts.app_port.is_some() {
+        routes.push(
+            json!({"match": {"prefix": "/app"}, "route": {"cluster": "app", "timeout": "30s"}}),
+        );
+    }
+    routes.push(json!({"match": {"prefix": "/"},
+                       "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}));
     json!({
         "name": name,
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
@@ -113,11 +124,7 @@ fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
                 "skip_xff_append": true,
                 "route_config": {"virtual_hosts": [{
                     "name": "all", "domains": ["*"],
-                    "routes": [
-                        {"match": {"prefix": "/dead"}, "route": {"cluster": "dead"}},
-                        {"match": {"prefix": "/"},
-                         "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}
-                    ]
+                    "routes": routes
                 }]},
                 "http_filters": filters
             }
@@ -144,6 +151,24 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
         }]},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
     });
+    if let Some(port) = opts.app_port {
+        boot["static_resources"]["clusters"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({
+                "name": "app",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                // As many connections as requests: the app's own queue is what is measured.
+                "circuit_breakers": {"thresholds": [{
+                    "max_connections": 100000, "max_pending_requests": 100000,
+                    "max_requests": 100000
+                }]},
+                "load_assignment": {"cluster_name": "app", "endpoints": [{"lb_endpoints": [{
+                    "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}
+                }]}]}
+            }));
+    }
     if let Some(port) = opts.quota_port {
         boot["static_resources"]["clusters"]
             .as_array_mut()

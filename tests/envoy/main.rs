@@ -21,5 +21,6 @@ mod hot_path;
 mod limits;
 mod matching;
 mod module;
+mod overload;
 mod plugins;
 mod state;
