@@ -21,7 +21,7 @@ lint: setup
 	cargo clippy --target wasm32-wasip1 -p tollgate --features probe -- -D warnings
 
 quota:
-	cargo build -p tollgate-quota
+	cargo build -p tollgate-quota -p tollgate-testbed
 
 # Regenerate schema/tollgate.schema.json from the configuration types.
 schema:
@@ -30,7 +30,8 @@ schema:
 # Unit and property tests of the core and the host-independent filter code, then the real-Envoy tests.
 test: build probe lint quota
 	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) TOLLGATE_PROBE_WASM=$(abspath $(PROBE_WASM)) \
-	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --workspace
+	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
+	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) cargo test --workspace
 
 # The behaviour checks in nginx with Kong's ngx_wasm_module, against the nginx binary NGINX_BIN
 # names (docs/nginx.md says how to build one). Not part of `make test`: CI has no such nginx.

@@ -19,7 +19,8 @@
 //! Priorities: each request has a level (higher is more important) and its level a share of the
 //! capacity; while the signal is on, a request is admitted if the in-flight count of its level and
 //! above is below that share. Optionally each request belongs to a flow (a tenant), and a flow may
-//! hold at most an equal part of its level's share among the flows with requests in flight.
+//! hold at most an equal part of what its level may use (its share less what higher levels hold)
+//! among the flows of its level with requests in flight.
 //!
 //! Everything is a pure function of the encoded state and the time passed in.
 
@@ -31,7 +32,7 @@ pub const MAX_BUCKETS: usize = 16;
 pub const LEVELS: usize = 4;
 /// Flows counted for fairness: flow keys hash into this many counters.
 pub const FLOWS: usize = 16;
-const HEADER_BYTES: usize = 96;
+const HEADER_BYTES: usize = 96 + FLOWS;
 const _: () = assert!(40 + FLOWS * 2 <= 72 && 24 + LEVELS * 4 <= 40);
 /// Bytes of an encoded [`Window`].
 pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 8;
@@ -114,6 +115,8 @@ pub struct Window {
     in_flight: [u32; LEVELS],
     /// Requests in flight per flow counter.
     flows: [u16; FLOWS],
+    /// The level of each flow counter's requests (its last request's).
+    flow_levels: [u8; FLOWS],
     buckets: [Bucket; MAX_BUCKETS],
 }
 
@@ -297,6 +300,7 @@ impl Adaptive {
         *level = level.saturating_add(1);
         if let Some(f) = seat.flow() {
             next.flows[f] = next.flows[f].saturating_add(1);
+            next.flow_levels[f] = seat.level() as u8;
         }
         next
     }
@@ -385,20 +389,20 @@ impl Window {
             .div_ceil(u128::from(MILLI))
             .max(1);
         let allowance = u64::try_from(allowance).unwrap_or(u64::MAX);
-        if self.in_flight_from(seat.level) >= allowance {
+        let from_level = self.in_flight_from(seat.level);
+        if from_level >= allowance {
             return true;
         }
         let Some(f) = seat.flow() else {
             return false;
         };
+        let level = seat.level();
+        let above = from_level - u64::from(self.in_flight[level]);
         let mine = u64::from(self.flows[f]);
-        let others = self
-            .flows
-            .iter()
-            .enumerate()
-            .filter(|&(i, &n)| i != f && n > 0)
+        let others = (0..FLOWS)
+            .filter(|&i| i != f && self.flows[i] > 0 && usize::from(self.flow_levels[i]) == level)
             .count() as u64;
-        mine >= allowance.div_ceil(others + 1)
+        mine >= (allowance - above).div_ceil(others + 1)
     }
 
     pub fn encode(&self) -> [u8; WINDOW_BYTES] {
@@ -411,6 +415,7 @@ impl Window {
         out[80..84].copy_from_slice(&self.floors[0].to_le_bytes());
         out[84..88].copy_from_slice(&self.floors[1].to_le_bytes());
         out[88..96].copy_from_slice(&self.cpu_ns.to_le_bytes());
+        out[96..96 + FLOWS].copy_from_slice(&self.flow_levels);
         for (i, n) in self.in_flight.iter().enumerate() {
             out[24 + i * 4..28 + i * 4].copy_from_slice(&n.to_le_bytes());
         }
@@ -442,6 +447,11 @@ impl Window {
             floor_period: u64_at(72),
             floors: [u32_at(80), u32_at(84)],
             cpu_ns: u64_at(88),
+            flow_levels: {
+                let mut levels = [0; FLOWS];
+                levels.copy_from_slice(&bytes[96..96 + FLOWS]);
+                levels
+            },
             ..Self::default()
         };
         for (i, n) in w.in_flight.iter_mut().enumerate() {
@@ -698,6 +708,29 @@ mod tests {
         ));
         assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 2);
         assert_eq!(w.flows[1], 10);
+    }
+
+    #[test]
+    fn flows_share_what_their_level_may_use_among_the_flows_of_that_level() {
+        let a = latency();
+        let mut w = overloaded_window(&a);
+        let now = 1_000 * MS;
+        // 6 of the 20 held by a flow of a higher level: the default level's two flows share 14
+        // (its share, 1.0 here, less what is above it).
+        let high = Seat {
+            level: 3,
+            flow: Some(5),
+        };
+        for _ in 0..6 {
+            w = a.occupy(&w, now, high);
+        }
+        let low = |f| Seat {
+            level: 1,
+            flow: Some(f),
+        };
+        w = a.occupy(&w, now, low(2));
+        assert_eq!(fill(&a, &mut w, now, low(1), MILLI), 7);
+        assert_eq!(fill(&a, &mut w, now, low(2), MILLI), 6);
     }
 
     #[test]

@@ -136,8 +136,9 @@ impl Engine {
             let flow = if g.fair_key.is_empty() {
                 None
             } else {
+                // Requests without a flow key are not held to a flow's part.
                 request
-                    .key(&g.fair_key, MissingKey::Limit)
+                    .key(&g.fair_key, MissingKey::Skip)
                     .map(|k| (key_hash(&k) % FLOWS as u128) as u8)
             };
             let level = *level.get_or_insert_with(|| self.level_of(request));

@@ -33,6 +33,10 @@ pub struct Args {
     /// Give up on an answer after this many seconds (counted as an error).
     #[arg(long, default_value_t = 10.0)]
     timeout: f64,
+    /// Also print the statuses of every request by when it was due, in buckets of this many
+    /// milliseconds (warm-up included): "timeline".
+    #[arg(long)]
+    bucket_ms: Option<u64>,
 }
 
 struct Class {
@@ -102,6 +106,10 @@ pub fn run(args: &Args) -> Result<(), String> {
     let start = Instant::now() + Duration::from_millis(50);
     let next = AtomicU64::new(0);
     let tallies: Vec<Mutex<Tally>> = classes.iter().map(|_| Mutex::default()).collect();
+    let bucket_ns = args.bucket_ms.map(|ms| ms.max(1) * 1_000_000);
+    let buckets = bucket_ns.map_or(0, |b| (args.seconds * 1e9) as u64 / b + 1);
+    let timeline: Mutex<Vec<BTreeMap<String, u64>>> =
+        Mutex::new(vec![BTreeMap::new(); buckets as usize]);
     let timeout = Duration::from_secs_f64(args.timeout);
     std::thread::scope(|s| {
         for _ in 0..args.connections.max(1) {
@@ -133,6 +141,14 @@ pub fn run(args: &Args) -> Result<(), String> {
                     }
                     request.push_str("\r\n");
                     let result = exchange(&mut conn, authority, &request, timeout);
+                    if let Some(b) = bucket_ns {
+                        let i = (due.duration_since(start).as_nanos() as u64 / b) as usize;
+                        let key = result.map_or("error".to_string(), |s| s.to_string());
+                        let mut tl = timeline.lock().unwrap_or_else(PoisonError::into_inner);
+                        if let Some(bucket) = tl.get_mut(i) {
+                            *bucket.entry(key).or_default() += 1;
+                        }
+                    }
                     let counted = due.duration_since(start).as_secs_f64() >= args.warmup;
                     if !counted {
                         continue;
@@ -169,6 +185,12 @@ pub fn run(args: &Args) -> Result<(), String> {
         }
     }
     out.insert("all".into(), summary(all, measured));
+    if bucket_ns.is_some() {
+        let tl = timeline
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        out.insert("timeline".into(), json!(tl));
+    }
     println!("{}", Value::Object(out));
     Ok(())
 }

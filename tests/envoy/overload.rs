@@ -5,11 +5,16 @@
 
 use crate::harness::{load, Envoy, Options, Upstream};
 use serde_json::{json, Value};
+use std::sync::{Mutex, MutexGuard};
 
 /// The upstream: 10 at once, 50 ms each (200 requests/s).
 const CAPACITY_RPS: f64 = 200.0;
 
-fn start(plugin: Value, upstream: &[&str]) -> (Upstream, Envoy) {
+/// One load at a time: these tests measure latency on a machine of 2 cores.
+static ONE_LOAD: Mutex<()> = Mutex::new(());
+
+fn start(plugin: Value, upstream: &[&str]) -> (MutexGuard<'static, ()>, Upstream, Envoy) {
+    let turn = ONE_LOAD.lock().unwrap_or_else(|e| e.into_inner());
     let app = Upstream::start(upstream);
     let envoy = Envoy::start_with(
         &plugin,
@@ -18,7 +23,7 @@ fn start(plugin: Value, upstream: &[&str]) -> (Upstream, Envoy) {
             ..Options::default()
         },
     );
-    (app, envoy)
+    (turn, app, envoy)
 }
 
 fn run(envoy: &Envoy, rate: f64, seconds: f64, warmup: f64, classes: &[&str]) -> Value {
@@ -46,7 +51,7 @@ fn adaptive_rule() -> Value {
 
 #[test]
 fn adaptive_concurrency_keeps_goodput_and_latency_at_2x_and_5x_overload_and_lets_go_after() {
-    let (_app, envoy) = start(
+    let (_turn, _app, envoy) = start(
         json!({"rules": [adaptive_rule()]}),
         &["--capacity", "10", "--service-ms", "50"],
     );
@@ -79,4 +84,131 @@ fn adaptive_concurrency_keeps_goodput_and_latency_at_2x_and_5x_overload_and_lets
         f(&calm, &["all", "sent"]),
         "{calm}"
     );
+}
+
+#[test]
+fn under_overload_the_lowest_level_is_shed_first() {
+    let (_turn, _app, envoy) = start(
+        json!({
+            "rules": [adaptive_rule()],
+            "priorities": [{"name": "checkout", "match": {"headers": {"x-tier": "high"}},
+                            "level": 3}]
+        }),
+        &["--capacity", "10", "--service-ms", "50"],
+    );
+    // 3x: 20% high, 80% of the default level.
+    let r = run(
+        &envoy,
+        CAPACITY_RPS * 3.0,
+        7.0,
+        3.0,
+        &["high:20:x-tier=high"],
+    );
+    eprintln!("priorities: {r}");
+    let high_ok = f(&r, &["high", "ok"]) / f(&r, &["high", "sent"]);
+    assert!(high_ok >= 0.95, "high level admitted {high_ok}: {r}");
+    assert!(status(&r, "other", "503") > 0.0, "{r}");
+    assert!(f(&r, &["all", "ok_per_s"]) >= 0.7 * CAPACITY_RPS, "{r}");
+    // Per-level metrics (the warm-up included).
+    let (high_allowed, high_shed) = (
+        envoy.counter(ADAPTIVE, "level_3_allowed"),
+        envoy.counter(ADAPTIVE, "level_3_shed"),
+    );
+    let low_shed = envoy.counter(ADAPTIVE, "level_1_shed");
+    eprintln!("level 3: {high_allowed} allowed, {high_shed} shed; level 1: {low_shed} shed");
+    assert!(high_allowed >= 480 && low_shed >= 1_000);
+}
+
+#[test]
+fn flows_of_a_level_share_it_equally() {
+    let (_turn, _app, envoy) = start(
+        json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
+                          "adaptive": {"fair_key": ["header:x-tenant"]}}]}),
+        &["--capacity", "10", "--service-ms", "50"],
+    );
+    // 3x from two tenants, one sending 3 times as much as the other (both over half).
+    let r = run(
+        &envoy,
+        CAPACITY_RPS * 3.0,
+        7.0,
+        3.0,
+        &["a:75:x-tenant=a", "b:25:x-tenant=b"],
+    );
+    eprintln!("fairness: {r}");
+    let (a, b) = (f(&r, &["a", "ok"]), f(&r, &["b", "ok"]));
+    assert!(a / b < 1.3 && b / a < 1.3, "tenants a {a}, b {b}: {r}");
+    assert!(f(&r, &["all", "ok_per_s"]) >= 0.7 * CAPACITY_RPS, "{r}");
+}
+
+#[test]
+fn the_cpu_the_upstream_reports_is_the_signal() {
+    let (_turn, _app, envoy) = start(
+        json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
+                          "adaptive": {"cpu": {"header": "endpoint-load-metrics"}}}]}),
+        &[
+            "--capacity",
+            "10",
+            "--service-ms",
+            "50",
+            "--cpu-header",
+            "endpoint-load-metrics",
+        ],
+    );
+    let r = run(&envoy, CAPACITY_RPS * 3.0, 6.0, 3.0, &[]);
+    eprintln!("cpu: {r}");
+    assert!(f(&r, &["all", "ok_per_s"]) >= 0.7 * CAPACITY_RPS, "{r}");
+    assert!(f(&r, &["all", "p99_ms"]) <= 150.0, "{r}");
+    // The upstream reports at least its capacity in use: 100% and more.
+    let signal = envoy.prometheus("tollgate_rule_signal{tollgate_rule=\"app\"}");
+    assert!(signal >= 800, "signal {signal}");
+}
+
+#[test]
+fn the_success_rate_throttle_refuses_as_its_formula_says() {
+    let (_turn, _app, envoy) = start(
+        json!({"rules": [{"name": "flaky", "algorithm": "sre_throttle",
+                          "match": {"path_prefix": "/app"},
+                          "sre_throttle": {"k": 1.5, "window": "2s"},
+                          "response": {"status": 429}}]}),
+        &[
+            "--capacity",
+            "100",
+            "--service-ms",
+            "5",
+            "--fail-percent",
+            "50",
+        ],
+    );
+    let r = load(
+        &envoy.url("/app"),
+        &["--rate", "200", "--seconds", "8", "--bucket-ms", "100"],
+    );
+    let timeline = r["timeline"].as_array().unwrap();
+    let count = |b: &Value, k: &str| b[k].as_f64().unwrap_or(0.0);
+    let sent = |b: &Value| {
+        b.as_object()
+            .unwrap()
+            .values()
+            .filter_map(Value::as_f64)
+            .sum::<f64>()
+    };
+    // For each 100 ms after the first window, the formula over the 2 s before it: requests R
+    // (every attempt), accepts A (the 200s); expected refusals = p × requests of the bucket.
+    let (mut expected, mut refused, mut total) = (0.0, 0.0, 0.0);
+    for i in 20..timeline.len() {
+        let window = &timeline[i - 20..i];
+        let requests: f64 = window.iter().map(sent).sum();
+        let accepts: f64 = window.iter().map(|b| count(b, "200")).sum();
+        let p = ((requests - 1.5 * accepts) / (requests + 1.0)).max(0.0);
+        expected += p * sent(&timeline[i]);
+        refused += count(&timeline[i], "429");
+        total += sent(&timeline[i]);
+    }
+    eprintln!("throttle: refused {refused} of {total}, formula {expected:.0}");
+    assert!(
+        (refused - expected).abs() <= 0.03 * total,
+        "refused {refused} of {total}, the formula says {expected:.0}: {r}"
+    );
+    assert!(expected > 0.5 * total, "{r}");
+    assert!(envoy.counter("flaky", "limited") as f64 >= refused);
 }
