@@ -40,7 +40,8 @@ test-nginx: build quota
 		echo "test-nginx: skipped: NGINX_BIN is not set (an nginx built with ngx_wasm_module; see docs/nginx.md)"; \
 		exit 0; fi; \
 	TOLLGATE_WASM=$(abspath $(WASM)) NGINX_BIN=$(abspath $(NGINX_BIN)) \
-	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) cargo test --test nginx -- --test-threads 2
+	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
+	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) cargo test --test nginx -- --test-threads 2
 
 # The module with `--features probe` (time and heap allocations per callback, as Envoy counters):
 # the allocation test and the benchmark's profile use it.

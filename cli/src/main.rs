@@ -13,6 +13,8 @@ use tollgate::config::{Config, HostCaps};
 const NGINX_BYTES_PER_SLOT: u64 = 136;
 /// Room in an nginx `shm_kv` zone for tollgate's own few keys and the zone's bookkeeping.
 const NGINX_ZONE_MARGIN: u64 = 64 * 1024;
+/// Shared data nginx needs per overload rule window (240 bytes and the entry's bookkeeping).
+const NGINX_BYTES_PER_WINDOW: u64 = 640;
 /// The smallest zone nginx accepts.
 const NGINX_MIN_ZONE: u64 = 15 * 1024;
 
@@ -76,11 +78,17 @@ fn main() -> ExitCode {
         }
     }
     println!("{name}: ok: {}", parsed.summary());
-    let slots = parsed.slots();
-    let zone = (slots * NGINX_BYTES_PER_SLOT + NGINX_ZONE_MARGIN).max(NGINX_MIN_ZONE);
+    let (slots, windows) = (parsed.slots(), parsed.windows());
+    let zone =
+        (slots * NGINX_BYTES_PER_SLOT + windows * NGINX_BYTES_PER_WINDOW + NGINX_ZONE_MARGIN)
+            .max(NGINX_MIN_ZONE);
+    let windows = match windows {
+        0 => String::new(),
+        n => format!(", {n} overload windows"),
+    };
     // nginx refuses zone sizes that are not whole pages: whole 64 KiB it is.
     println!(
-        "shared data: {slots} slots; on nginx: shm_kv * {}k eviction=none; (or larger)",
+        "shared data: {slots} slots{windows}; on nginx: shm_kv * {}k eviction=none; (or larger)",
         zone.div_ceil(64 * 1024) * 64
     );
     if parsed.rules.iter().any(|r| r.global.is_some()) && !matches!(host, Some(Host::Envoy)) {

@@ -174,6 +174,14 @@ impl Adaptive {
         self.cool_down_ns
     }
 
+    pub fn buckets(&self) -> usize {
+        self.buckets
+    }
+
+    pub fn window_ns(&self) -> u64 {
+        self.bucket_ns * self.buckets as u64
+    }
+
     /// The window as of `now_ns`: buckets that fell out of it are emptied.
     pub fn advance(&self, w: &Window, now_ns: u64) -> Window {
         let newest = now_ns / self.bucket_ns + 1;

@@ -46,6 +46,10 @@ impl SreThrottle {
         self.period_ns
     }
 
+    pub fn k_milli(&self) -> u64 {
+        self.k_milli
+    }
+
     /// The counts as of `now_ns`: windows that ended are moved back or forgotten.
     fn advance(&self, c: &Counts, now_ns: u64) -> Counts {
         let window = now_ns / self.period_ns + 1;

@@ -231,6 +231,15 @@ impl Config {
             .rules
             .iter()
             .map(|r| {
+                if let Some(g) = &r.guard {
+                    return format!(
+                        "{} ({}, {} keys{})",
+                        r.name,
+                        g.describe(),
+                        g.table.groups(),
+                        if r.dry_run { ", dry run" } else { "" }
+                    );
+                }
                 format!(
                     "{} ({}, {} slots{}{})",
                     r.name,
@@ -254,6 +263,12 @@ impl Config {
             })
             .collect();
         format!("{} rule(s): {}", rules.len(), rules.join("; "))
+    }
+
+    /// Windows in shared data over all overload rules (one per key, up to `max_keys`).
+    pub fn windows(&self) -> u64 {
+        let guards = self.rules.iter().filter_map(|r| r.guard.as_ref());
+        guards.map(|g| u64::from(g.table.groups())).sum()
     }
 
     /// Slots in shared data over all rules (their own, overrides' and global rules' stand-ins).

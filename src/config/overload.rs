@@ -138,6 +138,41 @@ pub struct Guard {
     pub fair_key: Vec<KeyPart>,
 }
 
+impl Guard {
+    /// The rule as the configuration would write it.
+    pub fn describe(&self) -> String {
+        let ms = |ns: u64| super::period::format_duration(ns);
+        match &self.kind {
+            GuardKind::Adaptive { estimator, cpu } => {
+                let signal = estimator.signal();
+                let mut text = format!(
+                    "adaptive, window {} in {} buckets, latency factor {}, cool-down {}",
+                    ms(estimator.window_ns()),
+                    estimator.buckets(),
+                    signal.latency_factor as f64 / MILLI as f64,
+                    ms(estimator.cool_down_ns())
+                );
+                if let (Some(h), Some(c)) = (cpu, signal.cpu) {
+                    text += &format!(
+                        ", cpu from {} above {}",
+                        h.name,
+                        c.threshold as f64 / MILLI as f64
+                    );
+                }
+                if !self.fair_key.is_empty() {
+                    text += ", fair per flow";
+                }
+                text
+            }
+            GuardKind::Throttle { throttle, .. } => format!(
+                "sre_throttle, k {}, window {}",
+                throttle.k_milli() as f64 / K_SCALE as f64,
+                ms(throttle.period_ns())
+            ),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum GuardKind {
     Adaptive {

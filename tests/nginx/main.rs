@@ -467,3 +467,86 @@ fn the_documented_nginx_conf_works_as_described() {
     assert_eq!(refused.header("x-tollgate-rule"), Some("per-ip"));
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
+
+/// nginx in front of an upstream of 10 at once × 50 ms (200/s), with `plugin` on `/app`.
+fn overload_nginx(plugin: &Value, upstream: &[&str]) -> (harness::Upstream, Nginx) {
+    let app = harness::Upstream::start(upstream);
+    let conf = format!(
+        "worker_processes 2;\nevents {{ worker_connections 4096; }}\n\
+         wasm {{\n  module tollgate {};\n  shm_kv * 16m eviction=none;\n}}\n\
+         http {{\n  server {{\n    listen 127.0.0.1:PORT;\n    location /app {{\n      \
+         proxy_wasm tollgate {};\n      proxy_pass http://127.0.0.1:{};\n    }}\n  }}\n}}\n",
+        harness::wasm_path().display(),
+        harness::nginx_string(plugin),
+        app.port
+    );
+    let nginx = Nginx::start_conf(&conf, harness::Backend::start(), 2);
+    (app, nginx)
+}
+
+fn load_numbers(v: &Value, class: &str, field: &str) -> f64 {
+    v[class][field].as_f64().unwrap_or(0.0)
+}
+
+#[test]
+fn adaptive_concurrency_and_priorities_protect_an_upstream_in_nginx() {
+    nginx_or_skip!();
+    let plugin = json!({
+        "rules": [{"name": "app", "algorithm": "adaptive"}],
+        "priorities": [{"name": "checkout", "match": {"headers": {"x-tier": "high"}}, "level": 3}]
+    });
+    let (_app, nginx) = overload_nginx(&plugin, &["--capacity", "10", "--service-ms", "50"]);
+    let unloaded = harness::load(&nginx.url("/app"), &["--rate", "40", "--seconds", "2"]);
+    let base = load_numbers(&unloaded, "all", "p50_ms");
+    // 3x the capacity, 20% of it at level 3.
+    let r = harness::load(
+        &nginx.url("/app"),
+        &[
+            "--rate",
+            "600",
+            "--seconds",
+            "7",
+            "--warmup",
+            "3",
+            "--class",
+            "high:20:x-tier=high",
+        ],
+    );
+    eprintln!("nginx adaptive 3x: unloaded p50 {base} ms: {r}");
+    assert!(load_numbers(&r, "all", "ok_per_s") >= 140.0, "{r}");
+    assert!(load_numbers(&r, "all", "p99_ms") <= 3.0 * base, "{r}");
+    let high = load_numbers(&r, "high", "ok") / load_numbers(&r, "high", "sent");
+    assert!(high >= 0.95, "{r}");
+    assert!(
+        r["other"]["statuses"]["503"].as_u64().unwrap_or(0) > 0,
+        "{r}"
+    );
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
+fn the_success_rate_throttle_refuses_in_nginx() {
+    nginx_or_skip!();
+    let plugin = json!({"rules": [{"name": "flaky", "algorithm": "sre_throttle",
+                                   "sre_throttle": {"k": 1.5, "window": "2s"},
+                                   "response": {"status": 429}}]});
+    let (_app, nginx) = overload_nginx(
+        &plugin,
+        &[
+            "--capacity",
+            "100",
+            "--service-ms",
+            "5",
+            "--fail-percent",
+            "50",
+        ],
+    );
+    let r = harness::load(
+        &nginx.url("/app"),
+        &["--rate", "200", "--seconds", "6", "--warmup", "3"],
+    );
+    eprintln!("nginx throttle: {r}");
+    let refused = r["all"]["statuses"]["429"].as_f64().unwrap_or(0.0);
+    assert!(refused > 0.5 * load_numbers(&r, "all", "sent"), "{r}");
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
