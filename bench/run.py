@@ -408,7 +408,7 @@ def setups(quota_port, quota_redis_port):
     return [s for s in out if s]
 
 
-SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split")
+SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split", "overload")
 
 
 def main():
@@ -453,6 +453,8 @@ def main():
             saved["profile"], saved["hostcalls"] = sections.profile()
         if "split" in wanted:
             saved["split"] = sections.process_split()
+        if "overload" in wanted:
+            saved["overload"] = sections.overload()
     finally:
         for p in (quota, quota_redis, quota_redis2, redis):
             p.stop()
@@ -621,6 +623,19 @@ def report(saved, args):
                      f"{over3['rounds']} rounds, [below](#global-limits-under-and-over-the-limit)); "
                      f"{over3['calls_per_1000']:.2f} calls per 1000 requests | "
                      f"{'yes' if over3['p99_ratio'] <= 1.10 and over3['calls_per_1000'] <= 10 else 'no'} |")
+    ov = {(o["setup"], o["factor"]): o for o in saved.get("overload", [])}
+    adaptive = [ov[k] for k in (("tollgate adaptive (latency)", 2), ("tollgate adaptive (latency)", 5)) if k in ov]
+    if adaptive:
+        worst_goodput = min(o["goodput"] for o in adaptive) / 200
+        worst_p99 = max(o["p99_ms"] / o["base_ms"] for o in adaptive)
+        lines.append(f"| adaptive rule at 2× and 5× an upstream's capacity: goodput ≥ 90% of capacity, p99 ≤ 2× "
+                     f"the unloaded latency | goodput ≥ {worst_goodput:.0%}, p99 ≤ {worst_p99:.2f}× "
+                     f"([Overload](#overload)) | {'yes' if worst_goodput >= 0.9 and worst_p99 <= 2 else 'no'} |")
+    prio = next((o for o in saved.get("overload", []) if "high_admitted" in o), None)
+    if prio:
+        lines.append(f"| priorities at 3× overload, 20% high: ≥ 99% of the high level admitted | "
+                     f"{prio['high_admitted']:.1%} (the low level: {prio['low_admitted']:.1%}) | "
+                     f"{'yes' if prio['high_admitted'] >= 0.99 else 'no'} |")
     lines += [
         "",
         "CPU per request measured from outside scatters by several µs between rounds on this VM (see "
@@ -889,6 +904,36 @@ def report(saved, args):
         "A lease call stands for many requests: a grant is a quarter of the key's burst by default (up to "
         "1000 tokens), and one call carries up to 1000 keys' refills, so the service's call rate is a small "
         "fraction of the request rate it governs (1 call per 1000 requests in the lease runs above).",
+        "",
+        "## Overload",
+        "",
+        "An upstream with a capacity (`tollgate-testbed upstream`: 10 requests at once, 50 ms each, so "
+        "200/s; it queues the rest, so its latency grows with load) behind Envoy (2 workers, not pinned), "
+        "open-loop load from `tollgate-testbed load` (latency counted from when each request was due, up "
+        "to 256 in flight). Each run: a fresh upstream and Envoy, the unloaded p50 (40/s), then the load "
+        "for 7 s, the first 3 s not counted; medians over rounds. **Goodput**: 200s per second, until "
+        "the last answer came; **refused**: answers that were not 200 (503s from the limiter) over "
+        "requests sent. Without protection the upstream's queue grows for as long as the load lasts "
+        "(and beyond 256 requests waiting, the load generator's own queue adds to the latency): p99 "
+        "grows with the length of the run, without bound, and goodput counts answers that came long "
+        "after the load stopped.",
+        "",
+        "| setup | load | rounds | goodput /s | of capacity | p99 ms | p99 / unloaded p50 | refused | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for o in saved.get("overload", []):
+        lines.append(f"| {o['setup']} | {o['factor']}× | {o['rounds']} | {o['goodput']:.0f} | "
+                     f"{o['goodput'] / 200:.0%} | {o['p99_ms']:.0f} | {o['p99_ms'] / o['base_ms']:.2f}× | "
+                     f"{o['refused']:.0%} | {o['errors']:.0f} |")
+    prio = [o for o in saved.get("overload", []) if "high_admitted" in o]
+    lines += [""] + [f"With priorities (3×, 20% of requests at level 3, the rest at the default level 1): "
+                     f"{o['high_admitted']:.1%} of level 3 admitted, {o['low_admitted']:.1%} of level 1."
+                     for o in prio] + [
+        "",
+        "Envoy's `adaptive_concurrency` is configured with its gradient controller (p50 samples, the "
+        "limit updated every 100 ms, the minimum RTT measured every 60 s over 50 requests at a concurrency "
+        "of 3). It is Envoy's own; tollgate's rule judges from one process-wide estimate in shared "
+        "data, in Envoy and in nginx, and adds priorities.",
         "",
         "## Noise",
         "",

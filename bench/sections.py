@@ -2,6 +2,7 @@
 memory against distinct keys, the quota service's throughput, and where tollgate's time goes.
 Each function returns plain rows for results.json and the report."""
 import asyncio
+import json
 import math
 import statistics
 import subprocess
@@ -451,3 +452,89 @@ def profile(seconds=4, rounds=3):
     finally:
         server.stop()
     return rows, {op: statistics.median(v) for op, v in hostcalls.items()}
+
+
+# ---------------------------------------------------------------- overload protection
+
+TESTBED = run.REPO / "target/release/tollgate-testbed"
+CAPACITY_RPS = 200  # the upstream: 10 at once × 50 ms
+
+
+def upstream_cluster(port):
+    return {"name": "app", "type": "STATIC", "connect_timeout": "1s",
+            "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                                 "max_requests": 100000}]},
+            "load_assignment": {"cluster_name": "app", "endpoints": [{"lb_endpoints": [{
+                "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}}
+
+
+def adaptive_concurrency():
+    """Envoy's native adaptive_concurrency (gradient controller), at its documented defaults apart from
+    a 100 ms update interval (the default) and minRTT measured every 60 s over 50 requests."""
+    return {"name": "envoy.filters.http.adaptive_concurrency", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3.AdaptiveConcurrency",
+        "gradient_controller_config": {
+            "sample_aggregate_percentile": {"value": 50},
+            "concurrency_limit_params": {"concurrency_update_interval": "0.1s"},
+            "min_rtt_calc_params": {"interval": "60s", "request_count": 50}}}}
+
+
+def testbed_load(url, rate, seconds, warmup=0.0, classes=()):
+    args = [str(TESTBED), "load", "--url", url, "--rate", str(rate), "--seconds", str(seconds),
+            "--warmup", str(warmup)]
+    for c in classes:
+        args += ["--class", c]
+    return json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+
+
+def overload(seconds=7, warmup=3, rounds=3, factors=(2, 3, 5)):
+    """An upstream with a capacity (tollgate-testbed: 10 at once × 50 ms, 200/s; queues the rest)
+    behind Envoy (2 workers) with no protection, tollgate's adaptive rule (latency signal, and the
+    upstream's ORCA CPU report), and Envoy's adaptive_concurrency; open-loop load at 2×, 3× and 5×
+    its capacity. Each run gets a fresh upstream and Envoy, an unloaded baseline (40/s for 2 s), then
+    the load; figures from after the warm-up; medians over rounds."""
+    rule = {"name": "app", "algorithm": "adaptive"}
+    setups = {
+        "no protection": ([], None, []),
+        "tollgate adaptive (latency)": ([wasm_filter(TOLLGATE, {"rules": [rule]})], None, []),
+        "tollgate adaptive (ORCA CPU)": (
+            [wasm_filter(TOLLGATE, {"rules": [{**rule, "adaptive": {"cpu": {"header": "endpoint-load-metrics"}}}]})],
+            "endpoint-load-metrics", []),
+        "Envoy adaptive_concurrency": ([adaptive_concurrency()], None, []),
+        "tollgate adaptive, 20% at level 3": (
+            [wasm_filter(TOLLGATE, {"rules": [rule], "priorities": [
+                {"name": "high", "match": {"headers": {"x-tier": "high"}}, "level": 3}]})],
+            None, ["high:20:x-tier=high"]),
+    }
+    runs = {}
+    for r in range(rounds):
+        for name, (filters, cpu_header, classes) in setups.items():
+            for factor in factors:
+                if classes and factor != 3:
+                    continue
+                port = free_port()
+                args = [str(TESTBED), "upstream", "--port", str(port), "--capacity", "10", "--service-ms", "50"]
+                if cpu_header:
+                    args += ["--cpu-header", cpu_header]
+                app = Proc(args)
+                run.wait_port(port)
+                envoy = EnvoyServer(filters, [upstream_cluster(port)], concurrency=2, pin=False, upstream="app")
+                try:
+                    base = testbed_load(envoy.url, 40, 2, 0.5)["all"]["p50_ms"]
+                    out = testbed_load(envoy.url, CAPACITY_RPS * factor, seconds, warmup, classes)
+                finally:
+                    envoy.stop()
+                    app.stop()
+                a = out["all"]
+                m = {"goodput": a["ok_per_s"], "p99_ms": a["p99_ms"], "p50_ms": a["p50_ms"], "base_ms": base,
+                     "refused": sum(n for s, n in a["statuses"].items() if s != "200") / max(a["sent"], 1),
+                     "errors": a["errors"]}
+                if "high" in out:
+                    m["high_admitted"] = out["high"]["ok"] / max(out["high"]["sent"], 1)
+                    m["low_admitted"] = out["other"]["ok"] / max(out["other"]["sent"], 1)
+                runs.setdefault((name, factor), []).append(m)
+                print(f"overload round {r + 1}, {name}, {factor}x: goodput {m['goodput']:.0f}/s, "
+                      f"p99 {m['p99_ms']:.0f} ms (unloaded {base:.0f}), refused {m['refused']:.0%}", flush=True)
+    return [{"setup": name, "factor": factor, "rounds": len(ms),
+             **{f: statistics.median(x[f] for x in ms) for f in ms[0]}}
+            for (name, factor), ms in runs.items()]

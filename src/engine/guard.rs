@@ -99,7 +99,7 @@ pub fn reported_cpu(value: &[u8], header: &CpuHeader) -> Option<u64> {
 impl Engine {
     /// True if some rule is an overload rule.
     pub fn has_guards(&self) -> bool {
-        self.config.rules.iter().any(|r| r.guard.is_some())
+        self.guarded
     }
 
     /// The priority level of a request: its first matching class's, else the default.
@@ -299,6 +299,11 @@ impl Engine {
             };
             let key = g.table.store_key(seat.window);
             match &g.kind {
+                // A failure is not the service time: a fast 5xx (a refused connection, a
+                // reset) would pass for the least response time and shrink the capacity.
+                GuardKind::Adaptive { .. } if !status.is_some_and(|s| s < 500) => {
+                    self.abandon(store, Seats::from_elem(seat, 1), now);
+                }
                 GuardKind::Adaptive { estimator, cpu } => {
                     let estimator = *estimator;
                     let cpu = cpu

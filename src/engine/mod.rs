@@ -134,10 +134,13 @@ pub struct Engine {
     calls_off_until_ms: u64,
     /// Counts the throttle's draws (with the time, their seed).
     draws: u64,
+    /// Some rule is an overload rule.
+    guarded: bool,
 }
 
 impl Engine {
     pub fn new(config: Config) -> Self {
+        let guarded = config.rules.iter().any(|r| r.guard.is_some());
         Self {
             stats: Stats::new(config.rules.len()),
             config,
@@ -146,6 +149,7 @@ impl Engine {
             stash_reported: 0,
             calls_off_until_ms: 0,
             draws: 0,
+            guarded,
         }
     }
 

@@ -672,6 +672,23 @@ mod overload {
     }
 
     #[test]
+    fn failed_answers_free_their_place_without_being_measured() {
+        let mut rig = Rig::new(ADAPTIVE);
+        warm(&mut rig, NOW, 20);
+        let later = NOW + 1_000 * MS;
+        assert_eq!(rig.stat(0, RuleStat::Estimate), 20);
+        // Fast 503s (a refused connection): not the service time.
+        for t in 0..200 {
+            let seats = rig.guard(&req(&[]), later + t * MS).expect("admitted");
+            rig.answer(seats, later + t * MS + 10_000, 503);
+        }
+        assert_eq!(rig.stat(0, RuleStat::InFlight), 0);
+        let seats = rig.guard(&req(&[]), later + 200 * MS).expect("admitted");
+        rig.answer(seats, later + 220 * MS, 200);
+        assert_eq!(rig.stat(0, RuleStat::Estimate), 20);
+    }
+
+    #[test]
     fn a_dry_run_sheds_nothing_and_counts_what_it_would_shed() {
         let json = ADAPTIVE.replace(
             r#""algorithm":"adaptive""#,
