@@ -301,7 +301,7 @@ impl Engine {
             match &g.kind {
                 // A failure is not the service time: a fast 5xx (a refused connection, a
                 // reset) would pass for the least response time and shrink the capacity.
-                GuardKind::Adaptive { .. } if !status.is_some_and(|s| s < 500) => {
+                GuardKind::Adaptive { .. } if status.is_none_or(|s| s >= 500) => {
                     self.abandon(store, Seats::from_elem(seat, 1), now);
                 }
                 GuardKind::Adaptive { estimator, cpu } => {
