@@ -212,3 +212,18 @@ fn the_success_rate_throttle_refuses_as_its_formula_says() {
     assert!(expected > 0.5 * total, "{r}");
     assert!(envoy.counter("flaky", "limited") as f64 >= refused);
 }
+
+#[test]
+fn a_dry_run_sheds_nothing_and_counts_what_it_would_shed() {
+    let (_turn, _app, envoy) = start(
+        json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
+                          "dry_run": true}]}),
+        &["--capacity", "10", "--service-ms", "50"],
+    );
+    let r = run(&envoy, CAPACITY_RPS * 2.0, 4.0, 1.0, &[]);
+    assert_eq!(status(&r, "all", "503"), 0.0, "{r}");
+    assert_eq!(f(&r, &["all", "ok"]), f(&r, &["all", "sent"]), "{r}");
+    let would = envoy.counter("app", "dry_run_limited");
+    assert!(would > 0, "{r}");
+    assert_eq!(envoy.counter("app", "limited"), 0);
+}
