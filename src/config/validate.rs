@@ -72,18 +72,26 @@ impl RawRule {
         if matches!(self.algorithm, Algorithm::Adaptive | Algorithm::SreThrottle) {
             return self.validate_guard(path, dry_run_all);
         }
-        let only_for = |given: bool, field: &str| {
+        let only = |given: bool, field: &str, algorithms: &str| {
             if given {
                 Err(err(
                     format!("{path}.{field}"),
-                    format!("only applies to algorithm \"{field}\""),
+                    format!("only applies to {algorithms}"),
                 ))
             } else {
                 Ok(())
             }
         };
-        only_for(self.adaptive.is_some(), "adaptive")?;
-        only_for(self.sre_throttle.is_some(), "sre_throttle")?;
+        only(
+            self.adaptive.is_some(),
+            "adaptive",
+            "algorithm \"adaptive\"",
+        )?;
+        only(
+            self.sre_throttle.is_some(),
+            "sre_throttle",
+            "algorithm \"sre_throttle\"",
+        )?;
         let Some(raw_limit) = &self.limit else {
             return Err(err(
                 format!("{path}.limit"),
@@ -98,16 +106,6 @@ impl RawRule {
                 format!("{max_keys} is more than the maximum of {MAX_MAX_KEYS}"),
             ));
         }
-        let only = |given: bool, field: &str, algorithms: &str| {
-            if given {
-                Err(err(
-                    format!("{path}.{field}"),
-                    format!("only applies to {algorithms}"),
-                ))
-            } else {
-                Ok(())
-            }
-        };
         let algorithm = self.algorithm;
         only(
             self.delay.is_some() && algorithm != Algorithm::LeakyBucket,

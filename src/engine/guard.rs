@@ -36,6 +36,16 @@ struct Ask<'a> {
     now: u64,
 }
 
+/// An overload rule's decision for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// The request goes on; `seated` if the rule counts it in its window until its answer.
+    Go {
+        seated: bool,
+    },
+    Shed,
+}
+
 /// How a read-modify-write of a window ended.
 enum Written<T> {
     Done(T),
@@ -149,36 +159,34 @@ impl Engine {
                 since_ns: now,
             };
             let key = g.table.store_key(window);
-            let dry_run = rule.dry_run;
-            let admitted = match g.kind {
+            let ask = Ask {
+                key: key.as_str(),
+                dry_run: rule.dry_run,
+                seat,
+                now,
+            };
+            let verdict = match g.kind {
                 GuardKind::Adaptive { estimator, .. } => {
                     let share = self.config.priorities.shares[usize::from(level).min(3)];
-                    let ask = Ask {
-                        key: key.as_str(),
-                        dry_run,
-                        seat,
-                        now,
-                    };
                     self.admit_adaptive(store, i, estimator, share, ask)
                 }
                 GuardKind::Throttle { throttle, .. } => {
                     self.draws = self.draws.wrapping_add(1);
                     let d = draw(now ^ self.draws.rotate_left(32));
-                    let ask = Ask {
-                        key: key.as_str(),
-                        dry_run,
-                        seat,
-                        now,
-                    };
                     self.admit_throttled(store, i, throttle, d, ask)
                 }
             };
-            let stat = RuleStat::of_level(level, !admitted);
-            self.stats.bump(i, stat);
-            if admitted {
-                self.stats.bump(i, RuleStat::Allowed);
-                seats.push(seat);
-                continue;
+            self.stats
+                .bump(i, RuleStat::of_level(level, verdict == Verdict::Shed));
+            match verdict {
+                Verdict::Shed => {}
+                Verdict::Go { seated } => {
+                    self.stats.bump(i, RuleStat::Allowed);
+                    if seated {
+                        seats.push(seat);
+                    }
+                    continue;
+                }
             }
             self.stats.bump(i, RuleStat::Limited);
             self.abandon(store, std::mem::take(seats), now);
@@ -191,7 +199,7 @@ impl Engine {
         None
     }
 
-    /// An adaptive rule's decision; true if admitted (a dry run's are).
+    /// An adaptive rule's decision (a dry run's requests go on).
     fn admit_adaptive<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
@@ -199,49 +207,33 @@ impl Engine {
         estimator: Adaptive,
         share: u64,
         ask: Ask,
-    ) -> bool {
-        let Ask {
-            key,
-            dry_run,
-            seat,
-            now,
-        } = ask;
-        let result = update(store, key, |bytes| {
+    ) -> Verdict {
+        let (seat, now, dry_run) = (ask.seat.seat, ask.now, ask.dry_run);
+        let result = update(store, ask.key, |bytes| {
             let w = Window::decode(bytes.unwrap_or_default());
-            match estimator.admit(&w, now, seat.seat, share) {
+            match estimator.admit(&w, now, seat, share) {
                 Admission::Admit(next) => (Some(next.encode()), (true, next)),
                 Admission::Refuse(next) if dry_run => {
-                    let next = estimator.occupy(&next, now, seat.seat);
+                    let next = estimator.occupy(&next, now, seat);
                     (Some(next.encode()), (false, next))
                 }
                 Admission::Refuse(next) => (Some(next.encode()), (false, next)),
             }
         });
-        match result {
+        let result = match result {
             Written::Done((admitted, w)) => {
                 self.note_window(i, &estimator, &w, now);
-                if admitted {
+                if admitted || dry_run {
                     self.stats.add(i, RuleStat::InFlight, 1);
-                    return true;
                 }
-                if dry_run {
-                    self.stats.add(i, RuleStat::InFlight, 1);
-                    self.stats.bump(i, RuleStat::DryRunLimited);
-                    info!("dry run: rule {} would shed a request", self.rule_name(i));
-                    return true;
-                }
-                debug!("rule {}: request shed", self.rule_name(i));
-                false
+                Written::Done(admitted)
             }
-            // Without its window the rule cannot judge: the request goes, holding no seat.
-            Written::Failed(stat) => {
-                self.stats.bump(i, stat);
-                true
-            }
-        }
+            Written::Failed(stat) => Written::Failed(stat),
+        };
+        self.settle(i, result, dry_run)
     }
 
-    /// A throttle's decision; true if admitted (a dry run's are).
+    /// A throttle's decision (a dry run's requests go on).
     fn admit_throttled<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
@@ -249,36 +241,37 @@ impl Engine {
         throttle: SreThrottle,
         d: u32,
         ask: Ask,
-    ) -> bool {
-        let Ask {
-            key,
-            dry_run,
-            seat,
-            now,
-        } = ask;
-        let result = update(store, key, |bytes| {
+    ) -> Verdict {
+        let (level, now, dry_run) = (ask.seat.seat.level, ask.now, ask.dry_run);
+        let result = update(store, ask.key, |bytes| {
             let c = Counts::decode(bytes.unwrap_or_default());
-            match throttle.refuse(&c, now, seat.seat.level, d) {
+            match throttle.refuse(&c, now, level, d) {
                 None => (None, true),
                 // A dry run's request goes on and counts with its answer.
                 Some(_) if dry_run => (None, false),
                 Some(next) => (Some(next.encode()), false),
             }
         });
+        self.settle(i, result, dry_run)
+    }
+
+    /// What a decision written to a rule's window means for the request. Without its window the
+    /// rule cannot judge: the request goes on, holding no seat.
+    fn settle(&mut self, i: usize, result: Written<bool>, dry_run: bool) -> Verdict {
         match result {
-            Written::Done(true) => true,
+            Written::Done(true) => Verdict::Go { seated: true },
             Written::Done(false) if dry_run => {
                 self.stats.bump(i, RuleStat::DryRunLimited);
-                info!(
-                    "dry run: rule {} would throttle a request",
-                    self.rule_name(i)
-                );
-                true
+                info!("dry run: rule {} would refuse a request", self.rule_name(i));
+                Verdict::Go { seated: true }
             }
-            Written::Done(false) => false,
+            Written::Done(false) => {
+                debug!("rule {}: request refused (overload)", self.rule_name(i));
+                Verdict::Shed
+            }
             Written::Failed(stat) => {
                 self.stats.bump(i, stat);
-                true
+                Verdict::Go { seated: false }
             }
         }
     }
