@@ -14,6 +14,7 @@ pub mod lease;
 pub mod limiter;
 pub mod sliding_window;
 pub mod slot;
+pub mod slot_lease;
 pub mod stash;
 pub mod state;
 pub mod store;

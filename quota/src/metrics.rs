@@ -14,9 +14,19 @@ pub struct Outcome {
     pub outcome: &'static str,
 }
 
+/// A global concurrency rule's holder.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Holder {
+    pub rule: String,
+    pub instance: String,
+}
+
 pub struct Metrics {
     registry: Registry,
     pub calls: Family<Outcome, Counter>,
+    pub slot_calls: Family<Outcome, Counter>,
+    /// Slots an instance held of a rule's keys, as its last slot call's answers said.
+    pub slots_held: Family<Holder, Gauge>,
     pub items: Counter,
     pub granted: Counter,
     pub reserved: Counter,
@@ -30,6 +40,15 @@ impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("tollgate_quota");
         let calls = Family::<Outcome, Counter>::default();
+        let slot_calls = Family::<Outcome, Counter>::default();
+        let slots_held = Family::<Holder, Gauge>::default();
+        registry.register("slot_calls", "Slot calls by outcome", slot_calls.clone());
+        registry.register(
+            "slots_held",
+            "Slots of a global concurrency rule an instance holds: the sum over the keys of its \
+             last slot call",
+            slots_held.clone(),
+        );
         let items = Counter::default();
         let granted = Counter::default();
         let reserved = Counter::default();
@@ -61,6 +80,8 @@ impl Default for Metrics {
         Self {
             registry,
             calls,
+            slot_calls,
+            slots_held,
             items,
             granted,
             reserved,

@@ -1,8 +1,9 @@
-//! Global buckets in Redis, a Redis Cluster or a Redis watched by Sentinel: one Lua script per
-//! call (per master on a cluster).
+//! Global buckets and slot holdings in Redis, a Redis Cluster or a Redis watched by Sentinel: one
+//! Lua script per call (per master on a cluster).
 //!
-//! A bucket is one hash, `{tg:<limit_id>:<key>}:b` (tokens, updated, its holders), so an item
-//! touches one cluster slot. Each slot also has an epoch marker (a key whose hash tag is
+//! A bucket is one hash, `{tg:<limit_id>:<key>}:b` (tokens, updated, its holders), and a global
+//! concurrency key's holdings another, `{tg:<limit_id>:<key>}:s`, so an item touches one cluster
+//! slot. Each slot also has an epoch marker (a key whose hash tag is
 //! chosen to fall in that slot), set when the slot's first bucket is made and lost with the
 //! node's data: a bucket missing while its marker is young was forgotten, not unused, and a
 //! conservative cold start applies.
@@ -17,8 +18,10 @@ use std::collections::BTreeMap;
 use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 use tollgate_core::lease::{LeaseGrant, LeaseItem};
+use tollgate_core::slot_lease::{SlotAnswer, SlotItem};
 
 const LEASE_LUA: &str = include_str!("lease.lua");
+const SLOTS_LUA: &str = include_str!("slots.lua");
 /// On a cluster the script may touch keys of several slots of the master it runs on (Redis 7).
 const CLUSTER_FLAGS: &str = "#!lua flags=allow-cross-slot-keys\n";
 const SLOTS: usize = 16_384;
@@ -74,11 +77,65 @@ impl SentinelLink {
     }
 }
 
+/// A script as sent with `SCRIPT LOAD`, and its SHA-1 for `EVALSHA`.
+struct Script {
+    text: String,
+    sha: String,
+}
+
+impl Script {
+    fn new(body: &str, cluster: bool) -> Self {
+        let text = if cluster {
+            format!("{CLUSTER_FLAGS}{body}")
+        } else {
+            body.to_owned()
+        };
+        let sha = redis::Script::new(&text).get_hash().to_owned();
+        Self { text, sha }
+    }
+}
+
+/// Items a script serves: where their keys are and what the script is told of each.
+trait Scripted {
+    /// The item's hash, after its hash tag.
+    const SUFFIX: &'static str;
+    /// Numbers the script answers per item.
+    const ANSWER: usize;
+    /// The hash tag of the item's keys.
+    fn tag(&self) -> String;
+    fn push_args(&self, cmd: &mut redis::Cmd);
+}
+
+impl Scripted for LeaseItem {
+    const SUFFIX: &'static str = ":b";
+    const ANSWER: usize = 5;
+    fn tag(&self) -> String {
+        format!("tg:{}:{}", self.limit_id, self.key)
+    }
+    fn push_args(&self, cmd: &mut redis::Cmd) {
+        cmd.arg(self.requests)
+            .arg(self.per_ms)
+            .arg(self.burst)
+            .arg(self.wanted)
+            .arg(self.demand_mtps());
+    }
+}
+
+impl Scripted for SlotItem {
+    const SUFFIX: &'static str = ":s";
+    const ANSWER: usize = 3;
+    fn tag(&self) -> String {
+        format!("tg:{}:{}", self.limit_id, self.key)
+    }
+    fn push_args(&self, cmd: &mut redis::Cmd) {
+        cmd.arg(self.concurrent).arg(self.wanted).arg(self.keep);
+    }
+}
+
 pub struct RedisStore {
     conn: Connection,
-    /// The lease script as sent with `SCRIPT LOAD`, and its SHA-1 for `EVALSHA`.
-    script: String,
-    script_sha: String,
+    lease_script: Script,
+    slots_script: Script,
     timeout: Duration,
     conservative: bool,
     /// Cluster: which master serves each slot (as last learnt), so that a call runs one script
@@ -182,15 +239,11 @@ impl RedisStore {
             .map_err(|_| StoreError::Timeout(Duration::from_secs(5)))??;
         // The slots' marker keys, worked out once (a few ms) before the first call needs them.
         let _ = marker(0);
-        let script = match conn {
-            Connection::Single(_) | Connection::Sentinel(_) => LEASE_LUA.to_owned(),
-            Connection::Cluster(_) => format!("{CLUSTER_FLAGS}{LEASE_LUA}"),
-        };
-        let script_sha = redis::Script::new(&script).get_hash().to_owned();
+        let cluster = matches!(conn, Connection::Cluster(_));
         let store = Self {
             conn,
-            script,
-            script_sha,
+            lease_script: Script::new(LEASE_LUA, cluster),
+            slots_script: Script::new(SLOTS_LUA, cluster),
             timeout,
             conservative,
             masters: RwLock::new(Vec::new()),
@@ -236,7 +289,7 @@ impl RedisStore {
 
     /// `members` of `items` grouped into script runs: all in one on a single Redis; on a cluster
     /// one per master when `per_master` and the slot map is known, else one per slot.
-    fn runs(&self, items: &[LeaseItem], members: &[usize], per_master: bool) -> Vec<Run> {
+    fn runs<I: Scripted>(&self, items: &[I], members: &[usize], per_master: bool) -> Vec<Run> {
         let masters = self.masters.read();
         let masters: &[u16] = match &masters {
             Ok(m) if per_master => m,
@@ -245,7 +298,7 @@ impl RedisStore {
         let declared = masters.is_empty() || !matches!(self.conn, Connection::Cluster(_));
         let mut groups: BTreeMap<usize, Run> = BTreeMap::new();
         for &i in members {
-            let slot = slot(&tag(&items[i]));
+            let slot = slot(&items[i].tag());
             let group = match self.conn {
                 Connection::Single(_) | Connection::Sentinel(_) => 0,
                 Connection::Cluster(_) => {
@@ -265,24 +318,74 @@ impl RedisStore {
         groups.into_values().collect()
     }
 
-    /// Serve all items in one script run (one per master on a cluster), the runs sent together,
-    /// the whole bounded by the storage timeout. On a cluster whose slots moved, the runs that
-    /// failed go again one per slot, and the slot map is learnt anew.
+    /// Serve a lease call's items (see [`Self::serve`]).
     pub async fn lease(
         &self,
         instance: &str,
         items: &[LeaseItem],
         ttl_ms: u64,
     ) -> Result<Vec<LeaseGrant>, StoreError> {
+        let answers = self
+            .serve(&self.lease_script, instance, items, ttl_ms)
+            .await?;
+        Ok(answers
+            .into_iter()
+            .map(|a| LeaseGrant {
+                granted: a[0],
+                ttl_ms,
+                remaining: a[1],
+                reset_ms: a[2],
+                rate: a[3] as f64 / 1_000.0,
+                retry_ms: a[4],
+            })
+            .collect())
+    }
+
+    /// Serve a slot call's items (see [`Self::serve`]).
+    pub async fn slots(
+        &self,
+        instance: &str,
+        items: &[SlotItem],
+        ttl_ms: u64,
+    ) -> Result<Vec<SlotAnswer>, StoreError> {
+        let answers = self
+            .serve(&self.slots_script, instance, items, ttl_ms)
+            .await?;
+        Ok(answers
+            .into_iter()
+            .map(|a| SlotAnswer {
+                held: a[0],
+                share: a[1],
+                free: a[2],
+                ttl_ms,
+            })
+            .collect())
+    }
+
+    /// Serve all items in one script run (one per master on a cluster), the runs sent together,
+    /// the whole bounded by the storage timeout. On a cluster whose slots moved, the runs that
+    /// failed go again one per slot, and the slot map is learnt anew. Each item's answer is the
+    /// script's `I::ANSWER` numbers.
+    async fn serve<I: Scripted>(
+        &self,
+        script: &Script,
+        instance: &str,
+        items: &[I],
+        ttl_ms: u64,
+    ) -> Result<Vec<Vec<u64>>, StoreError> {
         let work = async {
             let all: Vec<usize> = (0..items.len()).collect();
             let runs = self.runs(items, &all, true);
-            let results = join_all(runs.iter().map(|r| self.run(instance, items, r, ttl_ms))).await;
-            let mut grants = vec![None; items.len()];
+            let results = join_all(
+                runs.iter()
+                    .map(|r| self.run(script, instance, items, r, ttl_ms)),
+            )
+            .await;
+            let mut answers = vec![None; items.len()];
             let mut again = Vec::new();
             for (run, result) in runs.into_iter().zip(results) {
                 match result {
-                    Ok(answers) => place(&mut grants, &run.members, answers, ttl_ms),
+                    Ok(got) => place(&mut answers, &run.members, got),
                     Err(e) if matches!(self.conn, Connection::Cluster(_)) => {
                         tracing::debug!(error = %e, "a run failed: again slot by slot");
                         again.extend(run.members);
@@ -293,13 +396,16 @@ impl RedisStore {
             if !again.is_empty() {
                 self.learn_masters().await;
                 let runs = self.runs(items, &again, false);
-                let results =
-                    join_all(runs.iter().map(|r| self.run(instance, items, r, ttl_ms))).await;
+                let results = join_all(
+                    runs.iter()
+                        .map(|r| self.run(script, instance, items, r, ttl_ms)),
+                )
+                .await;
                 for (run, result) in runs.into_iter().zip(results) {
-                    place(&mut grants, &run.members, result?, ttl_ms);
+                    place(&mut answers, &run.members, result?);
                 }
             }
-            grants
+            answers
                 .into_iter()
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| failed("an item got no answer"))
@@ -311,27 +417,28 @@ impl RedisStore {
 
     /// One script run: `run`'s items, on the master serving `run.slot` (a cluster) or on the one
     /// Redis. Loads the script first if that Redis does not have it.
-    async fn run(
+    async fn run<I: Scripted>(
         &self,
+        script: &Script,
         instance: &str,
-        items: &[LeaseItem],
+        items: &[I],
         run: &Run,
         ttl_ms: u64,
-    ) -> Result<Vec<Answer>, StoreError> {
+    ) -> Result<Vec<Vec<u64>>, StoreError> {
         let keys: Vec<(String, &str)> = run
             .members
             .iter()
             .map(|&i| {
-                let tag = tag(&items[i]);
-                (format!("{{{tag}}}:b"), marker(slot(&tag)))
+                let tag = items[i].tag();
+                (format!("{{{tag}}}{}", I::SUFFIX), marker(slot(&tag)))
             })
             .collect();
         let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(&self.script_sha);
+        evalsha.arg(&script.sha);
         if run.declared {
             evalsha.arg(keys.len() * 2);
-            for (bucket, marker) in &keys {
-                evalsha.arg(bucket).arg(*marker);
+            for (key, marker) in &keys {
+                evalsha.arg(key).arg(*marker);
             }
         } else {
             evalsha.arg(0);
@@ -341,20 +448,13 @@ impl RedisStore {
             .arg(ttl_ms)
             .arg(if self.conservative { "1" } else { "0" })
             .arg(run.members.len());
-        for (&i, (bucket, marker)) in run.members.iter().zip(&keys) {
-            let item = &items[i];
-            evalsha
-                .arg(bucket)
-                .arg(*marker)
-                .arg(item.requests)
-                .arg(item.per_ms)
-                .arg(item.burst)
-                .arg(item.wanted)
-                .arg(item.demand_mtps());
+        for (&i, (key, marker)) in run.members.iter().zip(&keys) {
+            evalsha.arg(key).arg(*marker);
+            items[i].push_args(&mut evalsha);
         }
         let mut load = redis::cmd("SCRIPT");
-        load.arg("LOAD").arg(&self.script);
-        let answers: Vec<Answer> = match self.conn.clone() {
+        load.arg("LOAD").arg(&script.text);
+        let numbers: Vec<u64> = match self.conn.clone() {
             Connection::Single(mut c) => {
                 eval_or_load(&mut c, &evalsha, &load).await.map_err(failed)
             }
@@ -396,12 +496,10 @@ impl RedisStore {
                     .and_then(|v| redis::from_redis_value(v).map_err(failed))
             }
         }?;
-        if answers.len() != run.members.len() {
-            return Err(failed(
-                "the lease script answered the wrong number of items",
-            ));
+        if numbers.len() != run.members.len() * I::ANSWER {
+            return Err(failed("the script answered the wrong number of items"));
         }
-        Ok(answers)
+        Ok(numbers.chunks(I::ANSWER).map(<[u64]>::to_vec).collect())
     }
 }
 
@@ -420,8 +518,8 @@ async fn eval_or_load(
     c: &mut ConnectionManager,
     evalsha: &redis::Cmd,
     load: &redis::Cmd,
-) -> redis::RedisResult<Vec<Answer>> {
-    match evalsha.query_async::<Vec<Answer>>(c).await {
+) -> redis::RedisResult<Vec<u64>> {
+    match evalsha.query_async::<Vec<u64>>(c).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             load.query_async::<()>(c).await?;
             evalsha.query_async(c).await
@@ -430,19 +528,10 @@ async fn eval_or_load(
     }
 }
 
-/// Per item: granted, remaining, reset_ms, share (milli-tokens per second), retry_ms.
-type Answer = (u64, u64, u64, u64, u64);
-
-fn place(grants: &mut [Option<LeaseGrant>], members: &[usize], answers: Vec<Answer>, ttl_ms: u64) {
-    for (&i, (granted, remaining, reset_ms, share, retry_ms)) in members.iter().zip(answers) {
-        grants[i] = Some(LeaseGrant {
-            granted,
-            ttl_ms,
-            remaining,
-            reset_ms,
-            rate: share as f64 / 1_000.0,
-            retry_ms,
-        });
+/// Put each run's answers in the items' places.
+fn place(answers: &mut [Option<Vec<u64>>], members: &[usize], got: Vec<Vec<u64>>) {
+    for (&i, a) in members.iter().zip(got) {
+        answers[i] = Some(a);
     }
 }
 
@@ -475,11 +564,6 @@ fn slot_ranges(answer: redis::Value) -> Vec<(u16, u16, (String, u16))> {
             Some((start, end, (host, int(node.get(1)?)?)))
         })
         .collect()
-}
-
-/// The hash tag of an item's keys.
-fn tag(item: &LeaseItem) -> String {
-    format!("tg:{}:{}", item.limit_id, item.key)
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
-//! The HTTP API: `POST /v1/lease`, `GET /healthz`, `GET /metrics`.
+//! The HTTP API: `POST /v1/lease`, `POST /v1/slots`, `GET /healthz`, `GET /metrics`.
 
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Holder, Metrics, Outcome};
 use crate::store::{Store, StoreError};
 use axum::body::Body;
 use axum::extract::State;
@@ -8,9 +8,13 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tollgate_core::lease::{ErrorBody, LeaseRequest, LeaseResponse};
+use tollgate_core::slot_lease::{SlotRequest, SlotResponse};
 
 pub struct Service {
     pub store: Store,
@@ -28,6 +32,7 @@ pub const MAX_BODY: usize = 2 << 20;
 pub fn router(service: Arc<Service>) -> Router {
     Router::new()
         .route("/v1/lease", post(lease))
+        .route("/v1/slots", post(slots))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
         .with_state(service)
@@ -68,25 +73,28 @@ fn is_json(headers: &HeaderMap) -> bool {
         .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
 }
 
-async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
-    let started = Instant::now();
-    let outcome = |o: &'static str| {
-        service
-            .metrics
-            .calls
-            .get_or_create(&Outcome { outcome: o })
-            .inc()
-    };
-    if !authorized(&service, &headers) {
+/// Check a call's credentials and type, and read its JSON body; or the error to answer (counted
+/// in `calls` by outcome).
+async fn read_call<T: serde::de::DeserializeOwned>(
+    service: &Service,
+    calls: &Family<Outcome, Counter>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, Response> {
+    let outcome = |o: &'static str| calls.get_or_create(&Outcome { outcome: o }).inc();
+    if !authorized(service, headers) {
         outcome("unauthorized");
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token");
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token",
+        ));
     }
-    if !is_json(&headers) {
+    if !is_json(headers) {
         outcome("bad_request");
-        return error(
+        return Err(error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "content-type must be application/json",
-        );
+        ));
     }
     let body = match tokio::time::timeout(
         service.body_timeout,
@@ -97,31 +105,55 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         Ok(Ok(body)) => body,
         Ok(Err(_)) => {
             outcome("bad_request");
-            return error(
+            return Err(error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!("the body must be at most {MAX_BODY} bytes"),
-            );
+            ));
         }
         Err(_) => {
             outcome("bad_request");
-            return error(
+            return Err(error(
                 StatusCode::REQUEST_TIMEOUT,
                 format!("the body did not arrive within {:?}", service.body_timeout),
-            );
+            ));
         }
     };
-    let request: LeaseRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            outcome("bad_request");
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("invalid lease request: {e}"),
-            );
+    serde_json::from_slice(&body).map_err(|e| {
+        outcome("bad_request");
+        error(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
+    })
+}
+
+/// The answer to a storage failure.
+fn storage_failed(service: &Service, calls: &Family<Outcome, Counter>, e: StoreError) -> Response {
+    calls
+        .get_or_create(&Outcome {
+            outcome: "storage_error",
+        })
+        .inc();
+    service.metrics.storage_errors.inc();
+    tracing::warn!(error = %e, "call failed");
+    let status = match e {
+        StoreError::Full(_) | StoreError::Timeout(_) | StoreError::Failed(_) => {
+            StatusCode::SERVICE_UNAVAILABLE
         }
+    };
+    error(status, e.to_string())
+}
+
+async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
+    let started = Instant::now();
+    let calls = &service.metrics.calls;
+    let request: LeaseRequest = match read_call(&service, calls, &headers, body).await {
+        Ok(r) => r,
+        Err(answer) => return answer,
     };
     if let Some(problem) = request.problem() {
-        outcome("bad_request");
+        calls
+            .get_or_create(&Outcome {
+                outcome: "bad_request",
+            })
+            .inc();
         return error(StatusCode::BAD_REQUEST, problem);
     }
     let result = service
@@ -134,7 +166,7 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         .observe(started.elapsed().as_secs_f64());
     match result {
         Ok(grants) => {
-            outcome("ok");
+            calls.get_or_create(&Outcome { outcome: "ok" }).inc();
             service.metrics.items.inc_by(grants.len() as u64);
             for g in &grants {
                 service.metrics.granted.inc_by(g.granted);
@@ -148,17 +180,46 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
             }
             Json(LeaseResponse { items: grants }).into_response()
         }
-        Err(e) => {
-            outcome("storage_error");
-            service.metrics.storage_errors.inc();
-            tracing::warn!(error = %e, "lease call failed");
-            let status = match e {
-                StoreError::Full(_) | StoreError::Timeout(_) | StoreError::Failed(_) => {
-                    StatusCode::SERVICE_UNAVAILABLE
-                }
-            };
-            error(status, e.to_string())
+        Err(e) => storage_failed(&service, calls, e),
+    }
+}
+
+async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
+    let calls = &service.metrics.slot_calls;
+    let request: SlotRequest = match read_call(&service, calls, &headers, body).await {
+        Ok(r) => r,
+        Err(answer) => return answer,
+    };
+    if let Some(problem) = request.problem() {
+        calls
+            .get_or_create(&Outcome {
+                outcome: "bad_request",
+            })
+            .inc();
+        return error(StatusCode::BAD_REQUEST, problem);
+    }
+    match service
+        .store
+        .slots(&request.instance, &request.items, service.lease_ttl_ms)
+        .await
+    {
+        Ok(answers) => {
+            calls.get_or_create(&Outcome { outcome: "ok" }).inc();
+            let mut held: BTreeMap<&str, i64> = BTreeMap::new();
+            for (item, a) in request.items.iter().zip(&answers) {
+                *held.entry(item.rule.as_str()).or_default() +=
+                    i64::try_from(a.held).unwrap_or(i64::MAX);
+            }
+            for (rule, n) in held {
+                let holder = Holder {
+                    rule: rule.to_owned(),
+                    instance: request.instance.clone(),
+                };
+                service.metrics.slots_held.get_or_create(&holder).set(n);
+            }
+            Json(SlotResponse { items: answers }).into_response()
         }
+        Err(e) => storage_failed(&service, calls, e),
     }
 }
 

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 use tollgate_core::lease::{ColdStart, GlobalBucket, LeaseGrant, LeaseItem};
+use tollgate_core::slot_lease::{Holdings, SlotAnswer, SlotItem};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -42,12 +43,28 @@ impl Store {
             Self::Redis(r) => r.lease(instance, items, ttl_ms).await,
         }
     }
+
+    /// Serve a batch of slot items for `instance`, all or nothing, within the storage timeout.
+    pub async fn slots(
+        &self,
+        instance: &str,
+        items: &[SlotItem],
+        ttl_ms: u64,
+    ) -> Result<Vec<SlotAnswer>, StoreError> {
+        match self {
+            Self::Memory(m) => m.slots(instance, items, now_ms(), ttl_ms),
+            Self::Redis(r) => r.slots(instance, items, ttl_ms).await,
+        }
+    }
 }
 
-/// Buckets in this process, at most `max_keys` of them; idle ones are swept. A restart forgets
+/// Buckets (and global concurrency holdings) in this process, at most `max_keys` of each; idle
+/// ones are swept. A restart forgets
 /// them all: `cold` says how new ones start (the epoch is the process's start).
 pub struct MemoryStore {
     buckets: Mutex<HashMap<(String, String), GlobalBucket>>,
+    /// Global concurrency keys' holdings.
+    holdings: Mutex<HashMap<(String, String), Holdings>>,
     max_keys: usize,
     cold: ColdStart,
 }
@@ -56,6 +73,7 @@ impl MemoryStore {
     pub fn new(max_keys: usize, cold: ColdStart) -> Self {
         Self {
             buckets: Mutex::new(HashMap::new()),
+            holdings: Mutex::new(HashMap::new()),
             max_keys,
             cold,
         }
@@ -100,6 +118,51 @@ impl MemoryStore {
                     .entry((item.limit_id.clone(), item.key.clone()))
                     .or_insert_with(|| GlobalBucket::new(item, now_ms, ttl_ms, self.cold))
                     .lease(instance, item, now_ms, ttl_ms)
+            })
+            .collect())
+    }
+
+    /// Serve slot items; holdings of keys whose every holder's term ended are forgotten when
+    /// room is needed. Until the store has been up for a lease term (conservative cold start),
+    /// nothing new is granted: holders of before a restart declare what they keep.
+    pub fn slots(
+        &self,
+        instance: &str,
+        items: &[SlotItem],
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> Result<Vec<SlotAnswer>, StoreError> {
+        let settled = match self.cold {
+            ColdStart::Full => true,
+            ColdStart::Conservative { epoch_ms } => now_ms.saturating_sub(epoch_ms) >= ttl_ms,
+        };
+        let mut holdings = self.holdings.lock().unwrap_or_else(|e| e.into_inner());
+        let new_keys = items
+            .iter()
+            .filter(|i| !holdings.contains_key(&(i.limit_id.clone(), i.key.clone())))
+            .count();
+        if holdings.len() + new_keys > self.max_keys {
+            holdings.retain(|_, h| {
+                h.prune(now_ms);
+                !h.is_empty()
+            });
+            if holdings.len() + new_keys > self.max_keys {
+                return Err(StoreError::Full(self.max_keys));
+            }
+        }
+        Ok(items
+            .iter()
+            .map(|item| {
+                let g = holdings
+                    .entry((item.limit_id.clone(), item.key.clone()))
+                    .or_default()
+                    .grant(instance, &item.ask(), now_ms, ttl_ms, settled);
+                SlotAnswer {
+                    held: g.held,
+                    share: g.share,
+                    free: g.free,
+                    ttl_ms,
+                }
             })
             .collect())
     }

@@ -1,0 +1,119 @@
+-- All items of one slot-lease call (or, on a Redis Cluster, those of one master or one slot; see
+-- lease.lua for how runs are made), atomically: the same step as Holdings::grant in
+-- core/src/slot_lease.rs, with the same arithmetic.
+-- ARGV: instance, ttl_ms, cold ("1": conservative, "0": full), the number of items, then five per
+--   item: the holdings hash (per instance `@<instance>` -> "held:wanted:expires"), the epoch
+--   marker of the item's slot, concurrent, wanted, keep.
+-- KEYS: as for lease.lua.
+-- Returns three numbers per item: held, share, free.
+-- Unlike lease.lua, reads and writes interleave: an item served twice with the same arguments
+-- (a run that failed on a moved cluster slot, sent again) ends the same, its term renewed.
+local floor, min, max = math.floor, math.min, math.max
+local byte, sub, match = string.byte, string.sub, string.match
+local call, tonumber = redis.call, tonumber
+
+local t = call('TIME')
+local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local me = '@' .. instance
+
+-- Byte order, as Rust sorts strings.
+local function before(x, y)
+  for i = 1, min(#x, #y) do
+    local a, b = byte(x, i), byte(y, i)
+    if a ~= b then return a < b end
+  end
+  return #x < #y
+end
+
+-- Max-min fair division (core/src/fair_share.rs) of `capacity` among demands `d` (in the order
+-- of `names`): the allocation of `at`. Remainders go to the earliest unsatisfied.
+local function max_min_fair(capacity, d, n, at)
+  local alloc, open, left = {}, {}, capacity
+  for i = 1, n do
+    alloc[i] = 0
+    if d[i] > 0 then open[#open + 1] = i end
+  end
+  while left > 0 and #open > 0 do
+    local share = floor(left / #open)
+    if share == 0 then
+      for k = 1, min(left, #open) do alloc[open[k]] = alloc[open[k]] + 1 end
+      break
+    end
+    local still = {}
+    for _, i in ipairs(open) do
+      local take = min(d[i] - alloc[i], share)
+      alloc[i] = alloc[i] + take
+      left = left - take
+      if alloc[i] < d[i] then still[#still + 1] = i end
+    end
+    open = still
+  end
+  return alloc[at]
+end
+
+local function grant(hkey, mkey, limit, wanted, keep)
+  -- Settled: the store has held this slot's data for a lease term (or cold starts are full).
+  local epoch = tonumber(call('GET', mkey))
+  if epoch == nil then
+    epoch = now
+    call('SET', mkey, now)
+  end
+  local settled = (not cold) or now - epoch >= ttl
+  local flat = call('HGETALL', hkey)
+  local names, held, wants, expires = {}, {}, {}, {}
+  local gone = {}
+  for i = 1, #flat, 2 do
+    local name = flat[i]
+    if byte(name, 1) == 64 then -- '@'
+      local h, w, e = match(flat[i + 1], '^(%d+):(%d+):(%d+)$')
+      h, w, e = tonumber(h), tonumber(w), tonumber(e)
+      if e ~= nil and e > now then
+        names[#names + 1] = name
+        held[name], wants[name], expires[name] = h, w, e
+      else
+        gone[#gone + 1] = name
+      end
+    end
+  end
+  if #gone > 0 then call('HDEL', hkey, unpack(gone)) end
+  local known = expires[me] ~= nil
+  if not known then
+    names[#names + 1] = me
+    held[me], wants[me] = 0, 0
+  end
+  table.sort(names, before)
+  local others, at = 0, 0
+  for i, name in ipairs(names) do
+    if name == me then at = i else others = others + held[name] end
+  end
+  local available = max(limit - others, 0)
+  local k
+  if known then k = min(keep, held[me]) elseif settled then k = 0 else k = keep end
+  k = min(k, available)
+  wants[me] = max(wanted, k)
+  local d = {}
+  for i, name in ipairs(names) do d[i] = wants[name] end
+  local share = max_min_fair(limit, d, #names, at)
+  local h
+  if settled then h = max(k, min(wanted, share, available)) else h = k end
+  if h == 0 and wanted == 0 then
+    call('HDEL', hkey, me)
+  else
+    call('HSET', hkey, me, h .. ':' .. wants[me] .. ':' .. (now + ttl))
+  end
+  -- Unused holdings go away with their last holder's term.
+  call('PEXPIRE', hkey, 2 * ttl)
+  return h, share, max(limit - others - h, 0)
+end
+
+local out, n = {}, tonumber(ARGV[4])
+for i = 0, n - 1 do
+  local a = 5 + i * 5
+  local h, share, free = grant(ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
+    tonumber(ARGV[a + 4]))
+  out[#out + 1] = h
+  out[#out + 1] = share
+  out[#out + 1] = free
+end
+return out
