@@ -3,7 +3,7 @@
 //! filters sharing a `vm_id`, several `proxy_wasm` directives) never share any of it.
 
 use crate::config::{Config, HostCaps};
-use crate::engine::{Engine, Rejection, Step};
+use crate::engine::{read_answer, read_slot_answer, Call, Engine, Rejection, Step};
 use crate::host::{self, SharedData};
 use crate::queues::Queues;
 use crate::respond::{self, Scratch};
@@ -58,10 +58,13 @@ impl Plugin {
                     .iter()
                     .map(|&stat| {
                         let wanted = match &rule.guard {
-                            None => {
-                                !stat.is_overload()
-                                    && (stat != RuleStat::InFlight || rule.holds_requests_open())
-                            }
+                            None => match stat {
+                                RuleStat::InFlight => rule.holds_requests_open(),
+                                RuleStat::SlotsHeld => {
+                                    matches!(rule.quota.limit, tollgate_core::Limit::SlotLease(_))
+                                }
+                                s => !s.is_overload(),
+                            },
                             Some(g) => rule_has(g, stat),
                         };
                         let name = format!("tollgate.rule.{}.{}", rule.name, stat.name());
@@ -150,19 +153,25 @@ impl Plugin {
     /// Send the refills this worker's requests claimed, in one call from the root context (its
     /// answer is found by [`Self::sent`]).
     fn send_refills(&self, now: u64) {
-        let claimed = self
+        self.engine.borrow_mut().renew_slots(&SharedData, now);
+        let calls = self
             .engine
             .borrow_mut()
             .take_refills(&SharedData, &self.instance, now);
-        let Some((refills, request)) = claimed else {
-            return;
-        };
-        match self.call(&request) {
-            Some(token) => self.queues.borrow_mut().call_sent(token, refills),
-            None => self
-                .engine
-                .borrow_mut()
-                .apply_grants(&SharedData, &refills, None, now),
+        for call in calls {
+            let (token, slots) = match &call {
+                Call::Lease(_, request) => (self.call(request), false),
+                Call::Slots(_, request) => (self.call_slots(request), true),
+            };
+            let refills = match call {
+                Call::Lease(r, _) | Call::Slots(r, _) => r,
+            };
+            let mut engine = self.engine.borrow_mut();
+            match (token, slots) {
+                (Some(token), _) => self.queues.borrow_mut().call_sent(token, slots, refills),
+                (None, false) => engine.apply_grants(&SharedData, &refills, None, now),
+                (None, true) => engine.apply_slots(&SharedData, &refills, None, now),
+            }
         }
     }
 
@@ -170,7 +179,22 @@ impl Plugin {
     pub fn call(&self, request: &tollgate_core::lease::LeaseRequest) -> Option<u32> {
         self.add(ProcessStat::QuotaCalls, 1);
         let engine = self.engine.borrow();
-        quota_client::call(engine.config().quota_service.as_ref()?, request)
+        quota_client::call(
+            engine.config().quota_service.as_ref()?,
+            "/v1/lease",
+            request,
+        )
+    }
+
+    /// Start a slot call from the root context; `None` if it could not be made.
+    fn call_slots(&self, request: &tollgate_core::slot_lease::SlotRequest) -> Option<u32> {
+        self.add(ProcessStat::QuotaCalls, 1);
+        let engine = self.engine.borrow();
+        quota_client::call(
+            engine.config().quota_service.as_ref()?,
+            "/v1/slots",
+            request,
+        )
     }
 
     /// True if this configuration's root context sent the call `token`.
@@ -180,14 +204,19 @@ impl Plugin {
 
     /// The answer to a refill call this configuration's root context sent.
     pub fn refills_answered(&self, token: u32, num_headers: usize, body_size: usize) {
-        let Some(refills) = self.queues.borrow_mut().call_answered(token) else {
+        let Some((slots, refills)) = self.queues.borrow_mut().call_answered(token) else {
             return;
         };
-        let answer = quota_client::answer(num_headers, body_size, refills.len());
         let now = host::now_ns().unwrap_or(0);
-        self.engine
-            .borrow_mut()
-            .apply_grants(&SharedData, &refills, answer.as_ref(), now);
+        let (status, body) = quota_client::answer_parts(num_headers, body_size);
+        let mut engine = self.engine.borrow_mut();
+        if slots {
+            let answer = read_slot_answer(status.as_deref(), body.as_deref(), refills.len());
+            engine.apply_slots(&SharedData, &refills, answer.as_ref(), now);
+        } else {
+            let answer = read_answer(status.as_deref(), body.as_deref(), refills.len());
+            engine.apply_grants(&SharedData, &refills, answer.as_ref(), now);
+        }
     }
 
     /// Refuse the current request.

@@ -21,8 +21,8 @@ pub struct Queues {
     waiting: Vec<Waiting>,
     /// Decisions made on the tick for paused requests, picked up by their contexts.
     resumed: FxHashMap<u32, Admitted>,
-    /// Refills sent and not answered yet, by call token.
-    in_flight: FxHashMap<u32, Vec<Refill>>,
+    /// Refills sent and not answered yet, by call token, and whether the call was for slots.
+    in_flight: FxHashMap<u32, (bool, Vec<Refill>)>,
 }
 
 impl Queues {
@@ -85,16 +85,16 @@ impl Queues {
         self.resumed.remove(&context_id)
     }
 
-    pub fn call_sent(&mut self, token: u32, refills: Vec<Refill>) {
-        self.in_flight.insert(token, refills);
+    pub fn call_sent(&mut self, token: u32, slots: bool, refills: Vec<Refill>) {
+        self.in_flight.insert(token, (slots, refills));
     }
 
     pub fn is_sent(&self, token: u32) -> bool {
         self.in_flight.contains_key(&token)
     }
 
-    /// The refills a call was for, if it is one of ours.
-    pub fn call_answered(&mut self, token: u32) -> Option<Vec<Refill>> {
+    /// The refills a call was for (and whether it was for slots), if it is one of ours.
+    pub fn call_answered(&mut self, token: u32) -> Option<(bool, Vec<Refill>)> {
         self.in_flight.remove(&token)
     }
 
@@ -148,8 +148,8 @@ mod tests {
         assert_eq!(q.take_resumed(2), None);
         q.resumed(2, Admitted::default());
         assert_eq!(q.take_resumed(2), Some(Admitted::default()));
-        q.call_sent(9, Vec::new());
-        assert_eq!(q.call_answered(9), Some(Vec::new()));
+        q.call_sent(9, true, Vec::new());
+        assert_eq!(q.call_answered(9), Some((true, Vec::new())));
         assert_eq!(q.call_answered(9), None);
         q.hold(1, 7);
         q.wait(Waiting {

@@ -7,18 +7,18 @@ use crate::engine::read_answer;
 use crate::header_map;
 use crate::host;
 use log::{error, warn};
-use tollgate_core::lease::{LeaseRequest, LeaseResponse};
+use tollgate_core::lease::LeaseResponse;
 
-/// Start a lease call; its answer comes to the calling context's call-response callback. `None`
-/// if the call could not be made.
-pub fn call(service: &QuotaService, request: &LeaseRequest) -> Option<u32> {
+/// Start a call to `path` (`/v1/lease`, `/v1/slots`); its answer comes to the calling context's
+/// call-response callback. `None` if the call could not be made.
+pub fn call<T: serde::Serialize>(service: &QuotaService, path: &str, request: &T) -> Option<u32> {
     let body = serde_json::to_vec(request)
-        .map_err(|e| error!("cannot encode a lease request: {e}"))
+        .map_err(|e| error!("cannot encode a quota service request: {e}"))
         .ok()?;
     let auth = service.token.as_ref().map(|t| format!("Bearer {t}"));
     let mut headers: Vec<(&[u8], &[u8])> = vec![
         (b":method", b"POST"),
-        (b":path", b"/v1/lease"),
+        (b":path", path.as_bytes()),
         (b":authority", service.authority.as_bytes()),
         (b"content-type", b"application/json"),
     ];
@@ -36,14 +36,21 @@ pub fn call(service: &QuotaService, request: &LeaseRequest) -> Option<u32> {
 /// The answer to a lease call for `items` items, read in its response callback; `None` if the
 /// call failed or the answer is not a well-formed one.
 pub fn answer(num_headers: usize, body_size: usize, items: usize) -> Option<LeaseResponse> {
+    let (status, body) = answer_parts(num_headers, body_size);
+    read_answer(status.as_deref(), body.as_deref(), items)
+}
+
+/// The status and body of a call's answer, read in its response callback (none of either for a
+/// failed call).
+pub fn answer_parts(num_headers: usize, body_size: usize) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
     // A failed call (refused, reset, timed out) arrives with no headers at all.
     if num_headers == 0 {
         warn!("quota service call failed (no answer)");
-        return None;
+        return (None, None);
     }
     let status = host::call_response_header(":status");
     let body = (body_size > 0)
         .then(|| host::call_response_body(body_size))
         .flatten();
-    read_answer(status.as_deref(), body.as_deref(), items)
+    (status, body)
 }

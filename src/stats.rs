@@ -26,6 +26,8 @@ pub enum RuleStat {
     StashReturned,
     /// Gauge, concurrency and adaptive rules: requests in flight (weighted by cost).
     InFlight,
+    /// Global concurrency rules: slots held from the quota service, as last answered.
+    SlotsHeld,
     /// Overload rules: admitted and shed requests per priority level.
     Level0Allowed,
     Level1Allowed,
@@ -41,7 +43,7 @@ pub enum RuleStat {
 }
 
 impl RuleStat {
-    pub const ALL: [Self; 25] = [
+    pub const ALL: [Self; 26] = [
         Self::Allowed,
         Self::Limited,
         Self::Delayed,
@@ -57,6 +59,7 @@ impl RuleStat {
         Self::Waited,
         Self::StashReturned,
         Self::InFlight,
+        Self::SlotsHeld,
         Self::Level0Allowed,
         Self::Level1Allowed,
         Self::Level2Allowed,
@@ -108,6 +111,7 @@ impl RuleStat {
             Self::Waited => "waited",
             Self::StashReturned => "stash_returned",
             Self::InFlight => "in_flight",
+            Self::SlotsHeld => "slots_held",
             Self::Level0Allowed => "level_0_allowed",
             Self::Level1Allowed => "level_1_allowed",
             Self::Level2Allowed => "level_2_allowed",
@@ -122,12 +126,15 @@ impl RuleStat {
     }
 
     pub fn is_gauge(self) -> bool {
-        matches!(self, Self::InFlight | Self::Estimate | Self::Signal)
+        matches!(
+            self,
+            Self::InFlight | Self::SlotsHeld | Self::Estimate | Self::Signal
+        )
     }
 
     /// Gauges whose values are absolute (set, not changed by deltas).
     pub fn is_absolute(self) -> bool {
-        matches!(self, Self::Estimate | Self::Signal)
+        matches!(self, Self::SlotsHeld | Self::Estimate | Self::Signal)
     }
 
     /// Stats only overload rules have.

@@ -6,6 +6,7 @@ use crate::concurrency::Concurrency;
 use crate::fixed_window::FixedWindow;
 use crate::leaky_bucket::LeakyBucket;
 use crate::sliding_window::SlidingWindow;
+use crate::slot_lease::SlotAllowance;
 use crate::state::{read_u128, write_u128, Decision, State};
 use crate::token_bucket::TokenBucket;
 use crate::warm_up::WarmUp;
@@ -29,6 +30,8 @@ pub enum Limit {
     Concurrency(Concurrency),
     /// A global rule's allowance leased from the quota service.
     Lease(LeaseAllowance),
+    /// A global concurrency rule's slots leased from the quota service.
+    SlotLease(SlotAllowance),
 }
 
 impl Limit {
@@ -41,6 +44,7 @@ impl Limit {
             Self::LeakyBucket(a) => a.decide(state, now_ns, cost),
             Self::Concurrency(a) => a.decide(state, cost),
             Self::Lease(a) => a.decide(state, now_ns, cost),
+            Self::SlotLease(a) => a.decide(state, now_ns, cost),
         }
     }
 
@@ -48,6 +52,7 @@ impl Limit {
     pub fn claims_refill(&self, before: &State, after: &State) -> bool {
         match self {
             Self::Lease(a) => a.claimed(before, after),
+            Self::SlotLease(a) => a.claimed(before, after),
             _ => false,
         }
     }
@@ -62,6 +67,7 @@ impl Limit {
             Self::LeakyBucket(a) => a.is_idle(state, now_ns),
             Self::Concurrency(_) => Concurrency::is_idle(state),
             Self::Lease(_) => LeaseAllowance::is_idle(state, now_ns / 1_000_000),
+            Self::SlotLease(_) => SlotAllowance::is_idle(state, now_ns / 1_000_000),
         }
     }
 
@@ -104,6 +110,7 @@ impl Limit {
             Self::LeakyBucket(a) => a.refund(state, cost),
             Self::Concurrency(_) => Concurrency::release(state, cost),
             Self::Lease(_) => LeaseAllowance::refund(state, cost),
+            Self::SlotLease(_) => SlotAllowance::release(state, cost),
         }
     }
 
@@ -116,12 +123,13 @@ impl Limit {
             Self::FixedWindow(a) => Some(a.limit()),
             Self::SlidingWindow(a) => Some(a.limit()),
             Self::Concurrency(a) => Some(a.limit()),
+            Self::SlotLease(a) => Some(a.concurrent),
             Self::WarmUp(_) | Self::LeakyBucket(_) | Self::Lease(_) => None,
         }
     }
 
-    /// True if an admitted request holds its quota until it ends (`Concurrency`).
+    /// True if an admitted request holds its quota until it ends (`Concurrency`, `SlotLease`).
     pub fn is_held(&self) -> bool {
-        matches!(self, Self::Concurrency(_))
+        matches!(self, Self::Concurrency(_) | Self::SlotLease(_))
     }
 }

@@ -33,6 +33,7 @@ pub use limiter::{
 };
 pub use sliding_window::SlidingWindow;
 pub use slot::{SlotId, SlotTable};
+pub use slot_lease::SlotAllowance;
 pub use stash::{Leftover, Lookup, StashTable};
 pub use state::{Decision, State};
 pub use store::{CasStore, MemoryStore, StoreError};

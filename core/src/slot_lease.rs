@@ -1,5 +1,5 @@
-//! Global concurrency at the quota service: the slots of one key's limit, leased to proxy
-//! instances. Each instance holds some slots until its holding expires unless renewed; a proxy
+//! Global concurrency: the slots of one key's limit, leased to proxy instances — the service's
+//! side ([`Holdings`]) and a proxy's ([`SlotAllowance`]). Each instance holds some slots until its holding expires unless renewed; a proxy
 //! that dies or is cut off loses its slots one lease term after its last renewal, and no one has
 //! to decrement anything for it.
 //!
@@ -15,6 +15,7 @@
 
 use crate::fair_share::max_min_fair;
 use crate::lease::{MAX_COUNT, MAX_ITEMS, MAX_NAME};
+use crate::state::{read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State};
 use serde::{Deserialize, Serialize};
 
 /// `POST /v1/slots`: one instance's holdings of some keys, renewed, grown or given back.
@@ -223,6 +224,237 @@ impl Holdings {
     }
 }
 
+/// The mark is a failed call's retry time.
+const FAILED: u64 = 1 << 63;
+/// The mark is when to ask for more again, after an answer that left no room.
+const DENIED: u64 = 1 << 62;
+/// Without flags, the mark is when a claimed call is given up.
+const WHEN: u64 = DENIED - 1;
+
+/// A proxy's lease of one key's slots, in the key's 32 bytes of slot state, shared by the
+/// process's workers: slots held (as the service last answered), slots in use here, the fair
+/// share (the most it uses; above it, slots go back as requests end), requests that waited for a
+/// first lease, half the lease's term (units of 10 ms), the lease's end (ms), and a mark (a call
+/// in flight, a failed one's retry time, or a denial's).
+///
+/// Requests are admitted while the slots in use stay below `min(held, share)` and the lease
+/// lasts: no call per request. The process's tick renews a lease halfway through its term, asks
+/// for more when it is full (at most once per `denied_ms` while the service has none), and gives
+/// the key back once nothing is in use. A call says what the proxy keeps using until its answer
+/// comes: until then it admits no more than that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotAllowance {
+    /// The limit: requests in flight across all proxies.
+    pub concurrent: u64,
+    /// Slots asked for beyond those in use.
+    pub headroom: u64,
+    /// A claimed call is given up (and may be claimed again) after this long.
+    pub claim_ms: u64,
+    /// After an answer that left no room, ask for more again after this long at the soonest.
+    pub denied_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Parts {
+    held: u64,
+    in_use: u64,
+    share: u64,
+    waited: u64,
+    half_term_ms: u64,
+    lease_end_ms: u64,
+    mark: u64,
+}
+
+impl Parts {
+    fn decode(s: &State) -> Self {
+        let packed = read_u32(s, 12);
+        Self {
+            held: u64::from(read_u32(s, 0)),
+            in_use: u64::from(read_u32(s, 4)),
+            share: u64::from(read_u32(s, 8)),
+            waited: u64::from(packed & 0xffff),
+            half_term_ms: u64::from(packed >> 16) * 10,
+            lease_end_ms: read_u64(s, 16),
+            mark: read_u64(s, 24),
+        }
+    }
+
+    fn encode(&self) -> State {
+        let mut s = [0; crate::state::STATE_BYTES];
+        write_u32(&mut s, 0, saturating_u32(self.held));
+        write_u32(&mut s, 4, saturating_u32(self.in_use));
+        write_u32(&mut s, 8, saturating_u32(self.share));
+        let waited = self.waited.min(0xffff) as u32;
+        let half_term = (self.half_term_ms / 10).min(0xffff) as u32;
+        write_u32(&mut s, 12, waited | half_term << 16);
+        write_u64(&mut s, 16, self.lease_end_ms);
+        write_u64(&mut s, 24, self.mark);
+        s
+    }
+
+    fn leased(&self, now_ms: u64) -> bool {
+        now_ms < self.lease_end_ms
+    }
+
+    /// The most slots in use here now.
+    fn cap(&self, now_ms: u64) -> u64 {
+        if self.leased(now_ms) {
+            self.held.min(self.share)
+        } else {
+            0
+        }
+    }
+
+    fn calling(&self, now_ms: u64) -> bool {
+        self.mark & (FAILED | DENIED) == 0 && now_ms < self.mark & WHEN
+    }
+
+    fn failed(&self, now_ms: u64) -> bool {
+        self.mark & FAILED != 0 && now_ms < self.mark & WHEN
+    }
+
+    fn denied(&self, now_ms: u64) -> bool {
+        self.mark & DENIED != 0 && now_ms < self.mark & WHEN
+    }
+}
+
+impl SlotAllowance {
+    pub fn decide(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
+        let now_ms = now_ns / 1_000_000;
+        let mut p = Parts::decode(state);
+        let cap = p.cap(now_ms);
+        if p.in_use.saturating_add(cost) <= cap {
+            p.in_use += cost;
+            return Decision::Allow {
+                state: p.encode(),
+                remaining: cap - p.in_use,
+                reset_ns: 0,
+                delay_ns: 0,
+            };
+        }
+        if p.leased(now_ms) {
+            // Full: the tick asks for more; refused meanwhile, as a local concurrency rule would.
+            return Decision::Deny {
+                retry_after_ns: 1_000_000_000,
+                remaining: 0,
+                reset_ns: 0,
+            };
+        }
+        if p.failed(now_ms) {
+            return Decision::Fallback;
+        }
+        p.waited = p.waited.saturating_add(cost);
+        if !p.calling(now_ms) {
+            p.mark = now_ms.saturating_add(self.claim_ms).min(WHEN);
+        }
+        Decision::Wait {
+            claim: Some(p.encode()),
+        }
+    }
+
+    /// True if writing `after` over `before` claimed a call the writer must send.
+    pub fn claimed(&self, before: &State, after: &State) -> bool {
+        let (b, a) = (Parts::decode(before), Parts::decode(after));
+        a.mark != b.mark && a.mark & (FAILED | DENIED) == 0 && a.mark != 0
+    }
+
+    /// The tick's look at a key: the state that claims a call, if one is due — a lease halfway
+    /// through its term (renewed, or given back if nothing is in use), a full one that may get
+    /// more, one that ended with requests still in flight. While the call is out, the key admits
+    /// no more than the call says it keeps.
+    pub fn renewal(&self, state: &State, now_ms: u64) -> Option<State> {
+        let mut p = Parts::decode(state);
+        if p.calling(now_ms) || p.failed(now_ms) {
+            return None;
+        }
+        let due = if p.leased(now_ms) {
+            let renew = now_ms >= p.lease_end_ms.saturating_sub(p.half_term_ms);
+            let full = p.in_use >= p.cap(now_ms) && p.held < self.concurrent;
+            renew || (full && !p.denied(now_ms))
+        } else {
+            p.in_use > 0 || p.held > 0
+        };
+        if !due {
+            return None;
+        }
+        if p.leased(now_ms) {
+            let (wanted, _) = self.wanted_and_keep(&p, now_ms);
+            let keep = p.in_use.max(p.cap(now_ms).min(wanted));
+            p.share = p.share.min(keep);
+        } else {
+            p.held = 0;
+        }
+        p.mark = now_ms.saturating_add(self.claim_ms).min(WHEN);
+        Some(p.encode())
+    }
+
+    fn wanted_and_keep(&self, p: &Parts, now_ms: u64) -> (u64, u64) {
+        let busy = p.in_use.saturating_add(p.waited);
+        let wanted = if busy == 0 {
+            0
+        } else {
+            busy.saturating_add(self.headroom).min(self.concurrent)
+        };
+        let keep = if p.leased(now_ms) {
+            p.in_use.max(p.cap(now_ms))
+        } else {
+            p.in_use
+        };
+        (wanted, keep)
+    }
+
+    /// What a call asks for the key: (wanted, keep), from its state when the call goes out.
+    pub fn ask(&self, state: &State, now_ms: u64) -> (u64, u64) {
+        self.wanted_and_keep(&Parts::decode(state), now_ms)
+    }
+
+    /// Write the service's answer, for a call claimed at `claimed_ms`.
+    pub fn grant(&self, state: &State, now_ms: u64, answer: &SlotAnswer, claimed_ms: u64) -> State {
+        let mut p = Parts::decode(state);
+        p.held = answer.held;
+        p.share = answer.share.max(answer.held.min(p.in_use));
+        p.waited = 0;
+        p.half_term_ms = answer.ttl_ms / 2;
+        p.lease_end_ms = if answer.held == 0 {
+            0
+        } else {
+            claimed_ms.saturating_add(answer.ttl_ms)
+        };
+        let room = p.held.min(p.share) > p.in_use;
+        p.mark = if room || p.held == 0 || p.held >= self.concurrent {
+            0
+        } else {
+            DENIED | now_ms.saturating_add(self.denied_ms).min(WHEN)
+        };
+        p.encode()
+    }
+
+    /// A call failed: the lease stands until it ends, then the failure mode until `retry_ms`.
+    pub fn fail(&self, state: &State, now_ms: u64, retry_ms: u64) -> State {
+        let mut p = Parts::decode(state);
+        p.mark = FAILED | now_ms.saturating_add(retry_ms).min(WHEN);
+        p.encode()
+    }
+
+    /// The end of a request that held `cost` slots.
+    pub fn release(state: &State, cost: u64) -> State {
+        let mut p = Parts::decode(state);
+        p.in_use = p.in_use.saturating_sub(cost);
+        p.encode()
+    }
+
+    /// True if the key holds nothing here: nothing in use, no lease, no call out.
+    pub fn is_idle(state: &State, now_ms: u64) -> bool {
+        let p = Parts::decode(state);
+        p.in_use == 0 && (p.held == 0 || !p.leased(now_ms)) && !p.calling(now_ms)
+    }
+
+    /// Slots in use here.
+    pub fn in_use(state: &State) -> u64 {
+        Parts::decode(state).in_use
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,6 +547,178 @@ mod tests {
                 }
                 prop_assert!(g.held <= wanted.max(keep));
                 prop_assert_eq!(g.free, 10 - h.total());
+            }
+        }
+    }
+
+    const MS: u64 = 1_000_000;
+
+    fn allowance() -> SlotAllowance {
+        SlotAllowance {
+            concurrent: 10,
+            headroom: 1,
+            claim_ms: 300,
+            denied_ms: 1_000,
+        }
+    }
+
+    fn answer(held: u64, share: u64, free: u64) -> SlotAnswer {
+        SlotAnswer {
+            held,
+            share,
+            free,
+            ttl_ms: TTL,
+        }
+    }
+
+    fn admitted(a: &SlotAllowance, s: &mut State, now_ms: u64) -> bool {
+        match a.decide(s, now_ms * MS, 1) {
+            Decision::Allow { state, .. } => {
+                *s = state;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    #[test]
+    fn a_cold_key_waits_for_its_first_lease_then_admits_up_to_it_without_calls() {
+        let a = allowance();
+        let mut s = [0; 32];
+        let Decision::Wait {
+            claim: Some(claimed),
+        } = a.decide(&s, 1_000 * MS, 1)
+        else {
+            panic!("no claim")
+        };
+        assert!(a.claimed(&s, &claimed));
+        s = claimed;
+        // A second request waits for the same call.
+        let Decision::Wait { claim: Some(again) } = a.decide(&s, 1_001 * MS, 1) else {
+            panic!()
+        };
+        assert!(!a.claimed(&s, &again));
+        s = again;
+        assert_eq!(a.ask(&s, 1_002), (3, 0), "2 waiting + headroom");
+        s = a.grant(&s, 1_005, &answer(3, 10, 7), 1_000);
+        assert!((0..3).all(|_| admitted(&a, &mut s, 1_010)));
+        // Full: refused at once; the tick asks for more.
+        assert!(matches!(a.decide(&s, 1_011 * MS, 1), Decision::Deny { .. }));
+        let claim = a.renewal(&s, 1_012).expect("full: ask for more");
+        assert_eq!(a.ask(&claim, 1_012), (4, 3));
+        s = a.grant(&claim, 1_013, &answer(4, 10, 6), 1_012);
+        assert!(admitted(&a, &mut s, 1_014));
+    }
+
+    #[test]
+    fn renewals_come_halfway_and_an_idle_key_is_given_back() {
+        let a = allowance();
+        let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0);
+        assert!(admitted(&a, &mut s, 10));
+        assert_eq!(a.renewal(&s, 100), None, "not full, not due");
+        let claim = a.renewal(&s, TTL / 2).expect("halfway");
+        assert_eq!(a.renewal(&claim, TTL / 2 + 1), None, "one call at a time");
+        s = a.grant(&claim, TTL / 2 + 2, &answer(2, 10, 8), TTL / 2);
+        s = SlotAllowance::release(&s, 1);
+        let claim = a.renewal(&s, TTL).expect("halfway again");
+        assert_eq!(a.ask(&claim, TTL), (0, 0), "nothing in use: given back");
+        // While the call is out, it admits no more than it said it keeps.
+        assert!(!admitted(&a, &mut claim.clone(), TTL + 1));
+        s = a.grant(&claim, TTL + 2, &answer(0, 0, 10), TTL);
+        assert!(SlotAllowance::is_idle(&s, TTL + 3));
+        assert!(matches!(
+            a.decide(&s, (TTL + 3) * MS, 1),
+            Decision::Wait { .. }
+        ));
+    }
+
+    #[test]
+    fn a_failed_renewal_keeps_the_lease_to_its_end_then_the_failure_mode() {
+        let a = allowance();
+        let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0);
+        assert!(admitted(&a, &mut s, 10));
+        s = a.fail(&a.renewal(&s, TTL / 2).expect("due"), TTL / 2 + 300, TTL);
+        assert!(
+            admitted(&a, &mut s, TTL / 2 + 400),
+            "the lease still stands"
+        );
+        assert!(matches!(a.decide(&s, TTL * MS, 1), Decision::Fallback));
+        assert_eq!(a.renewal(&s, TTL), None, "not before the retry time");
+        // Past the retry time, with requests in flight: a call declares them.
+        let later = TTL / 2 + 300 + TTL;
+        let claim = a.renewal(&s, later).expect("declare what is in use");
+        assert_eq!(a.ask(&claim, later), (3, 2));
+    }
+
+    #[test]
+    fn an_answer_without_room_is_not_asked_again_before_the_denial_ends() {
+        let a = allowance();
+        let mut s = a.grant(&[0; 32], 0, &answer(2, 5, 0), 0);
+        assert!(admitted(&a, &mut s, 1) && admitted(&a, &mut s, 1));
+        let claim = a.renewal(&s, 2).expect("full");
+        s = a.grant(&claim, 3, &answer(2, 2, 0), 2);
+        assert_eq!(a.renewal(&s, 500), None, "denied for a second");
+        assert!(a.renewal(&s, 1_004).is_some());
+    }
+
+    proptest! {
+        /// Several proxies and the service, with calls, answers, failures and time in any order:
+        /// requests in flight across the proxies never exceed the limit while every proxy's
+        /// lease stands.
+        #[test]
+        fn proxies_never_admit_past_the_limit_together(
+            events in prop::collection::vec((0usize..3, 0u8..5, 0u64..400), 1..400),
+        ) {
+            let a = allowance();
+            let mut service = Holdings::default();
+            let mut states = [[0u8; 32]; 3];
+            let mut calls: [Option<(u64, SlotAsk)>; 3] = [None; 3];
+            let mut now = 1_000;
+            for (who, what, step) in events {
+                now += step;
+                let s = &mut states[who];
+                match what {
+                    0 => {
+                        if let Decision::Allow { state, .. } | Decision::Wait { claim: Some(state) } =
+                            a.decide(s, now * MS, 1)
+                        {
+                            if a.claimed(s, &state) {
+                                let (wanted, keep) = a.ask(&state, now);
+                                calls[who] = Some((now, SlotAsk { limit: 10, wanted, keep }));
+                            }
+                            *s = state;
+                        }
+                    }
+                    1 => *s = SlotAllowance::release(s, 1.min(SlotAllowance::in_use(s))),
+                    2 => {
+                        if let Some(claimed) = a.renewal(s, now) {
+                            *s = claimed;
+                            let (wanted, keep) = a.ask(s, now);
+                            calls[who] = Some((now, SlotAsk { limit: 10, wanted, keep }));
+                        }
+                    }
+                    3 => {
+                        if let Some((at, ask)) = calls[who].take() {
+                            let g = service.grant(&who.to_string(), &ask, now, TTL, true);
+                            let answer = SlotAnswer { held: g.held, share: g.share, free: g.free, ttl_ms: TTL };
+                            *s = a.grant(s, now, &answer, at);
+                        }
+                    }
+                    _ => {
+                        if calls[who].take().is_some() {
+                            *s = a.fail(s, now, 1_000);
+                        }
+                    }
+                }
+                // Slots in use by proxies whose lease stands, against the limit.
+                let in_use: u64 = states
+                    .iter()
+                    .map(|s| SlotAllowance::in_use(s))
+                    .sum();
+                let lapsed = states.iter().any(|s| !Parts::decode(s).leased(now) && SlotAllowance::in_use(s) > 0);
+                if !lapsed {
+                    prop_assert!(in_use <= 10, "{in_use} in use: {states:?} {service:?}");
+                }
             }
         }
     }

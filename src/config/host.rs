@@ -55,6 +55,21 @@ impl Config {
                 ));
             }
         }
+        if let (false, Some(qs)) = (host.resume_from_timer, &self.quota_service) {
+            let slots = self
+                .rules
+                .iter()
+                .position(|r| matches!(r.quota.limit, tollgate_core::Limit::SlotLease(_)));
+            if let (Some(i), FirstLease::Wait) = (slots, qs.first_lease) {
+                return Err(err(
+                    format!("rules[{i}].scope"),
+                    format!(
+                        "{} cannot resume a request from a timer, so a request cannot wait for                          a global concurrency rule's first slots there: set                          \"quota_service.first_lease\": \"provisional\" (a new key admits up to                          its local stand-in while its first slots are fetched)",
+                        host.name
+                    ),
+                ));
+            }
+        }
         if let (false, Some(qs)) = (host.refuses_after_failed_call, &self.quota_service) {
             // Requests call the service themselves in strict mode, and (where the host cannot
             // resume them from a timer) when they would wait for a key's quota.

@@ -364,6 +364,7 @@ pub fn describe(limit: &Limit) -> String {
         ),
         Limit::Concurrency(a) => format!("concurrency {} in flight", a.limit()),
         Limit::Lease(a) => format!("global, leases of {}", a.lease_size),
+        Limit::SlotLease(a) => format!("global concurrency {} in flight", a.concurrent),
     }
 }
 
@@ -380,6 +381,7 @@ fn policy(limit: &Limit) -> (u64, Option<u64>) {
         Limit::LeakyBucket(a) => (a.requests(), a.period_ns()),
         Limit::Concurrency(a) => return (a.limit(), None),
         Limit::Lease(a) => return (a.lease_size, None),
+        Limit::SlotLease(a) => return (a.concurrent, None),
     };
     let (q, w) = policy_of_rate(requests, period_ns);
     (q, Some(w))

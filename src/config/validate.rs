@@ -14,8 +14,8 @@ use std::collections::HashSet;
 use std::num::{NonZeroU32, NonZeroU64};
 use tollgate_core::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
 use tollgate_core::{
-    Concurrency, FixedWindow, LeakyBucket, LeaseAllowance, Limit, SlidingWindow, TokenBucket,
-    WarmUp,
+    Concurrency, FixedWindow, LeakyBucket, LeaseAllowance, Limit, SlidingWindow, SlotAllowance,
+    TokenBucket, WarmUp,
 };
 
 /// A claimed refill is given up this long after its call's timeout.
@@ -352,10 +352,13 @@ impl Rule {
         qs: &QuotaService,
         lease_size: Option<u64>,
     ) -> Result<(), ConfigError> {
+        if let Limit::Concurrency(c) = self.quota.limit {
+            return self.make_global_concurrency(path, qs, c.limit());
+        }
         let Limit::TokenBucket(tb) = self.quota.limit else {
             return Err(err(
                 format!("{path}.scope"),
-                "\"global\" rules use the token_bucket algorithm, without warmup",
+                "\"global\" rules use the token_bucket algorithm (without warmup) or concurrency",
             ));
         };
         if !self.overrides.is_empty() {
@@ -417,6 +420,66 @@ impl Rule {
         let mut quota = Quota::new(
             Limit::Lease(lease),
             &format!("{}.lease", self.name),
+            max_keys,
+        );
+        quota.policy = self.quota.policy;
+        self.quota = quota;
+        Ok(())
+    }
+
+    /// Turn a validated local concurrency rule into a global one: slots leased from the service.
+    fn make_global_concurrency(
+        &mut self,
+        path: &str,
+        qs: &QuotaService,
+        concurrent: u64,
+    ) -> Result<(), ConfigError> {
+        if !self.overrides.is_empty() {
+            return Err(err(
+                format!("{path}.overrides"),
+                "not supported on global rules yet",
+            ));
+        }
+        if qs.strict {
+            return Err(err(
+                format!("{path}.scope"),
+                "global concurrency rules lease slots: quota_service.mode \"strict\" is for \
+                 token buckets",
+            ));
+        }
+        if concurrent > MAX_COUNT {
+            return Err(err(
+                format!("{path}.limit.concurrent"),
+                format!("global limits take at most {MAX_COUNT}"),
+            ));
+        }
+        let slots = SlotAllowance {
+            concurrent,
+            headroom: (concurrent / (4 * qs.instances_hint)).max(1),
+            // Past the call's timeout, so that its answer or failure always comes first.
+            claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
+            denied_ms: 1_000,
+        };
+        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
+        let stand_in = Concurrency::new((concurrent / qs.instances_hint).max(1))
+            .map(Limit::Concurrency)
+            .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
+        let limit_id = format!(
+            "{:016x}",
+            tollgate_core::slot::fingerprint(
+                format!("{}/concurrent/{concurrent}", self.name).as_bytes()
+            )
+        );
+        self.global = Some(GlobalRule {
+            requests: concurrent,
+            per_ms: 0,
+            burst: concurrent,
+            limit_id,
+            fallback: Quota::new(stand_in, &format!("{}.local", self.name), max_keys),
+        });
+        let mut quota = Quota::new(
+            Limit::SlotLease(slots),
+            &format!("{}.slots", self.name),
             max_keys,
         );
         quota.policy = self.quota.policy;

@@ -224,6 +224,11 @@ impl Engine {
                 self.stats
                     .add(rule, RuleStat::InFlight, saturating_i64(hold.cost));
                 admitted.holds.push((which, hold));
+                if let (super::QuotaRef::Rule(_), Some(tollgate_core::Limit::SlotLease(_))) =
+                    (which, self.quota_of(which).map(|q| &q.limit))
+                {
+                    self.watch_slots(rule, input.slot, input.key);
+                }
             }
             let refusing = outcome.rejected_by == Some(n);
             let tighter =

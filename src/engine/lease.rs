@@ -9,9 +9,30 @@ use std::hash::Hasher;
 use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
 use tollgate_core::slot::Group;
+use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
 use tollgate_core::{
-    Ask, CasStore, Grant, LeaseAllowance, Limit, Outcome, SlotId, State, StoreError,
+    Ask, CasStore, Grant, LeaseAllowance, Limit, Outcome, SlotAllowance, SlotId, State, StoreError,
 };
+
+/// How often a worker looks at the global concurrency keys it knows (renewals are due halfway
+/// through a lease's term, seconds away).
+const SLOT_SCAN_MS: u64 = 100;
+/// Most global concurrency keys a worker keeps in view (those with its requests in flight).
+const MAX_SLOT_KEYS: usize = 65_536;
+
+/// A call to the quota service a tick sends: the refills it is for, and its body.
+pub enum Call {
+    Lease(Vec<Refill>, LeaseRequest),
+    Slots(Vec<Refill>, SlotRequest),
+}
+
+impl Call {
+    pub fn refills(&self) -> &[Refill] {
+        match self {
+            Self::Lease(r, _) | Self::Slots(r, _) => r,
+        }
+    }
+}
 
 /// A key's allowance to refill from the quota service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +51,9 @@ impl Engine {
     pub(super) fn record_claims(&mut self, inputs: &[CheckInput], outcome: &Outcome, now: u64) {
         for (input, result) in inputs.iter().zip(&outcome.checks) {
             if result.refill {
+                if self.slot_allowance_of(input.which.rule()).is_some() {
+                    self.watch_slots(input.which.rule(), input.slot, input.key);
+                }
                 self.refills.push(Refill {
                     rule: input.which.rule(),
                     slot: input.slot,
@@ -41,40 +65,178 @@ impl Engine {
         }
     }
 
-    /// The refills claimed since the last call, with the request asking for them (`None` if there
-    /// are none): each asks from its key's state now (one read per key, off the request path).
-    /// The answer goes to [`Engine::apply_grants`] with the same refills.
+    /// The calls for the refills claimed since the last ones: one for leased allowances, one for
+    /// leased slots, each asking from its keys' states now (one read per key, off the request
+    /// path). Answers go to [`Engine::apply_grants`] and [`Engine::apply_slots`] with the same
+    /// refills.
     pub fn take_refills<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
         instance: &str,
         now: u64,
-    ) -> Option<(Vec<Refill>, LeaseRequest)> {
+    ) -> Vec<Call> {
+        let mut calls = Vec::new();
         if self.refills.is_empty() {
-            return None;
+            return calls;
         }
         let now_ms = now / 1_000_000;
-        let mut refills = std::mem::take(&mut self.refills);
-        refills.retain_mut(|r| {
-            let (Some(allowance), Some(state)) = (self.allowance_of(r.rule), self.state(store, r))
-            else {
-                return false;
+        let refills = std::mem::take(&mut self.refills);
+        let (mut leases, mut slots) = (Vec::new(), Vec::new());
+        let mut slot_items = Vec::new();
+        for mut r in refills {
+            let Some(state) = self.state(store, &r) else {
+                continue;
             };
-            r.ask = allowance.ask(&state, now_ms);
-            true
-        });
-        if refills.is_empty() {
-            return None;
+            if let Some(allowance) = self.allowance_of(r.rule) {
+                r.ask = allowance.ask(&state, now_ms);
+                leases.push(r);
+            } else if let Some(slot) = self.slot_allowance_of(r.rule) {
+                let (wanted, keep) = slot.ask(&state, now_ms);
+                if let Some(item) = self.slot_item(r.rule, r.key, wanted, keep) {
+                    slot_items.push(item);
+                    slots.push(r);
+                }
+            }
         }
-        let items = refills
-            .iter()
-            .filter_map(|r| self.lease_item(r.rule, r.key, &r.ask))
-            .collect();
-        let request = LeaseRequest {
-            instance: instance.to_owned(),
-            items,
+        if !leases.is_empty() {
+            let items = leases
+                .iter()
+                .filter_map(|r| self.lease_item(r.rule, r.key, &r.ask))
+                .collect();
+            let request = LeaseRequest {
+                instance: instance.to_owned(),
+                items,
+            };
+            calls.push(Call::Lease(leases, request));
+        }
+        if !slots.is_empty() {
+            let request = SlotRequest {
+                instance: instance.to_owned(),
+                items: slot_items,
+            };
+            calls.push(Call::Slots(slots, request));
+        }
+        calls
+    }
+
+    /// The slot allowance of a global concurrency rule.
+    fn slot_allowance_of(&self, rule: usize) -> Option<&SlotAllowance> {
+        match &self.config.rules.get(rule)?.quota.limit {
+            Limit::SlotLease(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    fn slot_item(&self, rule: usize, key: u128, wanted: u64, keep: u64) -> Option<SlotItem> {
+        let r = self.config.rules.get(rule)?;
+        let global = r.global.as_ref()?;
+        Some(SlotItem {
+            rule: r.name.clone(),
+            limit_id: global.limit_id.clone(),
+            key: format!("{:032x}", self.service_key(key)),
+            concurrent: global.burst,
+            wanted,
+            keep,
+        })
+    }
+
+    /// Keep a global concurrency key in view: its lease is renewed (or given back) on the tick.
+    pub(super) fn watch_slots(&mut self, rule: usize, slot: SlotId, key: u128) {
+        if self.slot_keys.len() < MAX_SLOT_KEYS || self.slot_keys.contains_key(&(rule, slot)) {
+            self.slot_keys.insert((rule, slot), key);
+        }
+    }
+
+    /// The tick's look at the global concurrency keys in view: claim the calls that are due
+    /// (renewals, more slots for full leases, keys given back) and stop watching idle keys.
+    pub fn renew_slots<S: CasStore + ?Sized>(&mut self, store: &S, now: u64) {
+        let now_ms = now / 1_000_000;
+        if self.slot_keys.is_empty() || now_ms < self.next_slot_scan_ms {
+            return;
+        }
+        self.next_slot_scan_ms = now_ms + SLOT_SCAN_MS;
+        let mut idle = Vec::new();
+        let mut claimed = Vec::new();
+        for (&(rule, slot), &key) in &self.slot_keys {
+            let Some(allowance) = self.slot_allowance_of(rule).copied() else {
+                idle.push((rule, slot));
+                continue;
+            };
+            let table = &self.config.rules[rule].quota.table;
+            let store_key = table.store_key(slot.group);
+            let Ok(Some((bytes, cas))) = store.read(store_key.as_str()) else {
+                continue;
+            };
+            let mut group = Group::decode(&bytes);
+            let Some(s) = group.slots.iter_mut().find(|s| s.tag == slot.tag) else {
+                idle.push((rule, slot));
+                continue;
+            };
+            match allowance.renewal(&s.state, now_ms) {
+                Some(next) => {
+                    s.state = next;
+                    // A lost race leaves the claim to the next look.
+                    if store
+                        .write(store_key.as_str(), &group.encode(), cas)
+                        .is_ok()
+                    {
+                        claimed.push(Refill {
+                            rule,
+                            slot,
+                            key,
+                            claimed_ms: now_ms,
+                            ask: Ask::default(),
+                        });
+                    }
+                }
+                None if SlotAllowance::is_idle(&s.state, now_ms) => idle.push((rule, slot)),
+                None => {}
+            }
+        }
+        for k in idle {
+            self.slot_keys.remove(&k);
+        }
+        self.refills.extend(claimed);
+    }
+
+    /// Write a slot call's answer (`None`: the call failed) into the keys' leases.
+    pub fn apply_slots<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        refills: &[Refill],
+        answer: Option<&SlotResponse>,
+        now_ns: u64,
+    ) {
+        let now_ms = now_ns / 1_000_000;
+        let Some(answer) = answer else {
+            warn!("quota service slot call failed: global rules apply their failure mode");
+            self.stats.add_process(ProcessStat::QuotaFailures, 1);
+            let retry_ms = self.retry_ms();
+            for refill in refills {
+                if let Some(slots) = self.slot_allowance_of(refill.rule).copied() {
+                    self.update_allowance(store, refill, |state| {
+                        slots.fail(state, now_ms, retry_ms)
+                    });
+                }
+            }
+            return;
         };
-        Some((refills, request))
+        let mut held: Vec<(usize, u64)> = Vec::new();
+        for (refill, a) in refills.iter().zip(&answer.items) {
+            let Some(slots) = self.slot_allowance_of(refill.rule).copied() else {
+                continue;
+            };
+            self.update_allowance(store, refill, |state| {
+                slots.grant(state, now_ms, a, refill.claimed_ms)
+            });
+            match held.iter_mut().find(|(r, _)| *r == refill.rule) {
+                Some((_, n)) => *n += a.held,
+                None => held.push((refill.rule, a.held)),
+            }
+        }
+        for (rule, n) in held {
+            self.stats.set(rule, crate::stats::RuleStat::SlotsHeld, n);
+        }
     }
 
     /// The allowance of a global rule in lease mode.
@@ -250,4 +412,29 @@ pub fn read_answer(
         .map_err(|e| warn!("malformed quota service answer: {e}"))
         .ok()
         .filter(|r| r.items.len() == items)
+}
+
+/// The answer to a slot call, if it is a well-formed one for `items` items.
+pub fn read_slot_answer(
+    status: Option<&[u8]>,
+    body: Option<&[u8]>,
+    items: usize,
+) -> Option<SlotResponse> {
+    if status != Some(b"200") {
+        warn!(
+            "quota service answered status {}",
+            status.map_or("none".into(), String::from_utf8_lossy)
+        );
+        return None;
+    }
+    serde_json::from_slice::<SlotResponse>(body?)
+        .map_err(|e| warn!("malformed quota service answer: {e}"))
+        .ok()
+        .filter(|r| r.items.len() == items)
+        .filter(|r| r.items.iter().all(sane))
+}
+
+/// An answer no proxy could act on safely is refused whole.
+fn sane(a: &SlotAnswer) -> bool {
+    a.share <= 1_000_000_000 && a.held <= 1_000_000_000 && a.ttl_ms > 0 && a.ttl_ms <= 86_400_000
 }

@@ -13,7 +13,7 @@ mod strict;
 mod tests;
 
 pub use guard::{reported_cpu, Seat, Seats};
-pub use lease::{read_answer, Refill};
+pub use lease::{read_answer, read_slot_answer, Call, Refill};
 pub use strict::Strict;
 
 use crate::config::{Config, Cost, OverrideAction, Quota};
@@ -136,6 +136,10 @@ pub struct Engine {
     draws: u64,
     /// Some rule is an overload rule.
     guarded: bool,
+    /// Global concurrency keys this worker has had requests of (renewed on the tick).
+    slot_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
+    /// When the tick looks at them next (ms).
+    next_slot_scan_ms: u64,
 }
 
 impl Engine {
@@ -150,6 +154,8 @@ impl Engine {
             calls_off_until_ms: 0,
             draws: 0,
             guarded,
+            slot_keys: rustc_hash::FxHashMap::default(),
+            next_slot_scan_ms: 0,
         }
     }
 

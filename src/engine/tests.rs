@@ -71,6 +71,20 @@ impl Rig {
             .count()
     }
 
+    /// The lease call a tick would send now, if any.
+    fn lease_call(
+        &mut self,
+        now: u64,
+    ) -> Option<(Vec<Refill>, tollgate_core::lease::LeaseRequest)> {
+        self.engine
+            .take_refills(&self.store, "me", now)
+            .into_iter()
+            .find_map(|c| match c {
+                Call::Lease(r, request) => Some((r, request)),
+                Call::Slots(..) => None,
+            })
+    }
+
     fn stat(&self, rule: usize, stat: RuleStat) -> i64 {
         self.engine.stats.pending(Stat::Rule(rule, stat))
     }
@@ -264,8 +278,8 @@ fn a_global_key_waits_for_its_first_lease_then_spends_it() {
     let u = req(&[("x-user", b"u")]);
     assert_eq!(rig.step(&u, NOW), Step::Wait);
     assert_eq!(rig.step(&u, NOW), Step::Wait, "one claim per key");
-    let (refills, call) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
-    assert!(rig.engine.take_refills(&rig.store, "me", NOW).is_none());
+    let (refills, call) = rig.lease_call(NOW).unwrap();
+    assert!(rig.lease_call(NOW).is_none());
     assert_eq!((refills.len(), call.items.len()), (1, 1));
     assert_eq!(call.instance, "me");
     let item = &call.items[0];
@@ -286,7 +300,7 @@ fn a_global_key_waits_for_its_first_lease_then_spends_it() {
         5
     );
     // Nothing granted: refused until a token can come back, without asking again meanwhile.
-    let (refills, _) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
+    let (refills, _) = rig.lease_call(NOW).unwrap();
     rig.engine
         .apply_grants(&rig.store, &refills, Some(&grant(0)), NOW);
     let r = reject(rig.step(&u, NOW));
@@ -298,7 +312,7 @@ fn a_rate_lease_admits_at_its_rate_and_refuses_beyond_it_at_once() {
     let mut rig = global("deny", "wait");
     let u = req(&[("x-user", b"u")]);
     assert_eq!(rig.step(&u, NOW), Step::Wait);
-    let (mut refills, _) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
+    let (mut refills, _) = rig.lease_call(NOW).unwrap();
     // Asked for 20 per second, given nothing outright and 10 per second for 10 s: capped, so
     // it does not ask again before the renewal.
     refills[0].ask.demand_mtps = 20_000;
@@ -318,10 +332,7 @@ fn a_rate_lease_admits_at_its_rate_and_refuses_beyond_it_at_once() {
     // It ran dry: the renewal (claimed after an eighth of the lease, since it was capped) asks
     // for the whole rate.
     admit(rig.step(&u, NOW + 1_300 * MS));
-    let (_, call) = rig
-        .engine
-        .take_refills(&rig.store, "me", NOW + 1_305 * MS)
-        .unwrap();
+    let (_, call) = rig.lease_call(NOW + 1_305 * MS).unwrap();
     assert_eq!(call.items[0].demand, 1.666);
 }
 
@@ -331,7 +342,7 @@ fn failure_modes_decide_when_the_quota_service_fails() {
         let mut rig = global(mode, "wait");
         let u = req(&[("x-user", b"u")]);
         assert_eq!(rig.step(&u, NOW), Step::Wait);
-        let (refills, _) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
+        let (refills, _) = rig.lease_call(NOW).unwrap();
         rig.engine.apply_grants(&rig.store, &refills, None, NOW);
         assert_eq!(rig.admitted(&u, NOW, 50), admitted, "{mode}");
         assert!(rig.stat(0, RuleStat::Fallback) >= 1, "{mode}");
@@ -563,7 +574,7 @@ fn key_hashes_sent_to_the_service_are_keyed_by_the_deployments_secret() {
         let mut rig = Rig::new(&config.replace("FAILURE", "deny").replace("FIRST", "wait"));
         let u = req(&[("x-user", b"victim")]);
         assert_eq!(rig.step(&u, NOW), Step::Wait);
-        let (refills, call) = rig.engine.take_refills(&rig.store, "me", NOW).unwrap();
+        let (refills, call) = rig.lease_call(NOW).unwrap();
         (
             format!("{:032x}", refills[0].key),
             call.items[0].key.clone(),
@@ -771,5 +782,128 @@ mod overload {
             let e = Config::parse(json.as_bytes()).expect_err(json).0;
             assert!(e.starts_with(message), "{e}\nexpected: {message}");
         }
+    }
+}
+
+mod global_concurrency {
+    use super::*;
+    use tollgate_core::slot_lease::{SlotAnswer, SlotResponse};
+
+    const RULE: &str = r#"{"rules":[{"name":"c","scope":"global","algorithm":"concurrency",
+        "key":["header:x-user"],"limit":{"concurrent":10}}],
+      "quota_service":{"upstream":"quota","failure_mode":"FAILURE","first_lease":"wait",
+        "instances_hint":2}}"#;
+
+    impl Rig {
+        fn slot_call(
+            &mut self,
+            now: u64,
+        ) -> Option<(Vec<Refill>, tollgate_core::slot_lease::SlotRequest)> {
+            self.engine
+                .take_refills(&self.store, "me", now)
+                .into_iter()
+                .find_map(|c| match c {
+                    Call::Slots(r, request) => Some((r, request)),
+                    Call::Lease(..) => None,
+                })
+        }
+
+        fn answer_slots(&mut self, refills: &[Refill], held: u64, now: u64) {
+            let answer = SlotResponse {
+                items: vec![SlotAnswer {
+                    held,
+                    share: 10,
+                    free: 10 - held,
+                    ttl_ms: 10_000,
+                }],
+            };
+            self.engine
+                .apply_slots(&self.store, refills, Some(&answer), now);
+        }
+    }
+
+    #[test]
+    fn a_key_waits_for_its_first_slots_then_admits_up_to_them_and_renews_on_the_tick() {
+        let mut rig = Rig::new(&RULE.replace("FAILURE", "deny"));
+        let u = req(&[("x-user", b"u")]);
+        assert_eq!(rig.step(&u, NOW), Step::Wait);
+        let (refills, call) = rig.slot_call(NOW).expect("a slot call");
+        let item = &call.items[0];
+        assert_eq!((item.concurrent, item.wanted, item.keep), (10, 2, 0));
+        rig.answer_slots(&refills, 3, NOW + MS);
+        let mut holds = Vec::new();
+        for _ in 0..3 {
+            holds.push(admit(rig.step(&u, NOW + 2 * MS)).holds);
+        }
+        // Full: refused at once, as a local concurrency rule would.
+        let r = reject(rig.step(&u, NOW + 3 * MS));
+        assert_eq!(r.retry_after_secs, Some(1));
+        // The tick asks for more (the lease is full) with what it keeps.
+        rig.engine.renew_slots(&rig.store, NOW + 4 * MS);
+        let (refills, call) = rig.slot_call(NOW + 4 * MS).expect("more");
+        assert_eq!((call.items[0].wanted, call.items[0].keep), (4, 3));
+        rig.answer_slots(&refills, 4, NOW + 5 * MS);
+        holds.push(admit(rig.step(&u, NOW + 6 * MS)).holds);
+        // Requests end: their slots are free here at once.
+        for h in holds.drain(..) {
+            rig.engine.release(&rig.store, h, NOW + 7 * MS);
+        }
+        assert_eq!(rig.stat(0, RuleStat::InFlight), 0);
+        // Halfway through the term, nothing in use: the key is given back.
+        rig.engine.renew_slots(&rig.store, NOW + 5_010 * MS);
+        let (refills, call) = rig.slot_call(NOW + 5_010 * MS).expect("renewal");
+        assert_eq!((call.items[0].wanted, call.items[0].keep), (0, 0));
+        rig.answer_slots(&refills, 0, NOW + 5_011 * MS);
+        rig.engine.renew_slots(&rig.store, NOW + 5_200 * MS);
+        assert!(
+            rig.slot_call(NOW + 5_200 * MS).is_none(),
+            "idle: nothing to renew"
+        );
+        assert_eq!(rig.step(&u, NOW + 5_300 * MS), Step::Wait, "asks again");
+    }
+
+    #[test]
+    fn a_failed_call_applies_the_failure_mode_once_the_lease_ends() {
+        let mut rig = Rig::new(&RULE.replace("FAILURE", "local"));
+        let u = req(&[("x-user", b"u")]);
+        assert_eq!(rig.step(&u, NOW), Step::Wait);
+        let (refills, _) = rig.slot_call(NOW).unwrap();
+        rig.engine.apply_slots(&rig.store, &refills, None, NOW + MS);
+        // No lease: the local stand-in (10 / 2 in flight) decides.
+        let admitted: Vec<_> = (0..7)
+            .map(|_| rig.step(&u, NOW + 2 * MS))
+            .filter(|s| matches!(s, Step::Admit(_)))
+            .collect();
+        assert_eq!(admitted.len(), 5);
+        assert!(rig.stat(0, RuleStat::Fallback) >= 5);
+    }
+
+    #[test]
+    fn global_concurrency_takes_no_strict_mode_and_no_overrides() {
+        for (json, message) in [
+            (
+                RULE.replace("FAILURE", "deny").replace(
+                    r#""first_lease":"wait""#,
+                    r#""first_lease":"wait","mode":"strict""#,
+                ),
+                "rules[0].scope: global concurrency rules lease slots",
+            ),
+            (
+                RULE.replace("FAILURE", "deny").replace(
+                    r#""limit":{"concurrent":10}"#,
+                    r#""limit":{"concurrent":10},"overrides":[{"values":["v"],"unlimited":true}]"#,
+                ),
+                "rules[0].overrides: not supported on global rules yet",
+            ),
+        ] {
+            let e = Config::parse(json.as_bytes()).expect_err(&json).0;
+            assert!(e.starts_with(message), "{e}");
+        }
+        let nginx = Config::parse(RULE.replace("FAILURE", "allow").as_bytes())
+            .unwrap()
+            .check_host(&crate::config::HostCaps::NGINX)
+            .expect_err("nginx cannot wait")
+            .0;
+        assert!(nginx.contains("first_lease"), "{nginx}");
     }
 }
