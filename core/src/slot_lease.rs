@@ -238,7 +238,8 @@ const WHEN: u64 = DENIED - 1;
 /// in flight, a failed one's retry time, or a denial's).
 ///
 /// Requests are admitted while the slots in use stay below `min(held, share)` and the lease
-/// lasts: no call per request. The process's tick renews a lease halfway through its term, asks
+/// lasts: no call per request. After a failed call the failure mode decides new requests until
+/// the retry: the rest of the lease's term is the grace of the requests in flight. The process's tick renews a lease halfway through its term, asks
 /// for more when it is full (at most once per `denied_ms` while the service has none), and gives
 /// the key back once nothing is in use. A call says what the proxy keeps using until its answer
 /// comes: until then it admits no more than that.
@@ -322,6 +323,11 @@ impl SlotAllowance {
     pub fn decide(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
         let now_ms = now_ns / 1_000_000;
         let mut p = Parts::decode(state);
+        // A renewal failed: the failure mode decides until the retry. What the lease has left of
+        // its term is the grace of the requests in flight, not room for more.
+        if p.failed(now_ms) {
+            return Decision::Fallback;
+        }
         let cap = p.cap(now_ms);
         if p.in_use.saturating_add(cost) <= cap {
             p.in_use += cost;
@@ -339,9 +345,6 @@ impl SlotAllowance {
                 remaining: 0,
                 reset_ns: 0,
             };
-        }
-        if p.failed(now_ms) {
-            return Decision::Fallback;
         }
         p.waited = p.waited.saturating_add(cost);
         if !p.calling(now_ms) {
@@ -633,21 +636,21 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_renewal_keeps_the_lease_to_its_end_then_the_failure_mode() {
+    fn a_failed_renewal_applies_the_failure_mode_at_once_and_the_lease_is_grace_for_what_runs() {
         let a = allowance();
         let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0);
         assert!(admitted(&a, &mut s, 10));
         s = a.fail(&a.renewal(&s, TTL / 2).expect("due"), TTL / 2 + 300, TTL);
-        assert!(
-            admitted(&a, &mut s, TTL / 2 + 400),
-            "the lease still stands"
-        );
+        assert!(matches!(
+            a.decide(&s, (TTL / 2 + 400) * MS, 1),
+            Decision::Fallback
+        ));
         assert!(matches!(a.decide(&s, TTL * MS, 1), Decision::Fallback));
         assert_eq!(a.renewal(&s, TTL), None, "not before the retry time");
         // Past the retry time, with requests in flight: a call declares them.
         let later = TTL / 2 + 300 + TTL;
         let claim = a.renewal(&s, later).expect("declare what is in use");
-        assert_eq!(a.ask(&claim, later), (3, 2));
+        assert_eq!(a.ask(&claim, later), (2, 1));
     }
 
     #[test]

@@ -495,6 +495,16 @@ impl Envoy {
     }
 }
 
+impl Envoy {
+    /// `kill -9`: the process dies with whatever it holds.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 impl Drop for Envoy {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -15,6 +15,7 @@ mod concurrency;
 mod config;
 mod examples;
 mod global;
+mod global_concurrency;
 mod headers;
 mod hostile;
 mod hot_path;
