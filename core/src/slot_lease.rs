@@ -716,7 +716,7 @@ mod tests {
                 // Slots in use by proxies whose lease stands, against the limit.
                 let in_use: u64 = states
                     .iter()
-                    .map(|s| SlotAllowance::in_use(s))
+                    .map(SlotAllowance::in_use)
                     .sum();
                 let lapsed = states.iter().any(|s| !Parts::decode(s).leased(now) && SlotAllowance::in_use(s) > 0);
                 if !lapsed {

@@ -550,3 +550,52 @@ fn the_success_rate_throttle_refuses_in_nginx() {
     assert!(refused > 0.5 * load_numbers(&r, "all", "sent"), "{r}");
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
+
+#[test]
+fn a_global_concurrency_limit_holds_across_two_workers() {
+    nginx_or_skip!();
+    let quota = Quota::start(&[]);
+    let plugin = json!({
+        "rules": [{"name": "tenant", "scope": "global", "algorithm": "concurrency",
+                   "key": ["header:x-user"], "limit": {"concurrent": 3}}],
+        "quota_service": {"upstream": format!("127.0.0.1:{}", quota.port),
+                          "first_lease": "provisional", "failure_mode": "deny"}
+    });
+    let nginx = Nginx::start(&plugin);
+    // A first request: the stand-in admits it while the key's first slots are fetched.
+    assert_eq!(
+        Client::new()
+            .get(&nginx.url("/"), &[("x-user", "u"), ("x-delay-ms", "10")])
+            .status,
+        200
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !quota.metrics().contains("tollgate_quota_slots_held{") {
+        assert!(
+            Instant::now() < deadline,
+            "no slot call:\n{}",
+            quota.metrics()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    nginx
+        .backend
+        .peak
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    // 12 slow requests at once over both workers: never more than 3 at the backend.
+    let codes = parallel(12, |_| {
+        Client::new()
+            .get(&nginx.url("/"), &[("x-user", "u"), ("x-delay-ms", "600")])
+            .status
+    });
+    let peak = nginx.backend.peak.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(peak <= 3, "the backend had {peak} at once: {codes:?}");
+    assert!(count(&codes, 200) >= 1, "{codes:?}");
+    assert_eq!(count(&codes, 200) + count(&codes, 429), 12, "{codes:?}");
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+    // With first_lease wait, refused at load naming nginx.
+    let mut waiting = plugin.clone();
+    waiting["quota_service"]["first_lease"] = json!("wait");
+    let refused = Nginx::expect_refusal(&waiting);
+    assert!(refused.contains("first_lease"), "{refused}");
+}
