@@ -2,7 +2,7 @@
 //! service, by leases of slots — held, renewed, given back, and lost by a proxy that dies or is
 //! cut off. The upstream (tollgate-testbed) counts what it has in flight itself.
 
-use crate::harness::{load, Envoy, Options, Quota, Upstream};
+use crate::harness::{load, Envoy, Options, Quota, Redis, Upstream};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -213,4 +213,26 @@ fn a_quota_service_restart_admits_no_more_than_the_limit() {
     eprintln!("across a quota service restart the upstream had at most {most} in flight");
     assert!(most <= 10, "the upstream had {most} in flight");
     assert!(most >= 8, "the limit was not used: {most}");
+}
+
+#[test]
+fn two_quota_service_replicas_on_one_redis_serve_one_limit() {
+    let app = Upstream::start(&["--capacity", "1000", "--service-ms", "1500"]);
+    let redis = Redis::start();
+    let args = ["--redis", &redis.url(), "--lease-ttl-ms", "4000"];
+    let (one, two) = (Quota::start(&args), Quota::start(&args));
+    let (a, b) = (envoy(&app, one.port, 3), envoy(&app, one.port, 3));
+    let c = envoy(&app, two.port, 3);
+    let results = load_all(&[&a, &b, &c], 8, 5.0, None);
+    let admitted: u64 = results
+        .iter()
+        .map(|r| r["all"]["ok"].as_u64().unwrap())
+        .sum();
+    let most = app.max_at_once();
+    eprintln!("3 Envoys, 2 replicas on Redis: upstream held at most {most}, {admitted} admitted");
+    assert!(most <= 10, "the upstream had {most} in flight");
+    assert!(most >= 9, "the limit was not used: at most {most}");
+    assert!(two
+        .metrics()
+        .contains("tollgate_quota_slot_calls_total{outcome=\"ok\"}"));
 }
