@@ -83,6 +83,13 @@ fn three_envoys_keep_a_key_within_its_limit_and_a_killed_one_gives_its_slots_bac
     eprintln!("3 Envoys: upstream held at most {most}, {admitted} admitted: {results:?}");
     assert!(most <= 10, "the upstream had {most} in flight");
     assert!(most >= 9, "the limit was not used: at most {most}");
+    // Fair shares: each Envoy got a fair part of what was admitted.
+    for r in &results {
+        assert!(
+            r["all"]["ok"].as_u64().unwrap() * 5 >= admitted,
+            "{results:?}"
+        );
+    }
     assert!(quota
         .metrics()
         .contains("tollgate_quota_slots_held{rule=\"tenant\""));
