@@ -90,13 +90,8 @@ impl LeaseItem {
 
     /// Why the service cannot serve this item, if it cannot.
     pub fn problem(&self) -> Option<String> {
-        let long = [&self.rule, &self.limit_id, &self.key]
-            .into_iter()
-            .any(|s| s.is_empty() || s.len() > MAX_NAME);
-        if long {
-            return Some(format!(
-                "rule, limit_id and key must be 1 to {MAX_NAME} bytes"
-            ));
+        if let Some(p) = names_problem(&self.rule, &self.limit_id, &self.key) {
+            return Some(p);
         }
         if self.requests == 0 || self.per_ms == 0 || self.burst == 0 {
             return Some("requests, per_ms and burst must be positive".into());
@@ -118,17 +113,34 @@ impl LeaseItem {
 
 impl LeaseRequest {
     pub fn problem(&self) -> Option<String> {
-        if self.instance.is_empty() || self.instance.len() > MAX_NAME {
-            return Some(format!("instance must be 1 to {MAX_NAME} bytes"));
-        }
-        if self.items.len() > MAX_ITEMS {
-            return Some(format!("at most {MAX_ITEMS} items per call"));
-        }
-        self.items
-            .iter()
-            .enumerate()
-            .find_map(|(i, item)| item.problem().map(|p| format!("items[{i}]: {p}")))
+        call_problem(&self.instance, &self.items, LeaseItem::problem)
     }
+}
+
+/// What is wrong with an item's names, if anything.
+pub(crate) fn names_problem(rule: &str, limit_id: &str, key: &str) -> Option<String> {
+    let long = [rule, limit_id, key]
+        .into_iter()
+        .any(|s| s.is_empty() || s.len() > MAX_NAME);
+    long.then(|| format!("rule, limit_id and key must be 1 to {MAX_NAME} bytes"))
+}
+
+/// What is wrong with a call of `instance` for `items`, if anything (the first bad item named).
+pub(crate) fn call_problem<I>(
+    instance: &str,
+    items: &[I],
+    problem: impl Fn(&I) -> Option<String>,
+) -> Option<String> {
+    if instance.is_empty() || instance.len() > MAX_NAME {
+        return Some(format!("instance must be 1 to {MAX_NAME} bytes"));
+    }
+    if items.len() > MAX_ITEMS {
+        return Some(format!("at most {MAX_ITEMS} items per call"));
+    }
+    items
+        .iter()
+        .enumerate()
+        .find_map(|(i, item)| problem(item).map(|p| format!("items[{i}]: {p}")))
 }
 
 /// Milli-tokens per second: the unit rate shares are divided in (whole numbers, so that the

@@ -14,7 +14,7 @@
 //! restart) grants nothing new: instances renewing declare what they keep, and get that back.
 
 use crate::fair_share::max_min_fair;
-use crate::lease::{MAX_COUNT, MAX_ITEMS, MAX_NAME};
+use crate::lease::{call_problem, names_problem, MAX_COUNT};
 use crate::state::{read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State};
 use serde::{Deserialize, Serialize};
 
@@ -61,13 +61,8 @@ pub struct SlotAnswer {
 
 impl SlotItem {
     pub fn problem(&self) -> Option<String> {
-        let long = [&self.rule, &self.limit_id, &self.key]
-            .into_iter()
-            .any(|s| s.is_empty() || s.len() > MAX_NAME);
-        if long {
-            return Some(format!(
-                "rule, limit_id and key must be 1 to {MAX_NAME} bytes"
-            ));
+        if let Some(p) = names_problem(&self.rule, &self.limit_id, &self.key) {
+            return Some(p);
         }
         if self.concurrent == 0 || self.concurrent > MAX_COUNT {
             return Some(format!("concurrent must be 1 to {MAX_COUNT}"));
@@ -89,16 +84,7 @@ impl SlotItem {
 
 impl SlotRequest {
     pub fn problem(&self) -> Option<String> {
-        if self.instance.is_empty() || self.instance.len() > MAX_NAME {
-            return Some(format!("instance must be 1 to {MAX_NAME} bytes"));
-        }
-        if self.items.len() > MAX_ITEMS {
-            return Some(format!("at most {MAX_ITEMS} items per call"));
-        }
-        self.items
-            .iter()
-            .enumerate()
-            .find_map(|(i, item)| item.problem().map(|p| format!("items[{i}]: {p}")))
+        call_problem(&self.instance, &self.items, SlotItem::problem)
     }
 }
 

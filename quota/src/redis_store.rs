@@ -22,6 +22,8 @@ use tollgate_core::slot_lease::{SlotAnswer, SlotItem};
 
 const LEASE_LUA: &str = include_str!("lease.lua");
 const SLOTS_LUA: &str = include_str!("slots.lua");
+/// Helpers both scripts use, prepended to each.
+const FAIR_LUA: &str = include_str!("fair.lua");
 /// On a cluster the script may touch keys of several slots of the master it runs on (Redis 7).
 const CLUSTER_FLAGS: &str = "#!lua flags=allow-cross-slot-keys\n";
 const SLOTS: usize = 16_384;
@@ -85,11 +87,8 @@ struct Script {
 
 impl Script {
     fn new(body: &str, cluster: bool) -> Self {
-        let text = if cluster {
-            format!("{CLUSTER_FLAGS}{body}")
-        } else {
-            body.to_owned()
-        };
+        let flags = if cluster { CLUSTER_FLAGS } else { "" };
+        let text = format!("{flags}{FAIR_LUA}{body}");
         let sha = redis::Script::new(&text).get_hash().to_owned();
         Self { text, sha }
     }

@@ -5,7 +5,7 @@
 --   item: the holdings hash (per instance `@<instance>` -> "held:wanted:expires"), the epoch
 --   marker of the item's slot, concurrent, wanted, keep.
 -- KEYS: as for lease.lua.
--- Returns three numbers per item: held, share, free.
+-- Returns three numbers per item: held, share, free. (`before` and `max_min_fair`: fair.lua.)
 -- Unlike lease.lua, reads and writes interleave: an item served twice with the same arguments
 -- (a run that failed on a moved cluster slot, sent again) ends the same, its term renewed.
 local floor, min, max = math.floor, math.min, math.max
@@ -16,41 +16,6 @@ local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local me = '@' .. instance
-
--- Byte order, as Rust sorts strings.
-local function before(x, y)
-  for i = 1, min(#x, #y) do
-    local a, b = byte(x, i), byte(y, i)
-    if a ~= b then return a < b end
-  end
-  return #x < #y
-end
-
--- Max-min fair division (core/src/fair_share.rs) of `capacity` among demands `d` (in the order
--- of `names`): the allocation of `at`. Remainders go to the earliest unsatisfied.
-local function max_min_fair(capacity, d, n, at)
-  local alloc, open, left = {}, {}, capacity
-  for i = 1, n do
-    alloc[i] = 0
-    if d[i] > 0 then open[#open + 1] = i end
-  end
-  while left > 0 and #open > 0 do
-    local share = floor(left / #open)
-    if share == 0 then
-      for k = 1, min(left, #open) do alloc[open[k]] = alloc[open[k]] + 1 end
-      break
-    end
-    local still = {}
-    for _, i in ipairs(open) do
-      local take = min(d[i] - alloc[i], share)
-      alloc[i] = alloc[i] + take
-      left = left - take
-      if alloc[i] < d[i] then still[#still + 1] = i end
-    end
-    open = still
-  end
-  return alloc[at]
-end
 
 local function grant(hkey, mkey, limit, wanted, keep)
   -- Settled: the store has held this slot's data for a lease term (or cold starts are full).

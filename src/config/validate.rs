@@ -403,28 +403,38 @@ impl Rule {
         let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))
             .map(Limit::TokenBucket)
             .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
-        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
-        let limit_id = format!(
-            "{:016x}",
-            tollgate_core::slot::fingerprint(
-                format!("{}/{requests}/{per_ms}/{burst}", self.name).as_bytes()
-            )
+        self.go_global(
+            (requests, per_ms, burst),
+            &format!("{requests}/{per_ms}/{burst}"),
+            fallback_limit,
+            (Limit::Lease(lease), "lease"),
         );
+        Ok(())
+    }
+
+    /// Make the rule global: what it sends the service, its stand-in and its leased quota
+    /// (`leased`, and the suffix naming its slots). `limit` (in the fingerprint) tells limits
+    /// apart: different configurations never share global state.
+    fn go_global(
+        &mut self,
+        (requests, per_ms, burst): (u64, u64, u64),
+        limit: &str,
+        stand_in: Limit,
+        (leased, suffix): (Limit, &str),
+    ) {
+        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
+        let fingerprint =
+            tollgate_core::slot::fingerprint(format!("{}/{limit}", self.name).as_bytes());
         self.global = Some(GlobalRule {
             requests,
             per_ms,
             burst,
-            limit_id,
-            fallback: Quota::new(fallback_limit, &format!("{}.local", self.name), max_keys),
+            limit_id: format!("{fingerprint:016x}"),
+            fallback: Quota::new(stand_in, &format!("{}.local", self.name), max_keys),
         });
-        let mut quota = Quota::new(
-            Limit::Lease(lease),
-            &format!("{}.lease", self.name),
-            max_keys,
-        );
+        let mut quota = Quota::new(leased, &format!("{}.{suffix}", self.name), max_keys);
         quota.policy = self.quota.policy;
         self.quota = quota;
-        Ok(())
     }
 
     /// Turn a validated local concurrency rule into a global one: slots leased from the service.
@@ -460,30 +470,15 @@ impl Rule {
             claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
             denied_ms: 1_000,
         };
-        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
         let stand_in = Concurrency::new((concurrent / qs.instances_hint).max(1))
             .map(Limit::Concurrency)
             .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
-        let limit_id = format!(
-            "{:016x}",
-            tollgate_core::slot::fingerprint(
-                format!("{}/concurrent/{concurrent}", self.name).as_bytes()
-            )
+        self.go_global(
+            (concurrent, 0, concurrent),
+            &format!("concurrent/{concurrent}"),
+            stand_in,
+            (Limit::SlotLease(slots), "slots"),
         );
-        self.global = Some(GlobalRule {
-            requests: concurrent,
-            per_ms: 0,
-            burst: concurrent,
-            limit_id,
-            fallback: Quota::new(stand_in, &format!("{}.local", self.name), max_keys),
-        });
-        let mut quota = Quota::new(
-            Limit::SlotLease(slots),
-            &format!("{}.slots", self.name),
-            max_keys,
-        );
-        quota.policy = self.quota.policy;
-        self.quota = quota;
         Ok(())
     }
 }

@@ -1,0 +1,46 @@
+-- Helpers shared by the stores' scripts: prepended to lease.lua and slots.lua when they are
+-- loaded.
+local floor, min, byte = math.floor, math.min, string.byte
+
+-- Byte order, as Rust sorts strings (Lua's `<` follows the server's locale).
+local function before(x, y)
+  for i = 1, min(#x, #y) do
+    local a, b = byte(x, i), byte(y, i)
+    if a ~= b then return a < b end
+  end
+  return #x < #y
+end
+
+-- Max-min fair division (core/src/fair_share.rs) of `capacity` among the first `n` demands:
+-- the allocation of demand `at`. Remainders go to the earliest unsatisfied.
+local function max_min_fair(capacity, d, n, at)
+  local total = 0
+  for i = 1, n do total = total + d[i] end
+  if total <= capacity then return d[at] end
+  local alloc, open = {}, {}
+  for i = 1, n do
+    alloc[i] = 0
+    if d[i] > 0 then open[#open + 1] = i end
+  end
+  local left = capacity
+  while left > 0 and #open > 0 do
+    local share = floor(left / #open)
+    if share == 0 then
+      for j = 1, min(left, #open) do alloc[open[j]] = alloc[open[j]] + 1 end
+      break
+    end
+    local still = {}
+    for _, i in ipairs(open) do
+      local take = min(d[i] - alloc[i], share)
+      alloc[i] = alloc[i] + take
+      left = left - take
+      if alloc[i] < d[i] then still[#still + 1] = i end
+    end
+    if #still == #open then
+      for j = 1, min(left, #still) do alloc[still[j]] = alloc[still[j]] + 1 end
+      break
+    end
+    open = still
+  end
+  return alloc[at]
+end
