@@ -73,13 +73,14 @@ fn is_json(headers: &HeaderMap) -> bool {
         .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
 }
 
-/// Check a call's credentials and type, and read its JSON body; or the error to answer (counted
-/// in `calls` by outcome).
+/// Check a call's credentials and type, read its JSON body and check it (`problem`); or the
+/// error to answer (counted in `calls` by outcome).
 async fn read_call<T: serde::de::DeserializeOwned>(
     service: &Service,
     calls: &Family<Outcome, Counter>,
     headers: &HeaderMap,
     body: Body,
+    problem: impl Fn(&T) -> Option<String>,
 ) -> Result<T, Response> {
     let outcome = |o: &'static str| calls.get_or_create(&Outcome { outcome: o }).inc();
     if !authorized(service, headers) {
@@ -118,10 +119,15 @@ async fn read_call<T: serde::de::DeserializeOwned>(
             ));
         }
     };
-    serde_json::from_slice(&body).map_err(|e| {
+    let request: T = serde_json::from_slice(&body).map_err(|e| {
         outcome("bad_request");
         error(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
-    })
+    })?;
+    if let Some(p) = problem(&request) {
+        outcome("bad_request");
+        return Err(error(StatusCode::BAD_REQUEST, p));
+    }
+    Ok(request)
 }
 
 /// The answer to a storage failure.
@@ -144,18 +150,10 @@ fn storage_failed(service: &Service, calls: &Family<Outcome, Counter>, e: StoreE
 async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let calls = &service.metrics.calls;
-    let request: LeaseRequest = match read_call(&service, calls, &headers, body).await {
+    let request = match read_call(&service, calls, &headers, body, LeaseRequest::problem).await {
         Ok(r) => r,
         Err(answer) => return answer,
     };
-    if let Some(problem) = request.problem() {
-        calls
-            .get_or_create(&Outcome {
-                outcome: "bad_request",
-            })
-            .inc();
-        return error(StatusCode::BAD_REQUEST, problem);
-    }
     let result = service
         .store
         .lease(&request.instance, &request.items, service.lease_ttl_ms)
@@ -186,18 +184,10 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
 
 async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let calls = &service.metrics.slot_calls;
-    let request: SlotRequest = match read_call(&service, calls, &headers, body).await {
+    let request = match read_call(&service, calls, &headers, body, SlotRequest::problem).await {
         Ok(r) => r,
         Err(answer) => return answer,
     };
-    if let Some(problem) = request.problem() {
-        calls
-            .get_or_create(&Outcome {
-                outcome: "bad_request",
-            })
-            .inc();
-        return error(StatusCode::BAD_REQUEST, problem);
-    }
     match service
         .store
         .slots(&request.instance, &request.items, service.lease_ttl_ms)
