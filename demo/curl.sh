@@ -4,6 +4,7 @@
 #   per-ip:   5 requests a minute per client address on /api/        (local to each Envoy)
 #   per-user: 3 requests per 10 s per x-user header on /api/          (local to each Envoy)
 #   search:   6 requests a minute on /search, shared by both Envoys   (global, quota service)
+#   reports:  2 slow requests in flight on /reports, across both Envoys (global concurrency)
 set -euo pipefail
 URL=${TOLLGATE_URL:-http://127.0.0.1:10000}
 ADMIN=${TOLLGATE_ADMIN:-http://127.0.0.1:9901}
@@ -48,10 +49,19 @@ for i in 1 2 3 4; do
   show erin /search "$URL_B"
 done
 
-bold "7. Metrics, per rule, at $ADMIN/stats/prometheus (and $ADMIN_B for B)"
+bold "7. Global concurrency: /reports allows 2 in flight across BOTH Envoys (each takes 1 s)"
+echo "   4 reports at once, 2 on each Envoy:"
+for base in "$URL" "$URL" "$URL_B" "$URL_B"; do
+  curl -s -o /dev/null -w "    %{http_code} from $base\n" "$base/reports/q3" &
+done
+wait
+echo "   (when they end, their slots are free again; a proxy that dies loses its slots after"
+echo "   the quota service's lease term)"
+
+bold "8. Metrics, per rule, at $ADMIN/stats/prometheus (and $ADMIN_B for B)"
 curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)' | sed 's/^/    A /'
 curl -s "$ADMIN_B/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)\{tollgate_rule="search"' | sed 's/^/    B /'
 curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_quota_(calls|granted)' | sed 's/^/    A /'
 echo "  and the quota service's at $QUOTA_METRICS:"
-curl -s "$QUOTA_METRICS" | grep -E '^tollgate_quota_(tokens_granted|denials)_total' | sed 's/^/    /'
+curl -s "$QUOTA_METRICS" | grep -E '^tollgate_quota_(tokens_granted|denials)_total|^tollgate_quota_slots_held' | sed 's/^/    /'
 echo

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""A trivial upstream for the demo: answers every request with 200 and what it received."""
+"""A trivial upstream for the demo: answers every request with 200 and what it received;
+/reports takes a second (a slow report, for the global concurrency limit)."""
 import http.server
 import json
 import sys
+import time
 
 
 class Echo(http.server.BaseHTTPRequestHandler):
     def _answer(self):
+        if self.path.startswith("/reports"):
+            time.sleep(1)
         body = json.dumps({"method": self.command, "path": self.path,
                            "headers": dict(self.headers)}, indent=1).encode() + b"\n"
         self.send_response(200)

@@ -324,10 +324,16 @@ impl SlotAllowance {
                 delay_ns: 0,
             };
         }
-        if p.leased(now_ms) {
-            // Full: the tick asks for more; refused meanwhile, as a local concurrency rule would.
+        // Full, or the service had none for this key lately: refused at once, as a local
+        // concurrency rule would (the tick asks for more).
+        if p.leased(now_ms) || p.denied(now_ms) {
+            let wait_ms = if p.denied(now_ms) {
+                (p.mark & WHEN).saturating_sub(now_ms)
+            } else {
+                0
+            };
             return Decision::Deny {
-                retry_after_ns: 1_000_000_000,
+                retry_after_ns: wait_ms.max(1_000) * 1_000_000,
                 remaining: 0,
                 reset_ns: 0,
             };
@@ -400,6 +406,7 @@ impl SlotAllowance {
     /// Write the service's answer, for a call claimed at `claimed_ms`.
     pub fn grant(&self, state: &State, now_ms: u64, answer: &SlotAnswer, claimed_ms: u64) -> State {
         let mut p = Parts::decode(state);
+        let wants = p.in_use.saturating_add(p.waited) > 0;
         p.held = answer.held;
         p.share = answer.share.max(answer.held.min(p.in_use));
         p.waited = 0;
@@ -409,11 +416,14 @@ impl SlotAllowance {
         } else {
             claimed_ms.saturating_add(answer.ttl_ms)
         };
+        // Nothing more for a key that wants more, and no point asking again soon (nothing free,
+        // or its fair share reached): ask again after `denied_ms`, refusing meanwhile.
         let room = p.held.min(p.share) > p.in_use;
-        p.mark = if room || p.held == 0 || p.held >= self.concurrent {
-            0
-        } else {
+        let futile = answer.free == 0 || answer.share <= answer.held;
+        p.mark = if wants && !room && futile && p.held < self.concurrent {
             DENIED | now_ms.saturating_add(self.denied_ms).min(WHEN)
+        } else {
+            0
         };
         p.encode()
     }
@@ -637,6 +647,20 @@ mod tests {
         let later = TTL / 2 + 300 + TTL;
         let claim = a.renewal(&s, later).expect("declare what is in use");
         assert_eq!(a.ask(&claim, later), (2, 1));
+    }
+
+    #[test]
+    fn a_key_that_got_nothing_refuses_at_once_until_it_may_ask_again() {
+        let a = allowance();
+        let Decision::Wait { claim: Some(s) } = a.decide(&[0; 32], 0, 1) else {
+            panic!()
+        };
+        let s = a.grant(&s, 5, &answer(0, 5, 0), 0);
+        let Decision::Deny { retry_after_ns, .. } = a.decide(&s, 10 * MS, 1) else {
+            panic!("held")
+        };
+        assert_eq!(retry_after_ns, 1_000 * MS);
+        assert!(matches!(a.decide(&s, 1_006 * MS, 1), Decision::Wait { .. }));
     }
 
     #[test]

@@ -232,6 +232,8 @@ fn demo_runs_end_to_end() {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{text}");
+    let reports = |code: &str| text.matches(&format!("    {code} from ")).count();
+    assert_eq!((reports("200"), reports("429")), (2, 2), "{text}");
     for needle in [
         "HTTP/1.1 200 OK",
         "ratelimit: \"per-user\";r=2;",
@@ -243,6 +245,8 @@ fn demo_runs_end_to_end() {
         // The global rule: 6 a minute across both Envoys.
         "x-tollgate-rule: search",
         "tollgate_quota_tokens_granted_total 6",
+        // Global concurrency: 2 of 4 slow reports at once across both Envoys.
+        "tollgate_quota_slots_held{rule=\"reports\"",
     ] {
         assert!(
             text.contains(needle),
