@@ -159,12 +159,9 @@ impl Plugin {
             .borrow_mut()
             .take_refills(&SharedData, &self.instance, now);
         for call in calls {
-            let (token, slots) = match &call {
-                Call::Lease(_, request) => (self.call(request), false),
-                Call::Slots(_, request) => (self.call_slots(request), true),
-            };
-            let refills = match call {
-                Call::Lease(r, _) | Call::Slots(r, _) => r,
+            let (token, slots, refills) = match call {
+                Call::Lease(refills, request) => (self.call(&request), false, refills),
+                Call::Slots(refills, request) => (self.call_slots(&request), true, refills),
             };
             let mut engine = self.engine.borrow_mut();
             match (token, slots) {

@@ -26,14 +26,6 @@ pub enum Call {
     Slots(Vec<Refill>, SlotRequest),
 }
 
-impl Call {
-    pub fn refills(&self) -> &[Refill] {
-        match self {
-            Self::Lease(r, _) | Self::Slots(r, _) => r,
-        }
-    }
-}
-
 /// A key's allowance to refill from the quota service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Refill {
@@ -209,17 +201,7 @@ impl Engine {
     ) {
         let now_ms = now_ns / 1_000_000;
         let Some(answer) = answer else {
-            warn!("quota service slot call failed: global rules apply their failure mode");
-            self.stats.add_process(ProcessStat::QuotaFailures, 1);
-            let retry_ms = self.retry_ms();
-            for refill in refills {
-                if let Some(slots) = self.slot_allowance_of(refill.rule).copied() {
-                    self.update_allowance(store, refill, |state| {
-                        slots.fail(state, now_ms, retry_ms)
-                    });
-                }
-            }
-            return;
+            return self.fail_refills(store, refills, now_ms);
         };
         let mut held: Vec<(usize, u64)> = Vec::new();
         for (refill, a) in refills.iter().zip(&answer.items) {
@@ -292,17 +274,7 @@ impl Engine {
     ) {
         let now_ms = now_ns / 1_000_000;
         let Some(answer) = answer else {
-            warn!("quota service call failed: global rules apply their failure mode");
-            self.stats.add_process(ProcessStat::QuotaFailures, 1);
-            let retry_ms = self.retry_ms();
-            for refill in refills {
-                if let Some(allowance) = self.allowance_of(refill.rule).copied() {
-                    self.update_allowance(store, refill, |state| {
-                        allowance.fail(state, now_ms, retry_ms)
-                    });
-                }
-            }
-            return;
+            return self.fail_refills(store, refills, now_ms);
         };
         for (refill, answer) in refills.iter().zip(&answer.items) {
             let (Some(global), Some(allowance)) = (
@@ -334,6 +306,24 @@ impl Engine {
             self.update_allowance(store, refill, |state| {
                 allowance.grant(state, now_ms, &grant)
             });
+        }
+    }
+
+    /// A call failed: its keys (leased allowances or slots) apply the failure mode until `retry`.
+    fn fail_refills<S: CasStore + ?Sized>(&mut self, store: &S, refills: &[Refill], now_ms: u64) {
+        warn!("quota service call failed: global rules apply their failure mode");
+        self.stats.add_process(ProcessStat::QuotaFailures, 1);
+        let retry_ms = self.retry_ms();
+        for refill in refills {
+            match self.config.rules.get(refill.rule).map(|r| r.quota.limit) {
+                Some(Limit::Lease(a)) => {
+                    self.update_allowance(store, refill, |s| a.fail(s, now_ms, retry_ms))
+                }
+                Some(Limit::SlotLease(a)) => {
+                    self.update_allowance(store, refill, |s| a.fail(s, now_ms, retry_ms))
+                }
+                _ => {}
+            }
         }
     }
 
@@ -401,17 +391,7 @@ pub fn read_answer(
     body: Option<&[u8]>,
     items: usize,
 ) -> Option<LeaseResponse> {
-    if status != Some(b"200") {
-        warn!(
-            "quota service answered status {}",
-            status.map_or("none".into(), String::from_utf8_lossy)
-        );
-        return None;
-    }
-    serde_json::from_slice::<LeaseResponse>(body?)
-        .map_err(|e| warn!("malformed quota service answer: {e}"))
-        .ok()
-        .filter(|r| r.items.len() == items)
+    read_json::<LeaseResponse>(status, body).filter(|r| r.items.len() == items)
 }
 
 /// The answer to a slot call, if it is a well-formed one for `items` items.
@@ -420,6 +400,16 @@ pub fn read_slot_answer(
     body: Option<&[u8]>,
     items: usize,
 ) -> Option<SlotResponse> {
+    read_json::<SlotResponse>(status, body)
+        .filter(|r| r.items.len() == items)
+        .filter(|r| r.items.iter().all(sane))
+}
+
+/// A `200` answer's JSON body, if it reads as a `T`.
+fn read_json<T: serde::de::DeserializeOwned>(
+    status: Option<&[u8]>,
+    body: Option<&[u8]>,
+) -> Option<T> {
     if status != Some(b"200") {
         warn!(
             "quota service answered status {}",
@@ -427,11 +417,9 @@ pub fn read_slot_answer(
         );
         return None;
     }
-    serde_json::from_slice::<SlotResponse>(body?)
+    serde_json::from_slice::<T>(body?)
         .map_err(|e| warn!("malformed quota service answer: {e}"))
         .ok()
-        .filter(|r| r.items.len() == items)
-        .filter(|r| r.items.iter().all(sane))
 }
 
 /// An answer no proxy could act on safely is refused whole.
