@@ -91,7 +91,7 @@ impl Limit {
                 retry_after_ns,
             },
             // A leased allowance on its way or failed: nothing a reset would give back.
-            Decision::Wait { .. } | Decision::Fallback => Standing::default(),
+            Decision::Wait { .. } | Decision::Fallback { .. } => Standing::default(),
         }
     }
 

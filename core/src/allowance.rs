@@ -9,6 +9,12 @@
 //! by one worker, so one call per key per process), the service had nothing (`EXHAUSTED`), or
 //! failed (`FAILED`). Refills themselves are the filter's business: this module decides, claims,
 //! says what to ask for, and applies answers.
+//!
+//! A request is refused at once only when the service said there is nothing for it: its last
+//! answer granted nothing, or this proxy's fair share of the rate is spent and the global bucket
+//! had no tokens left. A lease that merely ran dry asks again and the request waits for the answer.
+//! Each call also carries what this proxy last heard of the global bucket (its evidence), so that
+//! a service that lost the bucket can tell, and start it conservatively.
 
 use crate::state::{
     read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State, STATE_BYTES,
@@ -22,7 +28,12 @@ const RAN_DRY: u32 = 1 << 31;
 const CAPPED: u32 = 1 << 30;
 /// The last answer granted nothing.
 const DENIED: u32 = 1 << 29;
-const SPENT: u32 = DENIED - 1;
+/// The service answered for this key at `base` (with the bucket's `reported` tokens then).
+const ANSWERED: u32 = 1 << 28;
+/// The last call failed: the failure mode decides, also while the next call is out.
+const FAILING: u32 = 1 << 27;
+const FLAGS: u32 = RAN_DRY | CAPPED | DENIED | ANSWERED | FAILING;
+const SPENT: u32 = FAILING - 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseAllowance {
@@ -53,6 +64,11 @@ pub struct Ask {
     /// The refill rate wanted (milli-tokens per second): the spending rate since the last grant
     /// with a quarter more, the whole global rate if the lease ran dry, 0 with nothing measured.
     pub demand_mtps: u64,
+    /// Evidence of the bucket: this proxy had an answer for it at most `known_ms` ago, saying
+    /// the bucket held `known_remaining` tokens; 0: none (never answered, or the bucket is as
+    /// good as full again by what that answer said).
+    pub known_ms: u64,
+    pub known_remaining: u64,
 }
 
 /// The service's answer for one key.
@@ -94,7 +110,7 @@ fn parts(state: &State) -> Parts {
     Parts {
         granted: u64::from(read_u32(state, 0)),
         spent: u64::from(spent & SPENT),
-        flags: spent & (RAN_DRY | CAPPED | DENIED),
+        flags: spent & FLAGS,
         reported: u64::from(read_u32(state, 8)),
         rate: u64::from(read_u32(state, 12)),
         base,
@@ -153,14 +169,17 @@ impl Parts {
             .saturating_sub(self.spent)
     }
 
-    /// Write a mark at `mark` (absolute ms); a key without a live lease starts afresh from
-    /// `now_ms`, so that offsets stay small.
+    /// Write a mark at `mark` (absolute ms); a key without a live lease starts afresh, keeping
+    /// the time of its last answer as `base` while offsets from it stay small.
     fn marked(mut self, now_ms: u64, mark: u64, flags: u32) -> Self {
         if !self.live(now_ms) {
+            let recent =
+                self.flags & ANSWERED != 0 && now_ms.saturating_sub(self.base) < MARK_MAX / 2;
+            let kept = if recent { ANSWERED } else { 0 };
             self = Parts {
                 reported: self.reported,
-                flags: self.flags & (RAN_DRY | DENIED),
-                base: now_ms,
+                flags: self.flags & (RAN_DRY | DENIED | FAILING) | kept,
+                base: if recent { self.base } else { now_ms },
                 until: now_ms,
                 ..Parts::default()
             };
@@ -212,8 +231,9 @@ impl LeaseAllowance {
                 now_ms >= p.until - term / 4
             };
             // A token lease asks again when running low; a rate lease only if asking can get
-            // more (it was not capped by fairness).
-            let running_low = left < self.low_water && (p.rate == 0 || p.flags & CAPPED == 0);
+            // more: it was not capped by fairness, or the global bucket still has tokens.
+            let running_low =
+                left < self.low_water && (p.rate == 0 || p.flags & CAPPED == 0 || p.reported > 0);
             let mut next = Parts {
                 spent: p.spent.saturating_add(cost),
                 flags: if left == 0 {
@@ -240,10 +260,11 @@ impl LeaseAllowance {
                 delay_ns: 0,
             };
         }
-        if p.live(now_ms) && p.rate > 0 && p.flags & CAPPED != 0 {
-            // Out of this proxy's fair share of the rate: refused now, not held. Enough accrues
-            // after `wait` (unless the lease ends first, or a renewal changes the rate). A lease
-            // that was not capped asks for more instead (below).
+        if p.live(now_ms) && p.rate > 0 && p.flags & CAPPED != 0 && p.reported < cost {
+            // Out of this proxy's fair share of the rate, and the global bucket had no tokens
+            // left: refused now, not held. Enough accrues after `wait` (unless the lease ends
+            // first, or a renewal changes the rate). A lease that was not capped, or whose bucket
+            // still has tokens, asks for more instead (below).
             let accrual_needed = u128::from((p.spent + cost).saturating_sub(p.granted)) * 1_000_000;
             let after_base = accrual_needed.div_ceil(u128::from(p.rate));
             let at = u64::try_from(after_base).map_or(u64::MAX, |ms| p.base.saturating_add(ms));
@@ -258,8 +279,15 @@ impl LeaseAllowance {
                 reset_ns: wait_ns,
             };
         }
-        if marked && p.mark_flags & FAILED != 0 {
-            return Decision::Fallback;
+        // The last call failed: the failure mode decides until its retry, and while the call
+        // that retries is out (this request sends it when the retry is due).
+        if marked && (p.mark_flags & FAILED != 0 || p.flags & FAILING != 0) {
+            return Decision::Fallback { claim: None };
+        }
+        if p.flags & FAILING != 0 {
+            return Decision::Fallback {
+                claim: Some(encode(&p.marked(now_ms, now_ms + self.claim_ms, 0))),
+            };
         }
         // Exhausted until the mark; or the last answer had nothing for this key and the next is
         // on its way: refuse rather than hold requests for what is most likely nothing again.
@@ -299,11 +327,38 @@ impl LeaseAllowance {
             let per_s = u128::from(p.spent) * 1_000_000 * 5 / 4 / u128::from(window_ms.max(1));
             u64::try_from(per_s).unwrap_or(u64::MAX)
         };
+        let (known_ms, known_remaining) = self.evidence(&p, now_ms);
         Ask {
             wanted: self.lease_size.saturating_sub(held),
             used: p.spent,
             demand_mtps: demand_mtps.min(self.global_rate_mtps),
+            known_ms,
+            known_remaining,
         }
+    }
+
+    /// What this proxy last heard of the global bucket, while it can still matter: an upper
+    /// bound on how long ago the service wrote that answer (`claim_ms` covers the call's own
+    /// time), and the tokens the bucket had left then. None (0) once the bucket is full again by
+    /// that answer's own account and the lease is over: a service that does not know the bucket
+    /// then may start it full.
+    fn evidence(&self, p: &Parts, now_ms: u64) -> (u64, u64) {
+        if p.flags & ANSWERED == 0 {
+            return (0, 0);
+        }
+        let refill_ns = self
+            .global_burst
+            .saturating_sub(p.reported)
+            .saturating_mul(self.global_interval_ns);
+        let full_at = p.base.saturating_add(refill_ns.div_ceil(1_000_000));
+        if now_ms >= full_at.max(p.until) {
+            return (0, 0);
+        }
+        let known_ms = now_ms
+            .saturating_sub(p.base)
+            .saturating_add(self.claim_ms)
+            .max(1);
+        (known_ms, p.reported)
     }
 
     /// The tokens held now (accrual included).
@@ -331,7 +386,9 @@ impl LeaseAllowance {
         encode(&Parts {
             granted: carried.saturating_add(g.tokens),
             spent: 0,
-            flags: if nothing { RAN_DRY | DENIED } else { 0 } | if capped { CAPPED } else { 0 },
+            flags: ANSWERED
+                | if nothing { RAN_DRY | DENIED } else { 0 }
+                | if capped { CAPPED } else { 0 },
             reported: g.remaining,
             rate: if until > now_ms { g.rate_mtps } else { 0 },
             base: now_ms,
@@ -347,8 +404,10 @@ impl LeaseAllowance {
         })
     }
 
-    /// The refill failed: apply the failure mode for `retry_ms`. Tokens held stay valid until
-    /// the lease ends; the rate stops accruing (the service may have replaced it already).
+    /// The refill failed: apply the failure mode for `retry_ms`, and while the call that retries
+    /// is out. Tokens held stay valid until the lease ends; the rate stops accruing (the service
+    /// may have replaced it already). A failure is not a denial: what the last answer said no
+    /// longer refuses requests.
     pub fn fail(&self, state: &State, now_ms: u64, retry_ms: u64) -> State {
         let mut p = parts(state);
         if p.live(now_ms) {
@@ -356,6 +415,7 @@ impl LeaseAllowance {
             p.granted = p.granted.saturating_add(p.accrued(end));
             p.rate = 0;
         }
+        p.flags = (p.flags & !DENIED) | FAILING;
         encode(&p.marked(now_ms, now_ms + retry_ms.max(1), FAILED))
     }
 
@@ -579,11 +639,27 @@ mod tests {
             "the service's hint (300 ms), within a sixteenth of a lease"
         );
         let failed = l.fail(&[0; STATE_BYTES], T0, 1_000);
-        assert_eq!(l.decide(&failed, T0 * MS, 1), Decision::Fallback);
-        // After the mark, a new claim.
+        assert_eq!(
+            l.decide(&failed, T0 * MS, 1),
+            Decision::Fallback { claim: None }
+        );
+        // After the mark, a new claim; the failure mode still decides until its answer.
+        let Decision::Fallback {
+            claim: Some(retrying),
+        } = l.decide(&failed, (T0 + 1_000) * MS, 1)
+        else {
+            panic!("the retry is claimed");
+        };
+        assert!(l.claimed(&failed, &retrying));
+        assert_eq!(
+            l.decide(&retrying, (T0 + 1_001) * MS, 1),
+            Decision::Fallback { claim: None }
+        );
+        // An answer ends it.
+        let answered = l.grant(&retrying, T0 + 1_002, &grant(5, 0, T0 + 1_000, 1_000));
         assert!(matches!(
-            l.decide(&failed, (T0 + 1_000) * MS, 1),
-            Decision::Wait { claim: Some(_) }
+            l.decide(&answered, (T0 + 1_003) * MS, 1),
+            Decision::Allow { .. }
         ));
         // Tokens held survive a failure until their lease ends, accrual included up to the
         // failure (here no claim was made).
@@ -598,9 +674,91 @@ mod tests {
             l.decide(&held, (T0 + 200) * MS, 1),
             Decision::Allow { .. }
         ));
-        assert_eq!(l.decide(&held, (T0 + 500) * MS, 1), Decision::Fallback);
+        assert_eq!(
+            l.decide(&held, (T0 + 500) * MS, 1),
+            Decision::Fallback { claim: None }
+        );
         assert!(!LeaseAllowance::is_idle(&held, T0 + 1_199));
         assert!(LeaseAllowance::is_idle(&held, T0 + 1_200));
+    }
+
+    #[test]
+    fn a_capped_lease_whose_bucket_has_tokens_asks_again_instead_of_refusing() {
+        let l = lease();
+        // Asked for the whole rate (a burst from one client) and got it with 5 tokens; the
+        // global bucket still holds 60.
+        let mut g = grant(5, 100_000, T0, 10_000);
+        g.asked.demand_mtps = 100_000;
+        g.remaining = 60;
+        let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+        let mut claims = 0;
+        for _ in 0..5 {
+            let next = allowed(&l, &s, T0);
+            claims += usize::from(l.claimed(&s, &next));
+            s = next;
+        }
+        assert_eq!(claims, 1, "running low claims a refill once");
+        // Dry with the refill out: the request waits for it, it is not refused.
+        assert_eq!(l.decide(&s, T0 * MS, 1), Decision::Wait { claim: None });
+        // The same lease with the global bucket empty: refused at once.
+        g.remaining = 0;
+        let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+        for _ in 0..5 {
+            s = allowed(&l, &s, T0);
+        }
+        assert!(matches!(l.decide(&s, T0 * MS, 1), Decision::Deny { .. }));
+    }
+
+    #[test]
+    fn a_failure_is_not_a_denial() {
+        let l = lease();
+        let denied = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
+        let failed = l.fail(&denied, T0 + 100, 200);
+        assert_eq!(
+            l.decide(&failed, (T0 + 150) * MS, 1),
+            Decision::Fallback { claim: None }
+        );
+        // The retry is out: still the failure mode, not the refusal of the earlier answer.
+        let Decision::Fallback {
+            claim: Some(retrying),
+        } = l.decide(&failed, (T0 + 300) * MS, 1)
+        else {
+            panic!("a retry");
+        };
+        assert_eq!(
+            l.decide(&retrying, (T0 + 301) * MS, 1),
+            Decision::Fallback { claim: None }
+        );
+    }
+
+    #[test]
+    fn calls_carry_what_the_proxy_last_heard_of_the_bucket_while_it_matters() {
+        // Burst 100 at 1 per 36 s (100 per hour).
+        let l = LeaseAllowance {
+            global_burst: 100,
+            global_interval_ns: 36_000 * MS,
+            global_rate_mtps: 27,
+            ..lease()
+        };
+        let fresh = [0; STATE_BYTES];
+        assert_eq!(l.ask(&fresh, T0).known_ms, 0, "never answered: no evidence");
+        let mut g = grant(10, 0, T0, 10_000);
+        g.remaining = 90;
+        let s = l.grant(&fresh, T0 + 5, &g);
+        let ask = l.ask(&s, T0 + 1_005);
+        // 1 s since the answer, plus the call's own time (claim_ms).
+        assert_eq!((ask.known_ms, ask.known_remaining), (1_200, 90));
+        // The lease ends after 10 s; the bucket is full again by 10 × 36 s after the answer.
+        let later = T0 + 5 + 359_000;
+        let Decision::Wait {
+            claim: Some(claimed),
+        } = l.decide(&s, later * MS, 1)
+        else {
+            panic!("a new claim");
+        };
+        let ask = l.ask(&claimed, later);
+        assert_eq!((ask.known_ms, ask.known_remaining), (359_200, 90));
+        assert_eq!(l.ask(&claimed, T0 + 5 + 360_000).known_ms, 0);
     }
 
     #[test]

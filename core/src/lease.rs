@@ -45,6 +45,18 @@ pub struct LeaseItem {
     /// a rate lease. 0 (or absent): tokens only.
     #[serde(default)]
     pub demand: f64,
+    /// The instance's evidence of the bucket: it had an answer for it at most `known_ms` ago,
+    /// which said the bucket had `known_remaining` tokens left. 0 (or absent): no evidence (it
+    /// never had an answer, or by that answer the bucket is full again). A store that does not
+    /// know a bucket some instance has evidence of lost it (see [`ColdStart::Auto`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub known_ms: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub known_remaining: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -107,7 +119,24 @@ impl LeaseItem {
         if !(self.demand.is_finite() && self.demand >= 0.0) {
             return Some("demand must be a number >= 0".into());
         }
+        if self.known_remaining > MAX_COUNT || self.known_ms > 2 * MAX_PER_MS {
+            return Some(format!(
+                "known_remaining must be at most {MAX_COUNT} and known_ms at most {}",
+                2 * MAX_PER_MS
+            ));
+        }
         None
+    }
+
+    /// The most tokens the bucket can hold now by the item's evidence: what the instance was
+    /// told was left, one more for the fraction, and the whole refill since (reservations only
+    /// make it less). None without evidence.
+    pub fn evidence_bound(&self) -> Option<f64> {
+        if self.known_ms == 0 {
+            return None;
+        }
+        let rate = self.requests as f64 / self.per_ms as f64;
+        Some(self.known_remaining as f64 + 1.0 + rate * self.known_ms as f64)
     }
 }
 
@@ -176,23 +205,56 @@ pub struct GlobalBucket {
     pub idle_at_ms: u64,
 }
 
-/// How a store that forgot its buckets (a restart, a Redis that lost its data) starts new ones.
+/// How a store starts buckets it does not know: new ones, or ones it forgot (a restart, a Redis
+/// that lost its data).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ColdStart {
+    /// Full, unless the store is known to have lost buckets: the call carries an instance's
+    /// evidence of the bucket, or an earlier call showed that this store (or this Redis slot)
+    /// forgot buckets instances were using. Then as `Conservative`. A new deployment serves its
+    /// limits at once; a restart that lost state holds them.
+    Auto { epoch_ms: u64 },
     /// As if, at the store's start (`epoch_ms`), every bucket had just been emptied and its whole
     /// refill rate leased for one lease TTL: a restart admits nothing that the limit would not
-    /// have admitted had the store never stopped.
+    /// have admitted had the store never stopped. So does a new deployment, for a while.
     Conservative { epoch_ms: u64 },
     /// New buckets start full: a restart can admit up to a burst (and a lease TTL of refill)
     /// more per key.
     Full,
 }
 
+impl ColdStart {
+    /// How a bucket the store does not know starts: `lost` if the store is known to have lost
+    /// buckets (by this call's evidence or an earlier one's).
+    pub fn for_new(self, lost: bool) -> Self {
+        match self {
+            Self::Auto { epoch_ms } if lost => Self::Conservative { epoch_ms },
+            Self::Auto { .. } => Self::Full,
+            other => other,
+        }
+    }
+
+    /// Whether buckets the store knows are checked against instances' evidence (not when
+    /// buckets start full by choice).
+    pub fn checks_evidence(self) -> bool {
+        self != Self::Full
+    }
+
+    /// When the store's memory begins (`None`: never conservative).
+    pub fn epoch_ms(self) -> Option<u64> {
+        match self {
+            Self::Auto { epoch_ms } | Self::Conservative { epoch_ms } => Some(epoch_ms),
+            Self::Full => None,
+        }
+    }
+}
+
 impl GlobalBucket {
-    /// A bucket the store does not know, first asked for at `now_ms`.
+    /// A bucket the store does not know, first asked for at `now_ms` (`cold` as resolved by
+    /// [`ColdStart::for_new`]; `Auto` starts full).
     pub fn new(item: &LeaseItem, now_ms: u64, ttl_ms: u64, cold: ColdStart) -> Self {
         match cold {
-            ColdStart::Full => Self {
+            ColdStart::Full | ColdStart::Auto { .. } => Self {
                 tokens: item.burst as f64,
                 updated_ms: now_ms,
                 holders: Vec::new(),
@@ -231,6 +293,34 @@ impl GlobalBucket {
         let inflow = (elapsed * rate - reserved).max(0.0);
         self.tokens = (self.tokens + inflow).min(item.burst as f64);
         self.updated_ms = self.updated_ms.max(now_ms);
+    }
+
+    /// Check the bucket against the item's evidence at `now_ms`: if it holds more tokens than
+    /// it can ([`LeaseItem::evidence_bound`]), the store lost writes (or lost the bucket and made
+    /// it anew): it restarts empty, its whole rate held for one lease TTL (for leases of before
+    /// that only their holders know). True if so.
+    pub fn reconcile(&mut self, item: &LeaseItem, now_ms: u64, ttl_ms: u64) -> bool {
+        self.refill(item, now_ms);
+        let Some(bound) = item.evidence_bound() else {
+            return false;
+        };
+        if self.tokens <= bound {
+            return false;
+        }
+        self.tokens = 0.0;
+        let before = Holder {
+            instance: String::new(),
+            share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+            asked_ms: now_ms,
+            until_ms: now_ms.saturating_add(ttl_ms),
+            ..Holder::default()
+        };
+        match self.holders.first_mut() {
+            Some(h) if h.instance.is_empty() => *h = before,
+            _ => self.holders.insert(0, before),
+        }
+        self.idle_at_ms = self.idle_at_ms.max(now_ms.saturating_add(ttl_ms));
+        true
     }
 
     /// Forget holders that neither asked within `ttl_ms` nor hold a reservation.
@@ -386,6 +476,8 @@ mod tests {
             wanted,
             used: 0,
             demand: 0.0,
+            known_ms: 0,
+            known_remaining: 0,
         }
     }
 
@@ -466,6 +558,39 @@ mod tests {
         // Long after the start, a new bucket is full.
         let mut b = GlobalBucket::new(&item(100), 100_000, 10_000, cold);
         assert_eq!(b.lease("a", &item(120), 100_000, 10_000).granted, 120);
+    }
+
+    #[test]
+    fn auto_starts_full_unless_the_store_lost_state_and_evidence_reconciles() {
+        let auto = ColdStart::Auto { epoch_ms: 1_000 };
+        assert_eq!(auto.for_new(false), ColdStart::Full);
+        assert_eq!(
+            auto.for_new(true),
+            ColdStart::Conservative { epoch_ms: 1_000 }
+        );
+        // Full, 20 granted (100 left of 120); then a proxy says that 10 s ago 30 were left: at
+        // most 30 + 1 + 2/s × 10 s = 51 can be there now.
+        let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);
+        assert_eq!(b.lease("a", &item(20), 0, 10_000).remaining, 100);
+        let evidence = LeaseItem {
+            known_ms: 10_000,
+            known_remaining: 30,
+            ..item(10)
+        };
+        assert!(b.reconcile(&evidence, 0, 10_000));
+        // Emptied, the whole rate held for a TTL: nothing for 10 s, then the refill.
+        assert_eq!(b.lease("a", &evidence, 0, 10_000).granted, 0);
+        assert_eq!(b.lease("a", &item(10), 9_999, 10_000).granted, 0);
+        assert_eq!(b.lease("a", &item(10), 12_000, 10_000).granted, 4);
+        // Evidence that agrees changes nothing.
+        let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);
+        b.lease("a", &item(20), 0, 10_000);
+        let agrees = LeaseItem {
+            known_ms: 1,
+            known_remaining: 100,
+            ..item(10)
+        };
+        assert!(!b.reconcile(&agrees, 1, 10_000));
     }
 
     /// Everything instances may admit by `now`: the tokens granted, and each rate lease's refill

@@ -186,6 +186,15 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
     let (index, slot, current) = choose(check.limit, &group, check.slot.tag, now_ns);
     let owner = current.tag;
     let mut stashed = 0;
+    let claim_write = |state| {
+        let mut next = group;
+        next.slots[index] = Slot {
+            tag: owner,
+            last_ns: current.last_ns,
+            state,
+        };
+        (next, cas)
+    };
     let (verdict, write) = match check.limit.decide(&current.state, now_ns, check.cost) {
         Decision::Allow {
             mut state,
@@ -228,19 +237,9 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
             },
             None,
         ),
-        Decision::Wait { claim } => (
-            Verdict::Waiting,
-            claim.map(|state| {
-                let mut next = group;
-                next.slots[index] = Slot {
-                    tag: owner,
-                    last_ns: current.last_ns,
-                    state,
-                };
-                (next, cas)
-            }),
-        ),
-        Decision::Fallback => (Verdict::Fallback, None),
+        // A claim of a refill is written whatever the verdict: this request asks the service.
+        Decision::Wait { claim } => (Verdict::Waiting, claim.map(claim_write)),
+        Decision::Fallback { claim } => (Verdict::Fallback, claim.map(claim_write)),
     };
     Plan {
         key,
@@ -297,7 +296,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
     // Claims of refills go out whatever happens to the request (one attempt: if it loses a race,
     // someone else changed the slot and a later request claims).
     for (check, p) in checks.iter().zip(plans.iter_mut()) {
-        if p.outcome.verdict == Verdict::Waiting {
+        if matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback) {
             if let Some((group, cas)) = p.write.take() {
                 p.outcome.refill = store.write(p.key.as_str(), &group.encode(), cas).is_ok()
                     && check

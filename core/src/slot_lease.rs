@@ -40,6 +40,14 @@ pub struct SlotItem {
     /// Slots it holds and keeps using until the answer comes.
     #[serde(default)]
     pub keep: u64,
+    /// The instance's evidence: the slots the service last said it holds, while that lease
+    /// lasts (0: none). A store that has no holding of the instance for the key lost it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub known_held: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,8 +75,10 @@ impl SlotItem {
         if self.concurrent == 0 || self.concurrent > MAX_COUNT {
             return Some(format!("concurrent must be 1 to {MAX_COUNT}"));
         }
-        if self.wanted > MAX_COUNT || self.keep > MAX_COUNT {
-            return Some(format!("wanted and keep must be at most {MAX_COUNT}"));
+        if self.wanted > MAX_COUNT || self.keep > MAX_COUNT || self.known_held > MAX_COUNT {
+            return Some(format!(
+                "wanted, keep and known_held must be at most {MAX_COUNT}"
+            ));
         }
         None
     }
@@ -78,6 +88,7 @@ impl SlotItem {
             limit: self.concurrent,
             wanted: self.wanted,
             keep: self.keep,
+            known_held: self.known_held,
         }
     }
 }
@@ -113,6 +124,8 @@ pub struct SlotAsk {
     pub wanted: u64,
     /// Slots it holds and keeps using until the answer comes.
     pub keep: u64,
+    /// Slots the service last said it holds, while that lease lasts (0: none).
+    pub known_held: u64,
 }
 
 /// The answer for one key.
@@ -127,6 +140,22 @@ pub struct SlotGrant {
 }
 
 impl Holdings {
+    /// True if `instance` says it holds `known_held` slots of the key (its lease still lasting)
+    /// while the store has no holding of it: the store lost them.
+    pub fn contradicts(
+        holdings: Option<&Self>,
+        instance: &str,
+        known_held: u64,
+        now_ms: u64,
+    ) -> bool {
+        known_held > 0
+            && !holdings.is_some_and(|h| {
+                h.entries
+                    .iter()
+                    .any(|e| e.instance == instance && e.expires_ms > now_ms)
+            })
+    }
+
     /// Forget holdings that ended.
     pub fn prune(&mut self, now_ms: u64) {
         self.entries.retain(|h| h.expires_ms > now_ms);
@@ -209,6 +238,9 @@ impl Holdings {
         }
     }
 }
+
+/// A lease is evidence of a holding while more than this is left of it.
+const EVIDENCE_MARGIN_MS: u64 = 250;
 
 /// The mark is a failed call's retry time.
 const FAILED: u64 = 1 << 63;
@@ -312,7 +344,7 @@ impl SlotAllowance {
         // A renewal failed: the failure mode decides until the retry. What the lease has left of
         // its term is the grace of the requests in flight, not room for more.
         if p.failed(now_ms) {
-            return Decision::Fallback;
+            return Decision::Fallback { claim: None };
         }
         let cap = p.cap(now_ms);
         if p.in_use.saturating_add(cost) <= cap {
@@ -398,9 +430,19 @@ impl SlotAllowance {
         (wanted, keep)
     }
 
-    /// What a call asks for the key: (wanted, keep), from its state when the call goes out.
-    pub fn ask(&self, state: &State, now_ms: u64) -> (u64, u64) {
-        self.wanted_and_keep(&Parts::decode(state), now_ms)
+    /// What a call asks for the key, from its state when the call goes out.
+    pub fn ask(&self, state: &State, now_ms: u64) -> SlotAsk {
+        let p = Parts::decode(state);
+        let (wanted, keep) = self.wanted_and_keep(&p, now_ms);
+        // Evidence only while the lease surely lasts at the service too (it began there after
+        // it began here).
+        let lasting = p.lease_end_ms.saturating_sub(now_ms) > EVIDENCE_MARGIN_MS;
+        SlotAsk {
+            limit: self.concurrent,
+            wanted,
+            keep,
+            known_held: if lasting { p.held } else { 0 },
+        }
     }
 
     /// Write the service's answer, for a call claimed at `claimed_ms`.
@@ -466,6 +508,7 @@ mod tests {
             limit: 10,
             wanted,
             keep,
+            known_held: 0,
         }
     }
 
@@ -552,6 +595,10 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
+    fn wk(ask: SlotAsk) -> (u64, u64) {
+        (ask.wanted, ask.keep)
+    }
+
     fn allowance() -> SlotAllowance {
         SlotAllowance {
             concurrent: 10,
@@ -598,13 +645,13 @@ mod tests {
         };
         assert!(!a.claimed(&s, &again));
         s = again;
-        assert_eq!(a.ask(&s, 1_002), (3, 0), "2 waiting + headroom");
+        assert_eq!(wk(a.ask(&s, 1_002)), (3, 0), "2 waiting + headroom");
         s = a.grant(&s, 1_005, &answer(3, 10, 7), 1_000);
         assert!((0..3).all(|_| admitted(&a, &mut s, 1_010)));
         // Full: refused at once; the tick asks for more.
         assert!(matches!(a.decide(&s, 1_011 * MS, 1), Decision::Deny { .. }));
         let claim = a.renewal(&s, 1_012).expect("full: ask for more");
-        assert_eq!(a.ask(&claim, 1_012), (4, 3));
+        assert_eq!(wk(a.ask(&claim, 1_012)), (4, 3));
         s = a.grant(&claim, 1_013, &answer(4, 10, 6), 1_012);
         assert!(admitted(&a, &mut s, 1_014));
     }
@@ -620,7 +667,7 @@ mod tests {
         s = a.grant(&claim, TTL / 2 + 2, &answer(2, 10, 8), TTL / 2);
         s = SlotAllowance::release(&s, 1);
         let claim = a.renewal(&s, TTL).expect("halfway again");
-        assert_eq!(a.ask(&claim, TTL), (0, 0), "nothing in use: given back");
+        assert_eq!(wk(a.ask(&claim, TTL)), (0, 0), "nothing in use: given back");
         // While the call is out, it admits no more than it said it keeps.
         assert!(!admitted(&a, &mut claim.clone(), TTL + 1));
         s = a.grant(&claim, TTL + 2, &answer(0, 0, 10), TTL);
@@ -639,14 +686,17 @@ mod tests {
         s = a.fail(&a.renewal(&s, TTL / 2).expect("due"), TTL / 2 + 300, TTL);
         assert!(matches!(
             a.decide(&s, (TTL / 2 + 400) * MS, 1),
-            Decision::Fallback
+            Decision::Fallback { claim: None }
         ));
-        assert!(matches!(a.decide(&s, TTL * MS, 1), Decision::Fallback));
+        assert!(matches!(
+            a.decide(&s, TTL * MS, 1),
+            Decision::Fallback { .. }
+        ));
         assert_eq!(a.renewal(&s, TTL), None, "not before the retry time");
         // Past the retry time, with requests in flight: a call declares them.
         let later = TTL / 2 + 300 + TTL;
         let claim = a.renewal(&s, later).expect("declare what is in use");
-        assert_eq!(a.ask(&claim, later), (2, 1));
+        assert_eq!(wk(a.ask(&claim, later)), (2, 1));
     }
 
     #[test]
@@ -696,8 +746,7 @@ mod tests {
                             a.decide(s, now * MS, 1)
                         {
                             if a.claimed(s, &state) {
-                                let (wanted, keep) = a.ask(&state, now);
-                                calls[who] = Some((now, SlotAsk { limit: 10, wanted, keep }));
+                                calls[who] = Some((now, a.ask(&state, now)));
                             }
                             *s = state;
                         }
@@ -706,8 +755,7 @@ mod tests {
                     2 => {
                         if let Some(claimed) = a.renewal(s, now) {
                             *s = claimed;
-                            let (wanted, keep) = a.ask(s, now);
-                            calls[who] = Some((now, SlotAsk { limit: 10, wanted, keep }));
+                            calls[who] = Some((now, a.ask(s, now)));
                         }
                     }
                     3 => {

@@ -27,8 +27,9 @@ pub enum Decision {
     /// No decision possible yet: quota is on its way (global rules). With `claim`, write it: this
     /// request asks for the refill.
     Wait { claim: Option<State> },
-    /// The source of quota failed (global rules): the rule's failure mode decides.
-    Fallback,
+    /// The source of quota failed (global rules): the rule's failure mode decides. With
+    /// `claim`, write it: this request asks the source again (the failure mode still decides it).
+    Fallback { claim: Option<State> },
 }
 
 pub(crate) fn read_u32(s: &State, at: usize) -> u32 {

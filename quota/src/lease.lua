@@ -1,10 +1,13 @@
 -- All items of one lease call (or, on a Redis Cluster, those whose keys share one slot),
 -- atomically: the same step as GlobalBucket::new and GlobalBucket::lease in core/src/lease.rs,
 -- with the same arithmetic in the same order, so both stores grant alike.
--- ARGV: instance, ttl_ms, cold ("1": conservative, "0": full), the number of items, then seven
---   per item: the bucket hash (`tokens` in millionths, `updated`, and per holder `@<instance>` ->
---   "wanted:demand:asked:share:until"), the epoch marker of the item's slot, requests, per_ms,
---   burst, wanted, demand (milli-tokens per second).
+-- ARGV: instance, ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items,
+--   then nine per item: the bucket hash (`tokens` in millionths, `updated`, and per holder
+--   `@<instance>` -> "wanted:demand:asked:share:until"), the epoch marker of the item's slot,
+--   requests, per_ms, burst, wanted, demand (milli-tokens per second), known_ms, known_remaining
+--   (the caller's evidence of the bucket; 0: none).
+-- The marker holds the slot's epoch (ms), with an "L" once a call showed that the slot lost
+--   buckets in use: then (cold "2") buckets it does not know start as with cold "1".
 -- KEYS: the same key names, declared (one Redis, or one slot of a cluster); none when the
 --   script runs all of a cluster master's items (its keys span slots: allow-cross-slot-keys).
 -- Returns five numbers per item: granted, remaining, reset_ms, share (milli-tokens per second),
@@ -17,7 +20,15 @@ local call, tonumber = redis.call, tonumber
 
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
-local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local checks = cold ~= '0'
+
+-- A slot's marker: its epoch, and whether it lost buckets in use.
+local function read_marker(v)
+  if not v then return nil, false end
+  local e, l = match(v, '^(%d+)(L?)$')
+  return tonumber(e), l == 'L'
+end
 
 -- Holders of the current item: name, wanted, demand, asked, share, until; n of them.
 local N, W, D, A, S, U = {}, {}, {}, {}, {}, {}
@@ -29,7 +40,7 @@ end
 
 local out = {}
 
-local function lease(bkey, mkey, b, epoch, requests, per, burst, wanted, demand)
+local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr)
   local rate = requests / per
   local rate_mtps = floor(requests * 1000000 / per)
   local tokens, updated
@@ -50,19 +61,21 @@ local function lease(bkey, mkey, b, epoch, requests, per, burst, wanted, demand)
     end
   end
   local fresh = tokens == nil or updated == nil
+  local reconciled = false
   if fresh then
     if #b > 0 then call('DEL', bkey) end
     n = 0
     -- The slot's epoch: set with its first bucket (whatever the cold-start mode, so that a
     -- change of mode finds it), gone when the node loses its data.
-    if epoch == nil then
-      epoch = tonumber(call('GET', mkey))
-      if epoch == nil then
-        epoch = now
-        call('SET', mkey, format('%d', now))
-      end
+    if marker == nil then marker = call('GET', mkey) end
+    local epoch, lost = read_marker(marker)
+    if epoch == nil then epoch, lost = now, false end
+    -- A bucket the caller has evidence of is one this slot lost.
+    local lose = checks and known > 0 and not lost
+    if lose or marker == false then
+      call('SET', mkey, format('%d', epoch) .. (lose and 'L' or ''))
     end
-    if cold then
+    if cold == '1' or (cold == '2' and (lost or known > 0)) then
       tokens, updated = 0, min(epoch, now)
       n = 1
       N[1], W[1], D[1], A[1], S[1], U[1] = '', 0, 0, epoch, rate_mtps + 1, epoch + ttl
@@ -89,6 +102,22 @@ local function lease(bkey, mkey, b, epoch, requests, per, burst, wanted, demand)
   end
   tokens = min(tokens + max(elapsed * rate - reserved, 0), burst)
   updated = max(updated, now)
+
+  -- More tokens than the caller's evidence allows: the slot lost writes (or the bucket, made
+  -- anew meanwhile). Empty, the whole rate held for a TTL (GlobalBucket::reconcile).
+  if checks and known > 0 and tokens > kr + 1 + rate * known then
+    tokens = 0
+    if n == 0 or N[1] ~= '' then
+      for i = n, 1, -1 do
+        N[i + 1], W[i + 1], D[i + 1], A[i + 1], S[i + 1], U[i + 1] = N[i], W[i], D[i], A[i], S[i], U[i]
+      end
+      n = n + 1
+    end
+    N[1], W[1], D[1], A[1], S[1], U[1] = '', 0, 0, now, rate_mtps + 1, now + ttl
+    reconciled = true
+    local epoch, lost = read_marker(call('GET', mkey))
+    if not lost then call('SET', mkey, format('%d', epoch or now) .. 'L') end
+  end
 
   -- Forget the quiet and unreserved, and this instance's previous standing; place this one.
   local kept = 0
@@ -170,7 +199,7 @@ local function lease(bkey, mkey, b, epoch, requests, per, burst, wanted, demand)
     idle_at = max(idle_at, U[i], A[i] + ttl)
   end
   if gone then call('HDEL', bkey, unpack(gone)) end
-  if fresh and n > 1 and N[1] == '' then
+  if (fresh or reconciled) and n > 1 and N[1] == '' then
     call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
          format('%d', updated), '@' .. instance, holder_value(at), '@', holder_value(1))
   else
@@ -186,16 +215,17 @@ end
 -- Every read first: a key this node does not serve (a cluster that moved slots) fails the
 -- script before anything was written, so the caller can run the items again elsewhere.
 local items = tonumber(ARGV[4])
-local buckets, epochs = {}, {}
+local buckets, markers = {}, {}
 for i = 0, items - 1 do
-  local a = 5 + i * 7
+  local a = 5 + i * 9
   local b = call('HGETALL', ARGV[a])
   buckets[i] = b
-  if #b == 0 then epochs[i] = tonumber(call('GET', ARGV[a + 1])) end
+  if #b == 0 then markers[i] = call('GET', ARGV[a + 1]) end
 end
 for i = 0, items - 1 do
-  local a = 5 + i * 7
-  lease(ARGV[a], ARGV[a + 1], buckets[i], epochs[i], tonumber(ARGV[a + 2]),
-        tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]))
+  local a = 5 + i * 9
+  lease(ARGV[a], ARGV[a + 1], buckets[i], markers[i], tonumber(ARGV[a + 2]),
+        tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]),
+        tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8]))
 end
 return out

@@ -38,16 +38,19 @@ struct Args {
     /// The master's name in Sentinel's configuration (with `--redis-sentinel`).
     #[arg(long, env = "TOLLGATE_QUOTA_REDIS_MASTER", requires = "redis_sentinel")]
     redis_master: Option<String>,
-    /// How buckets the store does not know start: `conservative` (after a restart of the memory
-    /// store, or a Redis slot that lost its data: nothing is granted for one lease TTL, then the
-    /// bucket refills from empty) or `full` (a restart can admit up to a burst more per key).
-    #[arg(long, env = "TOLLGATE_QUOTA_COLD_START", value_enum, default_value_t = ColdStartArg::Conservative)]
+    /// How buckets (and global concurrency slots) the store does not know start. `auto`: full,
+    /// unless proxies' calls show the store lost what they were using (a restart of the memory
+    /// store, a Redis that lost data): then conservatively. `conservative`: always as after a
+    /// loss (nothing granted for one lease TTL from the store's start, then refilling from
+    /// empty). `full`: always full (a restart can admit up to a burst more per key).
+    #[arg(long, env = "TOLLGATE_QUOTA_COLD_START", value_enum, default_value_t = ColdStartArg::Auto)]
     cold_start: ColdStartArg,
     /// Require `Authorization: Bearer <token>` on lease calls.
     #[arg(long, env = "TOLLGATE_QUOTA_TOKEN")]
     token: Option<String>,
-    /// Longest wait for Redis before answering 503.
-    #[arg(long, env = "TOLLGATE_QUOTA_STORAGE_TIMEOUT_MS", default_value_t = 50)]
+    /// Longest wait for Redis before answering 503; within it a dropped connection is made
+    /// again and the call sent again. Keep it below the proxies' call timeout (200 ms by default).
+    #[arg(long, env = "TOLLGATE_QUOTA_STORAGE_TIMEOUT_MS", default_value_t = 100)]
     storage_timeout_ms: u64,
     /// How long a proxy may keep tokens it was granted (and how long its demand counts).
     #[arg(long, env = "TOLLGATE_QUOTA_LEASE_TTL_MS", default_value_t = 10_000)]
@@ -75,6 +78,7 @@ struct Args {
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum ColdStartArg {
+    Auto,
     Conservative,
     Full,
 }
@@ -96,7 +100,12 @@ async fn main() {
 
 async fn run(args: Args) -> Result<(), String> {
     let timeout = Duration::from_millis(args.storage_timeout_ms);
-    let conservative = args.cold_start == ColdStartArg::Conservative;
+    let epoch_ms = now_ms();
+    let cold = match args.cold_start {
+        ColdStartArg::Auto => ColdStart::Auto { epoch_ms },
+        ColdStartArg::Conservative => ColdStart::Conservative { epoch_ms },
+        ColdStartArg::Full => ColdStart::Full,
+    };
     let target = match (&args.redis, &args.redis_cluster, &args.redis_sentinel) {
         (Some(url), _, _) => Some(RedisTarget::Single(url.clone())),
         (None, Some(nodes), _) => Some(RedisTarget::Cluster(nodes.clone())),
@@ -114,18 +123,11 @@ async fn run(args: Args) -> Result<(), String> {
     };
     let store = match &target {
         Some(target) => Store::Redis(
-            RedisStore::connect(target, timeout, conservative)
+            RedisStore::connect(target, timeout, cold)
                 .await
                 .map_err(|e| format!("cannot use {target:?}: {e}"))?,
         ),
-        None => Store::Memory(MemoryStore::new(
-            args.max_keys,
-            if conservative {
-                ColdStart::Conservative { epoch_ms: now_ms() }
-            } else {
-                ColdStart::Full
-            },
-        )),
+        None => Store::Memory(MemoryStore::new(args.max_keys, cold)),
     };
     let service = Arc::new(Service {
         store,

@@ -17,7 +17,7 @@ use redis::sentinel::{SentinelClient, SentinelServerType};
 use std::collections::BTreeMap;
 use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
-use tollgate_core::lease::{LeaseGrant, LeaseItem};
+use tollgate_core::lease::{ColdStart, LeaseGrant, LeaseItem};
 use tollgate_core::slot_lease::{SlotAnswer, SlotItem};
 
 const LEASE_LUA: &str = include_str!("lease.lua");
@@ -116,7 +116,9 @@ impl Scripted for LeaseItem {
             .arg(self.per_ms)
             .arg(self.burst)
             .arg(self.wanted)
-            .arg(self.demand_mtps());
+            .arg(self.demand_mtps())
+            .arg(self.known_ms)
+            .arg(self.known_remaining);
     }
 }
 
@@ -127,7 +129,10 @@ impl Scripted for SlotItem {
         format!("tg:{}:{}", self.limit_id, self.key)
     }
     fn push_args(&self, cmd: &mut redis::Cmd) {
-        cmd.arg(self.concurrent).arg(self.wanted).arg(self.keep);
+        cmd.arg(self.concurrent)
+            .arg(self.wanted)
+            .arg(self.keep)
+            .arg(self.known_held);
     }
 }
 
@@ -136,7 +141,9 @@ pub struct RedisStore {
     lease_script: Script,
     slots_script: Script,
     timeout: Duration,
-    conservative: bool,
+    /// How buckets a slot does not know start ("0" full, "1" conservative, "2" auto), as the
+    /// scripts take it; the epochs are the slots' markers.
+    cold: &'static str,
     /// Cluster: which master serves each slot (as last learnt), so that a call runs one script
     /// per master rather than per slot. Empty: unknown (one script per slot).
     masters: RwLock<Vec<u16>>,
@@ -181,12 +188,12 @@ fn failed(e: impl std::fmt::Display) -> StoreError {
 }
 
 impl RedisStore {
-    /// Connect (within 5 s); every later call is bounded by `timeout`. `conservative`: buckets
-    /// the store lost start cold (see [`tollgate_core::lease::ColdStart`]).
+    /// Connect (within 5 s); every later call is bounded by `timeout`. `cold`: how buckets a
+    /// slot does not know start (its epoch is ignored: each slot's marker has its own).
     pub async fn connect(
         target: &RedisTarget,
         timeout: Duration,
-        conservative: bool,
+        cold: ColdStart,
     ) -> Result<Self, StoreError> {
         let connect_timeout = timeout.max(Duration::from_millis(500));
         let connecting = async {
@@ -244,7 +251,11 @@ impl RedisStore {
             lease_script: Script::new(LEASE_LUA, cluster),
             slots_script: Script::new(SLOTS_LUA, cluster),
             timeout,
-            conservative,
+            cold: match cold {
+                ColdStart::Full => "0",
+                ColdStart::Conservative { .. } => "1",
+                ColdStart::Auto { .. } => "2",
+            },
             masters: RwLock::new(Vec::new()),
         };
         store.learn_masters().await;
@@ -445,7 +456,7 @@ impl RedisStore {
         evalsha
             .arg(instance)
             .arg(ttl_ms)
-            .arg(if self.conservative { "1" } else { "0" })
+            .arg(self.cold)
             .arg(run.members.len());
         for (&i, (key, marker)) in run.members.iter().zip(&keys) {
             evalsha.arg(key).arg(*marker);
@@ -453,21 +464,48 @@ impl RedisStore {
         }
         let mut load = redis::cmd("SCRIPT");
         load.arg("LOAD").arg(&script.text);
-        let numbers: Vec<u64> = match self.conn.clone() {
-            Connection::Single(mut c) => {
-                eval_or_load(&mut c, &evalsha, &load).await.map_err(failed)
+        // A dropped connection (a Redis restart, a failover, an idle timeout, CLIENT KILL) is
+        // reconnected and the run sent again until it answers or the storage timeout ends the
+        // call. A run that did reach Redis before its connection dropped then runs twice: its
+        // first grants are lost to the caller (stricter, never looser).
+        let mut pause = Duration::from_millis(1);
+        let numbers = loop {
+            match self.run_once(&evalsha, &load, run.slot).await {
+                Err(e) if reconnects(&e) => {
+                    tracing::debug!(error = %e, "redis connection lost: again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(10));
+                }
+                other => break other.map_err(failed)?,
             }
+        };
+        if numbers.len() != run.members.len() * I::ANSWER {
+            return Err(failed("the script answered the wrong number of items"));
+        }
+        Ok(numbers.chunks(I::ANSWER).map(<[u64]>::to_vec).collect())
+    }
+
+    /// Send a script run once: to the one Redis, to the master Sentinel names (asked again after
+    /// any error), or to the cluster master serving `slot`.
+    async fn run_once(
+        &self,
+        evalsha: &redis::Cmd,
+        load: &redis::Cmd,
+        slot: u16,
+    ) -> redis::RedisResult<Vec<u64>> {
+        match self.conn.clone() {
+            Connection::Single(mut c) => eval_or_load(&mut c, evalsha, load).await,
             Connection::Sentinel(link) => {
-                let mut c = link.connection().await.map_err(failed)?;
-                let answers = eval_or_load(&mut c, &evalsha, &load).await;
+                let mut c = link.connection().await?;
+                let answers = eval_or_load(&mut c, evalsha, load).await;
                 if answers.is_err() {
                     link.forget();
                 }
-                answers.map_err(failed)
+                answers
             }
             Connection::Cluster(mut c) => {
                 let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-                    run.slot,
+                    slot,
                     SlotAddr::Master,
                 )));
                 // Server errors come back as values here: make them errors.
@@ -480,26 +518,35 @@ impl RedisStore {
                         if e.kind()
                             == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
                     {
-                        c.route_command(load, to.clone())
+                        c.route_command(load.clone(), to.clone())
                             .await
-                            .and_then(redis::Value::extract_error)
-                            .map_err(failed)?;
-                        c.route_command(evalsha, to)
+                            .and_then(redis::Value::extract_error)?;
+                        c.route_command(evalsha.clone(), to)
                             .await
                             .and_then(redis::Value::extract_error)
                     }
                     other => other,
                 };
-                value
-                    .map_err(failed)
-                    .and_then(|v| redis::from_redis_value(v).map_err(failed))
+                Ok(redis::from_redis_value(value?)?)
             }
-        }?;
-        if numbers.len() != run.members.len() * I::ANSWER {
-            return Err(failed("the script answered the wrong number of items"));
         }
-        Ok(numbers.chunks(I::ANSWER).map(<[u64]>::to_vec).collect())
     }
+}
+
+/// True for errors that a new connection, or a moment, may cure: the connection dropped or was
+/// refused (a restart), Redis is loading its data, a replica refuses writes after a failover, a
+/// cluster is between owners of a slot.
+fn reconnects(e: &redis::RedisError) -> bool {
+    use redis::ServerErrorKind as S;
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::Server(
+                S::BusyLoading | S::ReadOnly | S::TryAgain | S::ClusterDown | S::MasterDown
+            )
+        )
 }
 
 fn manager_config(

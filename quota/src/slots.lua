@@ -1,9 +1,10 @@
 -- All items of one slot-lease call (or, on a Redis Cluster, those of one master or one slot; see
 -- lease.lua for how runs are made), atomically: the same step as Holdings::grant in
 -- core/src/slot_lease.rs, with the same arithmetic.
--- ARGV: instance, ttl_ms, cold ("1": conservative, "0": full), the number of items, then five per
---   item: the holdings hash (per instance `@<instance>` -> "held:wanted:expires"), the epoch
---   marker of the item's slot, concurrent, wanted, keep.
+-- ARGV: instance, ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items,
+--   then six per item: the holdings hash (per instance `@<instance>` -> "held:wanted:expires"),
+--   the epoch marker of the item's slot (as in lease.lua), concurrent, wanted, keep, known_held
+--   (the slots the caller last heard it holds; 0: none).
 -- KEYS: as for lease.lua.
 -- Returns three numbers per item: held, share, free. (`before` and `max_min_fair`: fair.lua.)
 -- Unlike lease.lua, reads and writes interleave: an item served twice with the same arguments
@@ -14,17 +15,16 @@ local call, tonumber = redis.call, tonumber
 
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
-local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local me = '@' .. instance
 
-local function grant(hkey, mkey, limit, wanted, keep)
-  -- Settled: the store has held this slot's data for a lease term (or cold starts are full).
-  local epoch = tonumber(call('GET', mkey))
+local function grant(hkey, mkey, limit, wanted, keep, known_held)
+  local e, l = match(call('GET', mkey) or '', '^(%d+)(L?)$')
+  local epoch, lost = tonumber(e), l == 'L'
   if epoch == nil then
-    epoch = now
+    epoch, lost = now, false
     call('SET', mkey, now)
   end
-  local settled = (not cold) or now - epoch >= ttl
   local flat = call('HGETALL', hkey)
   local names, held, wants, expires = {}, {}, {}, {}
   local gone = {}
@@ -43,6 +43,16 @@ local function grant(hkey, mkey, limit, wanted, keep)
   end
   if #gone > 0 then call('HDEL', hkey, unpack(gone)) end
   local known = expires[me] ~= nil
+  -- The caller holds slots this store does not know of: it lost holdings. No new grants for a
+  -- term from now (from the epoch, if that is younger).
+  if cold ~= '0' and known_held > 0 and not known and not (lost and now - epoch < ttl) then
+    epoch, lost = now, true
+    call('SET', mkey, now .. 'L')
+  end
+  -- Settled: the store has held this slot's data for a lease term, or (auto) it lost nothing in
+  -- use, or cold starts are full.
+  local young = now - epoch < ttl
+  local settled = cold == '0' or not young or (cold == '2' and not lost)
   if not known then
     names[#names + 1] = me
     held[me], wants[me] = 0, 0
@@ -74,9 +84,9 @@ end
 
 local out, n = {}, tonumber(ARGV[4])
 for i = 0, n - 1 do
-  local a = 5 + i * 5
+  local a = 5 + i * 6
   local h, share, free = grant(ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
-    tonumber(ARGV[a + 4]))
+    tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]))
   out[#out + 1] = h
   out[#out + 1] = share
   out[#out + 1] = free

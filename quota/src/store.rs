@@ -2,6 +2,7 @@
 
 use crate::redis_store::RedisStore;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 use tollgate_core::lease::{ColdStart, GlobalBucket, LeaseGrant, LeaseItem};
@@ -59,14 +60,16 @@ impl Store {
 }
 
 /// Buckets (and global concurrency holdings) in this process, at most `max_keys` of each; idle
-/// ones are swept. A restart forgets
-/// them all: `cold` says how new ones start (the epoch is the process's start).
+/// ones are swept. A restart forgets them all: `cold` says how new ones start (the epoch is the
+/// process's start), and `lost` records that a call showed this store forgot what instances
+/// were using (their evidence).
 pub struct MemoryStore {
     buckets: Mutex<HashMap<(String, String), GlobalBucket>>,
     /// Global concurrency keys' holdings.
     holdings: Mutex<HashMap<(String, String), Holdings>>,
     max_keys: usize,
     cold: ColdStart,
+    lost: AtomicBool,
 }
 
 impl MemoryStore {
@@ -76,6 +79,17 @@ impl MemoryStore {
             holdings: Mutex::new(HashMap::new()),
             max_keys,
             cold,
+            lost: AtomicBool::new(false),
+        }
+    }
+
+    /// Note that instances' evidence showed this store forgot what they were using.
+    fn lost(&self) {
+        if !self.lost.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "a proxy's call shows this store lost state it was using (a restart): buckets \
+                 and slots it does not know start conservatively until they refill"
+            );
         }
     }
 
@@ -114,10 +128,20 @@ impl MemoryStore {
         Ok(items
             .iter()
             .map(|item| {
-                buckets
+                let bucket = buckets
                     .entry((item.limit_id.clone(), item.key.clone()))
-                    .or_insert_with(|| GlobalBucket::new(item, now_ms, ttl_ms, self.cold))
-                    .lease(instance, item, now_ms, ttl_ms)
+                    .or_insert_with(|| {
+                        let evidence = item.known_ms > 0;
+                        if evidence && self.cold.checks_evidence() {
+                            self.lost();
+                        }
+                        let lost = evidence || self.lost.load(Ordering::Relaxed);
+                        GlobalBucket::new(item, now_ms, ttl_ms, self.cold.for_new(lost))
+                    });
+                if self.cold.checks_evidence() && bucket.reconcile(item, now_ms, ttl_ms) {
+                    self.lost();
+                }
+                bucket.lease(instance, item, now_ms, ttl_ms)
             })
             .collect())
     }
@@ -132,11 +156,21 @@ impl MemoryStore {
         now_ms: u64,
         ttl_ms: u64,
     ) -> Result<Vec<SlotAnswer>, StoreError> {
+        let mut holdings = self.holdings.lock().unwrap_or_else(|e| e.into_inner());
+        if self.cold.checks_evidence()
+            && items.iter().any(|i| {
+                let known = holdings.get(&(i.limit_id.clone(), i.key.clone()));
+                Holdings::contradicts(known, instance, i.known_held, now_ms)
+            })
+        {
+            self.lost();
+        }
+        let young = |epoch_ms: u64| now_ms.saturating_sub(epoch_ms) < ttl_ms;
         let settled = match self.cold {
             ColdStart::Full => true,
-            ColdStart::Conservative { epoch_ms } => now_ms.saturating_sub(epoch_ms) >= ttl_ms,
+            ColdStart::Conservative { epoch_ms } => !young(epoch_ms),
+            ColdStart::Auto { epoch_ms } => !(young(epoch_ms) && self.lost.load(Ordering::Relaxed)),
         };
-        let mut holdings = self.holdings.lock().unwrap_or_else(|e| e.into_inner());
         let new_keys = items
             .iter()
             .filter(|i| !holdings.contains_key(&(i.limit_id.clone(), i.key.clone())))

@@ -8,6 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tollgate_core::lease::ColdStart;
+
+/// Redis stores take the cold-start mode; each slot's marker has its own epoch.
+const CONSERVATIVE: ColdStart = ColdStart::Conservative { epoch_ms: 0 };
 use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
 use tollgate_quota::metrics::Metrics;
@@ -27,6 +30,8 @@ fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
         wanted,
         used: 0,
         demand: 0.0,
+        known_ms: 0,
+        known_remaining: 0,
     }
 }
 
@@ -161,6 +166,10 @@ impl Redis {
     fn spawn(port: u16, config: Option<&str>, extra: &[&str]) -> Self {
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
+        Self::spawn_in(port, dir, config, extra)
+    }
+
+    fn spawn_in(port: u16, dir: std::path::PathBuf, config: Option<&str>, extra: &[&str]) -> Self {
         std::fs::create_dir_all(&dir).unwrap();
         let child = Command::new(std::env::var("REDIS_SERVER").unwrap_or("redis-server".into()))
             .args(config)
@@ -190,6 +199,22 @@ impl Redis {
     fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
+
+    /// Stop it as an operator would (SIGTERM: an append-only file is written out) and start it
+    /// again on the same port and directory with `extra`.
+    fn restart(&mut self, extra: &[&str]) {
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        let _ = self.child.wait();
+        let port = self.port;
+        let dir = std::mem::take(&mut self.dir);
+        std::mem::forget(std::mem::replace(
+            self,
+            Self::spawn_in(port, dir, None, extra),
+        ));
+    }
 }
 
 fn single(redis: &Redis) -> RedisTarget {
@@ -208,10 +233,10 @@ impl Drop for Redis {
 async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
     let redis = Redis::start();
     let timeout = Duration::from_millis(200);
-    let replica_a = RedisStore::connect(&single(&redis), timeout, false)
+    let replica_a = RedisStore::connect(&single(&redis), timeout, ColdStart::Full)
         .await
         .unwrap();
-    let replica_b = RedisStore::connect(&single(&redis), timeout, false)
+    let replica_b = RedisStore::connect(&single(&redis), timeout, ColdStart::Full)
         .await
         .unwrap();
     let (a, b) = (Store::Redis(replica_a), Store::Redis(replica_b));
@@ -271,7 +296,7 @@ async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
         let items = [item("shared", 500, 1000)];
         memory_free_lease(
             &Store::Redis(
-                RedisStore::connect(&single(&redis), timeout, false)
+                RedisStore::connect(&single(&redis), timeout, ColdStart::Full)
                     .await
                     .unwrap(),
             ),
@@ -294,7 +319,7 @@ async fn memory_free_lease(store: &Store, items: &[LeaseItem]) -> u64 {
 async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
     let mut redis = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&single(&redis), Duration::from_millis(20), false)
+        RedisStore::connect(&single(&redis), Duration::from_millis(20), ColdStart::Full)
             .await
             .unwrap(),
     );
@@ -314,7 +339,7 @@ async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
     // A stopped Redis that does not answer (SIGSTOP) is the slow case: bounded by the timeout.
     let slow = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&single(&slow), Duration::from_millis(20), false)
+        RedisStore::connect(&single(&slow), Duration::from_millis(20), ColdStart::Full)
             .await
             .unwrap(),
     );
@@ -401,7 +426,7 @@ fn many(n: usize, round: usize) -> Vec<LeaseItem> {
 async fn a_thousand_items_on_redis_take_one_round_trip_within_the_storage_timeout() {
     let redis = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&single(&redis), Duration::from_millis(50), false)
+        RedisStore::connect(&single(&redis), Duration::from_millis(50), ColdStart::Full)
             .await
             .unwrap(),
     );
@@ -435,7 +460,7 @@ async fn extreme_limits_answer_alike_in_both_stores_and_beyond_them_neither_serv
     let redis = Redis::start();
     let timeout = Duration::from_millis(200);
     let on_redis = Store::Redis(
-        RedisStore::connect(&single(&redis), timeout, false)
+        RedisStore::connect(&single(&redis), timeout, ColdStart::Full)
             .await
             .unwrap(),
     );
@@ -467,7 +492,7 @@ async fn extreme_limits_answer_alike_in_both_stores_and_beyond_them_neither_serv
     for store in [
         Store::Memory(MemoryStore::new(100, ColdStart::Full)),
         Store::Redis(
-            RedisStore::connect(&single(&redis), timeout, false)
+            RedisStore::connect(&single(&redis), timeout, ColdStart::Full)
                 .await
                 .unwrap(),
         ),
@@ -513,7 +538,7 @@ async fn a_store_that_lost_its_buckets_starts_cold() {
     // that lost everything (FLUSHALL, or a restart without persistence) is young again.
     let redis = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&single(&redis), Duration::from_millis(200), true)
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), CONSERVATIVE)
             .await
             .unwrap(),
     );
@@ -547,6 +572,243 @@ async fn a_store_that_lost_its_buckets_starts_cold() {
     let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
     let g = store.lease("a", &items, ttl).await.unwrap()[0];
     assert_eq!((g.granted, g.rate), (0, 0.0), "lost data: cold again");
+}
+
+/// A rated item of a 100/s rule with burst 100, asking for 25 tokens.
+fn rated(key: &str) -> LeaseItem {
+    LeaseItem {
+        requests: 100,
+        per_ms: 1_000,
+        demand: 50.0,
+        ..item(key, 100, 25)
+    }
+}
+
+/// The same with a proxy's evidence: an answer `known_ms` ago said `remaining` were left.
+fn known(key: &str, known_ms: u64, remaining: u64) -> LeaseItem {
+    LeaseItem {
+        known_ms,
+        known_remaining: remaining,
+        ..rated(key)
+    }
+}
+
+/// A key whose hash tag (`tg:lim:<key>`) is in the same Redis slot as key `k`'s, so that both
+/// share one epoch marker.
+fn same_slot_as_k() -> String {
+    let slot = |key: &str| {
+        crc16::State::<crc16::XMODEM>::calculate(format!("tg:lim:{key}").as_bytes()) % 16_384
+    };
+    (0..)
+        .map(|n| format!("k{n}"))
+        .find(|key| slot(key) == slot("k"))
+        .unwrap()
+}
+
+/// The automatic cold start, as a new deployment and across a loss of state: `before` serves a
+/// new deployment; `after` is the store once `lose` made it lose everything (`before`
+/// restarted, or flushed).
+async fn auto_cold_start_story(
+    before: &Store,
+    lose: impl std::future::Future<Output = ()>,
+    after: &Store,
+) {
+    let ttl = 10_000;
+    // A new deployment serves its limits at once: the burst, and the rate.
+    let g = before.lease("a", &[rated("k")], ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate, g.remaining), (25, 50.0, 75));
+    lose.await;
+    // After the loss, the proxy that was answered calls with its evidence: the store lost the
+    // bucket, which starts empty with its rate held for a TTL.
+    let g = after
+        .lease("a", &[known("k", 1_200, 75)], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0), "lost: conservative");
+    assert!((5_000..=10_000).contains(&g.retry_ms), "{g:?}");
+    // The store (on Redis: the slot) is known to have lost state: a key it does not know starts
+    // conservatively too, evidence or not.
+    let g = after
+        .lease("b", &[rated(&same_slot_as_k())], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0), "lost state: conservative");
+}
+
+/// A bucket the store made full (its first caller had no evidence) while another proxy has
+/// evidence that it was nearly spent: that caller empties it.
+async fn evidence_empties_a_bucket_made_anew(store: &Store) {
+    let ttl = 10_000;
+    // Evidence that agrees with the bucket changes nothing.
+    let g = store.lease("other", &[rated("fine")], ttl).await.unwrap()[0];
+    assert_eq!(g.remaining, 75);
+    let g = store
+        .lease("other", &[known("fine", 1, 75)], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!(g.granted, 25);
+    let g = store.lease("new", &[rated("late")], ttl).await.unwrap()[0];
+    assert_eq!(g.granted, 25, "no evidence: full");
+    let g = store
+        .lease("old", &[known("late", 500, 3)], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!(
+        (g.granted, g.rate),
+        (0, 0.0),
+        "3 + 1 + 100/s × 0.5 s < 75 left"
+    );
+}
+
+#[tokio::test]
+async fn auto_cold_start_serves_a_new_deployment_and_holds_the_limit_after_a_loss() {
+    let auto = || ColdStart::Auto {
+        epoch_ms: tollgate_quota::store::now_ms(),
+    };
+    // Memory: the loss is a restart.
+    let first = Store::Memory(MemoryStore::new(100, auto()));
+    let restarted = Store::Memory(MemoryStore::new(100, auto()));
+    auto_cold_start_story(&first, async {}, &restarted).await;
+    evidence_empties_a_bucket_made_anew(&Store::Memory(MemoryStore::new(100, auto()))).await;
+    // Redis: the loss is a flush (a restart without persistence, a node replaced).
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), auto())
+            .await
+            .unwrap(),
+    );
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let flush = || {
+        let mut conn = conn.clone();
+        async move {
+            let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        }
+    };
+    auto_cold_start_story(&store, flush(), &store).await;
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    evidence_empties_a_bucket_made_anew(&store).await;
+    // Lost writes (a failover to a replica that missed them): the bucket is back to where it was
+    // before a grant the proxy was told of.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    let g = store.lease("a", &[rated("w")], 10_000).await.unwrap()[0];
+    assert_eq!(g.remaining, 75);
+    let _: () = redis::cmd("HSET")
+        .arg("{tg:lim:w}:b")
+        .arg("tokens")
+        .arg(100_000_000u64)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let g = store
+        .lease("a", &[known("w", 50, 75)], 10_000)
+        .await
+        .unwrap()[0];
+    assert_eq!(
+        (g.granted, g.rate),
+        (0, 0.0),
+        "more than the evidence allows: emptied"
+    );
+}
+
+#[tokio::test]
+async fn auto_cold_start_of_slots_grants_at_once_unless_holdings_were_lost() {
+    let ttl = 10_000;
+    let auto = || ColdStart::Auto {
+        epoch_ms: tollgate_quota::store::now_ms(),
+    };
+    let redis = Redis::start();
+    let on_redis = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), auto())
+            .await
+            .unwrap(),
+    );
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let first = Store::Memory(MemoryStore::new(100, auto()));
+    let restarted = Store::Memory(MemoryStore::new(100, auto()));
+    for (before, after) in [(&first, &restarted), (&on_redis, &on_redis)] {
+        // A new deployment: slots at once.
+        assert_eq!(held(before, "a", slot("k", 6, 0), ttl).await.held, 6);
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        // After the loss, a newcomer with no evidence asks first: granted (the store cannot know).
+        // Then the holder renews with its evidence: it gets back what it keeps, and from then on
+        // nothing new is granted for a term.
+        let holder = SlotItem {
+            known_held: 6,
+            ..slot("k", 6, 6)
+        };
+        assert_eq!(held(after, "a", holder, ttl).await.held, 6);
+        let newcomer = held(after, "new", slot("k", 10, 0), ttl).await;
+        assert_eq!((newcomer.held, newcomer.free), (0, 4));
+    }
+}
+
+/// Clients connected to `redis` besides the one asking.
+async fn other_clients(conn: &mut redis::aio::MultiplexedConnection) -> usize {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(conn)
+        .await
+        .unwrap();
+    list.lines().count().saturating_sub(1)
+}
+
+#[tokio::test]
+async fn a_dropped_redis_connection_is_reconnected_within_the_storage_timeout() {
+    let aof = ["--appendonly", "yes", "--appendfsync", "always"];
+    let mut redis = Redis::start_with(&aof);
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(100), ColdStart::Full)
+            .await
+            .unwrap(),
+    );
+    let admin = || async {
+        let client = redis::Client::open(redis.url()).unwrap();
+        client.get_multiplexed_async_connection().await.unwrap()
+    };
+    let spend = |expected_remaining: u64| {
+        let store = &store;
+        async move {
+            let g = store.lease("a", &[item("k", 100, 10)], 10_000).await;
+            let g = g.unwrap_or_else(|e| panic!("no answer after a dropped connection: {e}"))[0];
+            assert_eq!((g.granted, g.remaining), (10, expected_remaining));
+        }
+    };
+    spend(90).await;
+    // CLIENT KILL of the service's connection.
+    let mut conn = admin().await;
+    let _: () = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("SKIPME")
+        .arg("yes")
+        .arg("TYPE")
+        .arg("normal")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    spend(80).await;
+    // An idle connection closed by Redis's idle timeout.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("timeout")
+        .arg(1)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while other_clients(&mut conn).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "redis did not close the idle connection"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    spend(70).await;
+    // A restart with the append-only file: nothing lost, no failed call.
+    drop(conn);
+    redis.restart(&aof);
+    spend(60).await;
 }
 
 #[tokio::test]
@@ -699,7 +961,7 @@ async fn the_redis_store_follows_a_sentinel_failover() {
         master: "tgm".into(),
     };
     let store = Store::Redis(
-        RedisStore::connect(&target, Duration::from_millis(200), false)
+        RedisStore::connect(&target, Duration::from_millis(200), ColdStart::Full)
             .await
             .unwrap(),
     );
@@ -756,6 +1018,7 @@ fn slot(key: &str, wanted: u64, keep: u64) -> SlotItem {
         concurrent: 10,
         wanted,
         keep,
+        known_held: 0,
     }
 }
 
@@ -794,7 +1057,7 @@ async fn global_concurrency_slots_are_leased_fairly_and_end_with_their_term_in_b
     let redis = Redis::start();
     let timeout = Duration::from_millis(200);
     let target = single(&redis);
-    let replica = || RedisStore::connect(&target, timeout, false);
+    let replica = || RedisStore::connect(&target, timeout, ColdStart::Full);
     let (one, two) = (replica().await.unwrap(), replica().await.unwrap());
     slots_story(&Store::Redis(one)).await;
     // Two replicas on one Redis share one limit.
@@ -815,7 +1078,7 @@ async fn after_a_restart_holders_get_back_what_they_keep_and_nothing_new_for_one
     ));
     let redis = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&single(&redis), Duration::from_millis(200), true)
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), CONSERVATIVE)
             .await
             .unwrap(),
     );

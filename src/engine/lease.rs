@@ -9,7 +9,7 @@ use std::hash::Hasher;
 use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
 use tollgate_core::slot::Group;
-use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
+use tollgate_core::slot_lease::{SlotAnswer, SlotAsk, SlotItem, SlotRequest, SlotResponse};
 use tollgate_core::{
     Ask, CasStore, Grant, LeaseAllowance, Limit, Outcome, SlotAllowance, SlotId, State, StoreError,
 };
@@ -83,8 +83,8 @@ impl Engine {
                 r.ask = allowance.ask(&state, now_ms);
                 leases.push(r);
             } else if let Some(slot) = self.slot_allowance_of(r.rule) {
-                let (wanted, keep) = slot.ask(&state, now_ms);
-                if let Some(item) = self.slot_item(r.rule, r.key, wanted, keep) {
+                let ask = slot.ask(&state, now_ms);
+                if let Some(item) = self.slot_item(r.rule, r.key, &ask) {
                     slot_items.push(item);
                     slots.push(r);
                 }
@@ -119,7 +119,7 @@ impl Engine {
         }
     }
 
-    fn slot_item(&self, rule: usize, key: u128, wanted: u64, keep: u64) -> Option<SlotItem> {
+    fn slot_item(&self, rule: usize, key: u128, ask: &SlotAsk) -> Option<SlotItem> {
         let r = self.config.rules.get(rule)?;
         let global = r.global.as_ref()?;
         Some(SlotItem {
@@ -127,8 +127,9 @@ impl Engine {
             limit_id: global.limit_id.clone(),
             key: format!("{:032x}", self.service_key(key)),
             concurrent: global.burst,
-            wanted,
-            keep,
+            wanted: ask.wanted,
+            keep: ask.keep,
+            known_held: ask.known_held,
         })
     }
 
@@ -243,6 +244,8 @@ impl Engine {
             wanted: ask.wanted,
             used: ask.used,
             demand: ask.demand_mtps as f64 / 1_000.0,
+            known_ms: ask.known_ms,
+            known_remaining: ask.known_remaining,
         })
     }
 

@@ -50,7 +50,7 @@ impl Engine {
                 let ask = Ask {
                     wanted: g.cost,
                     used: g.cost,
-                    demand_mtps: 0,
+                    ..Ask::default()
                 };
                 self.lease_item(g.which.rule(), g.key, &ask)
             })
