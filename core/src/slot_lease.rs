@@ -239,6 +239,8 @@ impl Holdings {
     }
 }
 
+/// In the packed word of the state: the last answer left room.
+const ROOM: u32 = 1 << 15;
 /// A lease is evidence of a holding while more than this is left of it.
 const EVIDENCE_MARGIN_MS: u64 = 250;
 
@@ -271,6 +273,10 @@ pub struct SlotAllowance {
     pub claim_ms: u64,
     /// After an answer that left no room, ask for more again after this long at the soonest.
     pub denied_ms: u64,
+    /// A full lease whose last answer said more is free within this proxy's share makes its
+    /// requests wait for more (as a first lease does) instead of refusing them. Off where a
+    /// host cannot resume a waiting request (a stand-in would admit it instead).
+    pub waits_for_more: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -279,6 +285,8 @@ struct Parts {
     in_use: u64,
     share: u64,
     waited: u64,
+    /// The last answer left room: slots were free and this proxy was under its share.
+    room: bool,
     half_term_ms: u64,
     lease_end_ms: u64,
     mark: u64,
@@ -291,7 +299,8 @@ impl Parts {
             held: u64::from(read_u32(s, 0)),
             in_use: u64::from(read_u32(s, 4)),
             share: u64::from(read_u32(s, 8)),
-            waited: u64::from(packed & 0xffff),
+            waited: u64::from(packed & 0x7fff),
+            room: packed & ROOM != 0,
             half_term_ms: u64::from(packed >> 16) * 10,
             lease_end_ms: read_u64(s, 16),
             mark: read_u64(s, 24),
@@ -303,9 +312,10 @@ impl Parts {
         write_u32(&mut s, 0, saturating_u32(self.held));
         write_u32(&mut s, 4, saturating_u32(self.in_use));
         write_u32(&mut s, 8, saturating_u32(self.share));
-        let waited = self.waited.min(0xffff) as u32;
+        let waited = self.waited.min(0x7fff) as u32;
         let half_term = (self.half_term_ms / 10).min(0xffff) as u32;
-        write_u32(&mut s, 12, waited | half_term << 16);
+        let room = if self.room { ROOM } else { 0 };
+        write_u32(&mut s, 12, waited | room | half_term << 16);
         write_u64(&mut s, 16, self.lease_end_ms);
         write_u64(&mut s, 24, self.mark);
         s
@@ -356,9 +366,12 @@ impl SlotAllowance {
                 delay_ns: 0,
             };
         }
+        // Full, but the service said more is free within this proxy's share: wait for more, as
+        // a first lease does (the service, not this lease, says when the limit is reached).
+        let grows = self.waits_for_more && p.room && p.leased(now_ms) && !p.denied(now_ms);
         // Full, or the service had none for this key lately: refused at once, as a local
         // concurrency rule would (the tick asks for more).
-        if p.leased(now_ms) || p.denied(now_ms) {
+        if !grows && (p.leased(now_ms) || p.denied(now_ms)) {
             let wait_ms = if p.denied(now_ms) {
                 (p.mark & WHEN).saturating_sub(now_ms)
             } else {
@@ -445,10 +458,23 @@ impl SlotAllowance {
         }
     }
 
-    /// Write the service's answer, for a call claimed at `claimed_ms`.
-    pub fn grant(&self, state: &State, now_ms: u64, answer: &SlotAnswer, claimed_ms: u64) -> State {
+    /// Write the service's answer to a call claimed at `claimed_ms` that asked for `wanted`.
+    pub fn grant(
+        &self,
+        state: &State,
+        now_ms: u64,
+        answer: &SlotAnswer,
+        claimed_ms: u64,
+        wanted: u64,
+    ) -> State {
         let mut p = Parts::decode(state);
         let wants = p.in_use.saturating_add(p.waited) > 0;
+        // Asking again may get more: slots are free, and this answer gave all that was asked
+        // without putting the proxy above its share.
+        p.room = answer.free > 0
+            && answer.held < self.concurrent
+            && answer.held >= wanted
+            && answer.share >= answer.held;
         p.held = answer.held;
         p.share = answer.share.max(answer.held.min(p.in_use));
         p.waited = 0;
@@ -605,6 +631,7 @@ mod tests {
             headroom: 1,
             claim_ms: 300,
             denied_ms: 1_000,
+            waits_for_more: false,
         }
     }
 
@@ -646,31 +673,31 @@ mod tests {
         assert!(!a.claimed(&s, &again));
         s = again;
         assert_eq!(wk(a.ask(&s, 1_002)), (3, 0), "2 waiting + headroom");
-        s = a.grant(&s, 1_005, &answer(3, 10, 7), 1_000);
+        s = a.grant(&s, 1_005, &answer(3, 10, 7), 1_000, 0);
         assert!((0..3).all(|_| admitted(&a, &mut s, 1_010)));
         // Full: refused at once; the tick asks for more.
         assert!(matches!(a.decide(&s, 1_011 * MS, 1), Decision::Deny { .. }));
         let claim = a.renewal(&s, 1_012).expect("full: ask for more");
         assert_eq!(wk(a.ask(&claim, 1_012)), (4, 3));
-        s = a.grant(&claim, 1_013, &answer(4, 10, 6), 1_012);
+        s = a.grant(&claim, 1_013, &answer(4, 10, 6), 1_012, 0);
         assert!(admitted(&a, &mut s, 1_014));
     }
 
     #[test]
     fn renewals_come_halfway_and_an_idle_key_is_given_back() {
         let a = allowance();
-        let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0);
+        let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0, 0);
         assert!(admitted(&a, &mut s, 10));
         assert_eq!(a.renewal(&s, 100), None, "not full, not due");
         let claim = a.renewal(&s, TTL / 2).expect("halfway");
         assert_eq!(a.renewal(&claim, TTL / 2 + 1), None, "one call at a time");
-        s = a.grant(&claim, TTL / 2 + 2, &answer(2, 10, 8), TTL / 2);
+        s = a.grant(&claim, TTL / 2 + 2, &answer(2, 10, 8), TTL / 2, 0);
         s = SlotAllowance::release(&s, 1);
         let claim = a.renewal(&s, TTL).expect("halfway again");
         assert_eq!(wk(a.ask(&claim, TTL)), (0, 0), "nothing in use: given back");
         // While the call is out, it admits no more than it said it keeps.
         assert!(!admitted(&a, &mut claim.clone(), TTL + 1));
-        s = a.grant(&claim, TTL + 2, &answer(0, 0, 10), TTL);
+        s = a.grant(&claim, TTL + 2, &answer(0, 0, 10), TTL, 0);
         assert!(SlotAllowance::is_idle(&s, TTL + 3));
         assert!(matches!(
             a.decide(&s, (TTL + 3) * MS, 1),
@@ -681,7 +708,7 @@ mod tests {
     #[test]
     fn a_failed_renewal_applies_the_failure_mode_at_once_and_the_lease_is_grace_for_what_runs() {
         let a = allowance();
-        let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0);
+        let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0, 0);
         assert!(admitted(&a, &mut s, 10));
         s = a.fail(&a.renewal(&s, TTL / 2).expect("due"), TTL / 2 + 300, TTL);
         assert!(matches!(
@@ -705,7 +732,7 @@ mod tests {
         let Decision::Wait { claim: Some(s) } = a.decide(&[0; 32], 0, 1) else {
             panic!()
         };
-        let s = a.grant(&s, 5, &answer(0, 5, 0), 0);
+        let s = a.grant(&s, 5, &answer(0, 5, 0), 0, 0);
         let Decision::Deny { retry_after_ns, .. } = a.decide(&s, 10 * MS, 1) else {
             panic!("held")
         };
@@ -716,12 +743,54 @@ mod tests {
     #[test]
     fn an_answer_without_room_is_not_asked_again_before_the_denial_ends() {
         let a = allowance();
-        let mut s = a.grant(&[0; 32], 0, &answer(2, 5, 0), 0);
+        let mut s = a.grant(&[0; 32], 0, &answer(2, 5, 0), 0, 0);
         assert!(admitted(&a, &mut s, 1) && admitted(&a, &mut s, 1));
         let claim = a.renewal(&s, 2).expect("full");
-        s = a.grant(&claim, 3, &answer(2, 2, 0), 2);
+        s = a.grant(&claim, 3, &answer(2, 2, 0), 2, 0);
         assert_eq!(a.renewal(&s, 500), None, "denied for a second");
         assert!(a.renewal(&s, 1_004).is_some());
+    }
+
+    #[test]
+    fn a_full_lease_with_room_waits_for_more_where_the_host_can_resume() {
+        let answer = |held, share, free| SlotAnswer {
+            held,
+            share,
+            free,
+            ttl_ms: TTL,
+        };
+        for waits in [true, false] {
+            let a = SlotAllowance {
+                waits_for_more: waits,
+                ..allowance()
+            };
+            // 3 held, the service has 7 free and this proxy's share is the whole limit.
+            let mut s = a.grant(&[0; 32], 1_000, &answer(3, 10, 7), 1_000, 3);
+            for _ in 0..3 {
+                let Decision::Allow { state, .. } = a.decide(&s, 1_001 * MS, 1) else {
+                    panic!("within the lease");
+                };
+                s = state;
+            }
+            match a.decide(&s, 1_001 * MS, 1) {
+                Decision::Wait { claim: Some(c) } if waits => {
+                    assert!(a.claimed(&s, &c), "asks for more");
+                    assert_eq!(
+                        a.ask(&c, 1_001).wanted,
+                        3 + 1 + 1,
+                        "in use, waiting, headroom"
+                    );
+                    // No room left by the answer: refused at once.
+                    let full = a.grant(&c, 1_002, &answer(3, 10, 0), 1_001, 5);
+                    assert!(matches!(
+                        a.decide(&full, 1_003 * MS, 1),
+                        Decision::Deny { .. }
+                    ));
+                }
+                Decision::Deny { .. } if !waits => {}
+                d => panic!("waits_for_more {waits}: {d:?}"),
+            }
+        }
     }
 
     proptest! {
@@ -731,8 +800,12 @@ mod tests {
         #[test]
         fn proxies_never_admit_past_the_limit_together(
             events in prop::collection::vec((0usize..3, 0u8..5, 0u64..400), 1..400),
+            waits_for_more in any::<bool>(),
         ) {
-            let a = allowance();
+            let a = SlotAllowance {
+                waits_for_more,
+                ..allowance()
+            };
             let mut service = Holdings::default();
             let mut states = [[0u8; 32]; 3];
             let mut calls: [Option<(u64, SlotAsk)>; 3] = [None; 3];
@@ -762,7 +835,7 @@ mod tests {
                         if let Some((at, ask)) = calls[who].take() {
                             let g = service.grant(&who.to_string(), &ask, now, TTL, true);
                             let answer = SlotAnswer { held: g.held, share: g.share, free: g.free, ttl_ms: TTL };
-                            *s = a.grant(s, now, &answer, at);
+                            *s = a.grant(s, now, &answer, at, ask.wanted);
                         }
                     }
                     _ => {

@@ -5,9 +5,9 @@ use super::json::{
     RawResponse, RawRule, Scope,
 };
 use super::model::{
-    Config, Cost, GlobalRule, KeyPart, Match, Override, OverrideAction, PathMatch, Quota,
-    QuotaService, Response, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH,
-    MAX_MAX_KEYS, MAX_WORKER_BATCH,
+    Config, Cost, FirstLease, GlobalRule, KeyPart, Match, Override, OverrideAction, PathMatch,
+    Quota, QuotaService, Response, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS,
+    DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
 };
 use super::{err, ConfigError};
 use std::collections::HashSet;
@@ -469,6 +469,8 @@ impl Rule {
             // Past the call's timeout, so that its answer or failure always comes first.
             claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
             denied_ms: 1_000,
+            // With a provisional first lease the stand-in would admit a waiting request.
+            waits_for_more: qs.first_lease == FirstLease::Wait,
         };
         let stand_in = Concurrency::new((concurrent / qs.instances_hint).max(1))
             .map(Limit::Concurrency)

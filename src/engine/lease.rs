@@ -34,7 +34,7 @@ pub struct Refill {
     pub key: u128,
     /// When a request claimed it (ms): the lease it brings ends `ttl_ms` after that.
     pub claimed_ms: u64,
-    /// What the call asked for, from the key's state when it went out.
+    /// What the call asked for, from the key's state when it went out (slots: `wanted` only).
     pub ask: Ask,
 }
 
@@ -84,6 +84,7 @@ impl Engine {
                 leases.push(r);
             } else if let Some(slot) = self.slot_allowance_of(r.rule) {
                 let ask = slot.ask(&state, now_ms);
+                r.ask.wanted = ask.wanted;
                 if let Some(item) = self.slot_item(r.rule, r.key, &ask) {
                     slot_items.push(item);
                     slots.push(r);
@@ -210,7 +211,7 @@ impl Engine {
                 continue;
             };
             self.update_allowance(store, refill, |state| {
-                slots.grant(state, now_ms, a, refill.claimed_ms)
+                slots.grant(state, now_ms, a, refill.claimed_ms, refill.ask.wanted)
             });
             match held.iter_mut().find(|(r, _)| *r == refill.rule) {
                 Some((_, n)) => *n += a.held,

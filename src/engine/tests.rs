@@ -318,9 +318,11 @@ fn a_rate_lease_admits_at_its_rate_and_refuses_beyond_it_at_once() {
     refills[0].ask.demand_mtps = 20_000;
     let mut answer = grant(0);
     answer.items[0].rate = 10.0;
+    answer.items[0].remaining = 0;
     rig.engine
         .apply_grants(&rig.store, &refills, Some(&answer), NOW);
-    // Nothing accrued yet: refused at once (not held), told to come back when a token has.
+    // Nothing accrued yet, and the global bucket is empty: refused at once (not held), told to
+    // come back when a token has.
     let r = reject(rig.step(&u, NOW + 50 * MS));
     assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)));
     // 10 per second: 12 of 100 requests sent over 1.2 s.
@@ -334,6 +336,31 @@ fn a_rate_lease_admits_at_its_rate_and_refuses_beyond_it_at_once() {
     admit(rig.step(&u, NOW + 1_300 * MS));
     let (_, call) = rig.lease_call(NOW + 1_305 * MS).unwrap();
     assert_eq!(call.items[0].demand, 1.666);
+}
+
+#[test]
+fn a_capped_rate_lease_whose_bucket_has_tokens_waits_for_them() {
+    let mut rig = global("deny", "wait");
+    let u = req(&[("x-user", b"u")]);
+    assert_eq!(rig.step(&u, NOW), Step::Wait);
+    let (mut refills, _) = rig.lease_call(NOW).unwrap();
+    // Asked for the whole rate and got it, with 2 tokens; the global bucket still holds 7.
+    refills[0].ask.demand_mtps = 1_666;
+    let mut answer = grant(2);
+    answer.items[0].rate = 1.666;
+    rig.engine
+        .apply_grants(&rig.store, &refills, Some(&answer), NOW);
+    admit(rig.step(&u, NOW + MS));
+    admit(rig.step(&u, NOW + MS));
+    // Spent, but the service said the bucket has more: the request waits for a refill (claimed
+    // as the lease ran low), it is not refused.
+    assert_eq!(rig.step(&u, NOW + 2 * MS), Step::Wait);
+    let (refills, call) = rig.lease_call(NOW + 3 * MS).expect("a refill");
+    assert!(call.items[0].wanted > 0);
+    rig.engine
+        .apply_grants(&rig.store, &refills, Some(&grant(5)), NOW + 4 * MS);
+    admit(rig.step(&u, NOW + 5 * MS));
+    assert_eq!(rig.stat(0, RuleStat::Limited), 0);
 }
 
 #[test]
@@ -835,15 +862,17 @@ mod global_concurrency {
         for _ in 0..3 {
             holds.push(admit(rig.step(&u, NOW + 2 * MS)).holds);
         }
-        // Full: refused at once, as a local concurrency rule would.
-        let r = reject(rig.step(&u, NOW + 3 * MS));
-        assert_eq!(r.retry_after_secs, Some(1));
-        // The tick asks for more (the lease is full) with what it keeps.
-        rig.engine.renew_slots(&rig.store, NOW + 4 * MS);
+        // Full, but the service said more is free within this proxy's share (it gave all that
+        // was asked): the request waits, and asks for more with what the key keeps.
+        assert_eq!(rig.step(&u, NOW + 3 * MS), Step::Wait);
         let (refills, call) = rig.slot_call(NOW + 4 * MS).expect("more");
-        assert_eq!((call.items[0].wanted, call.items[0].keep), (4, 3));
+        assert_eq!((call.items[0].wanted, call.items[0].keep), (5, 3));
+        // Less than asked: the waiting request fits; the next is refused at once, as a local
+        // concurrency rule would.
         rig.answer_slots(&refills, 4, NOW + 5 * MS);
         holds.push(admit(rig.step(&u, NOW + 6 * MS)).holds);
+        let r = reject(rig.step(&u, NOW + 6 * MS));
+        assert_eq!(r.retry_after_secs, Some(1));
         // Requests end: their slots are free here at once.
         for h in holds.drain(..) {
             rig.engine.release(&rig.store, h, NOW + 7 * MS);

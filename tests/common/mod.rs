@@ -326,13 +326,10 @@ impl Quota {
         Self::start_on(free_port(), args)
     }
 
-    /// Buckets start full unless `args` choose the cold start (tests that restart the service
-    /// say what they expect of it).
+    /// With the service's own defaults (`--cold-start auto` among them) unless `args` say
+    /// otherwise.
     pub fn start_on(port: u16, args: &[&str]) -> Self {
-        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        if !args.iter().any(|a| a == "--cold-start") {
-            args.extend(["--cold-start".into(), "full".into()]);
-        }
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let mut q = Self {
             child: None,
             port,
@@ -428,6 +425,8 @@ impl Drop for Quota {
 pub struct Redis {
     child: Option<Child>,
     pub port: u16,
+    /// Its own working directory, where a persistent one keeps its append-only file.
+    dir: Option<PathBuf>,
 }
 
 impl Redis {
@@ -435,30 +434,59 @@ impl Redis {
         let mut redis = Self {
             child: None,
             port: free_port(),
+            dir: None,
         };
         redis.restart();
         redis
     }
 
-    /// Start (again) on the same port, empty (no persistence).
+    /// One that keeps its data in an append-only file (written at every write), as the compose
+    /// demo's does.
+    pub fn start_persistent() -> Self {
+        let mut redis = Self {
+            child: None,
+            port: free_port(),
+            dir: Some(scratch_dir("redis")),
+        };
+        redis.restart();
+        redis
+    }
+
+    /// Start (again) on the same port: empty, or (persistent) with what it wrote.
     pub fn restart(&mut self) {
         let port = self.port;
-        let mut child = guarded(
-            Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                ])
-                .args(["--appendonly", "no"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null()),
-        );
+        let mut cmd = Command::new("redis-server");
+        cmd.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ]);
+        match &self.dir {
+            Some(dir) => {
+                cmd.arg("--dir")
+                    .arg(dir)
+                    .args(["--appendonly", "yes", "--appendfsync", "always"])
+            }
+            None => cmd.args(["--appendonly", "no"]),
+        };
+        let mut child = guarded(cmd.stdin(Stdio::null()).stdout(Stdio::null()));
         wait_for_port(port, "redis-server", &mut child);
         self.child = Some(child);
+    }
+
+    /// Stop it as an operator would (SIGTERM: it writes its data out) and start it again.
+    pub fn restart_persistent(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: signals the child process this harness started.
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGTERM);
+            }
+            let _ = child.wait();
+        }
+        self.restart();
     }
 
     pub fn url(&self) -> String {
@@ -476,6 +504,9 @@ impl Redis {
 impl Drop for Redis {
     fn drop(&mut self) {
         self.kill();
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 

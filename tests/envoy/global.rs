@@ -595,19 +595,24 @@ fn three_envoys_over_the_limit_share_it_with_few_calls_and_refuse_at_once() {
     );
 }
 
-/// A global limit (5/s, burst 50, leases of 1 s) on a service that starts with full buckets:
-/// drain it, then restart the service with `after` (and, with `redis`, empty that Redis) and keep
-/// asking. What Envoy admitted in all, and the limit's bound over that time.
-fn across_a_restart(after: &str, mut redis: Option<&mut Redis>) -> (i64, i64) {
+/// A global limit (5/s, burst 50, leases of 1 s) on a new deployment (the service's default cold
+/// start, unless `cold` names one): drain it, then restart the service (and, with `redis`,
+/// empty that Redis) and keep asking. What Envoy admitted in all, and the limit's bound over
+/// that time.
+fn across_a_restart(cold: Option<&'static str>, mut redis: Option<&mut Redis>) -> (i64, i64) {
     let url = redis.as_ref().map(|r| r.url());
-    let args = |cold: &'static str| {
-        let mut args = vec!["--lease-ttl-ms", "1000", "--cold-start", cold];
+    let args = || {
+        // Leases of 1 s, so that the run (4 s) spans several.
+        let mut args = vec!["--lease-ttl-ms", "1000"];
+        if let Some(cold) = cold {
+            args.extend(["--cold-start", cold]);
+        }
         if let Some(url) = &url {
             args.extend(["--redis", url.as_str()]);
         }
         args
     };
-    let mut quota = Quota::start(&args("full"));
+    let mut quota = Quota::start(&args());
     let plugin = config(
         json!({"name": "r", "scope": "global", "limit": {"requests": 5, "per": "1s"}, "burst": 50}),
         json!({"failure_mode": "deny", "instances_hint": 1, "timeout": "100ms", "retry": "100ms"}),
@@ -619,11 +624,7 @@ fn across_a_restart(after: &str, mut redis: Option<&mut Redis>) -> (i64, i64) {
         r.kill();
         r.restart();
     }
-    quota.restart_with(&args(if after == "conservative" {
-        "conservative"
-    } else {
-        "full"
-    }));
+    quota.restart_with(&args());
     let after = load(&e, Duration::from_millis(3_000));
     let elapsed = started.elapsed().as_secs_f64();
     let ok = |s: &Vec<u16>| s.iter().filter(|s| **s == 200).count() as i64;
@@ -637,21 +638,68 @@ fn across_a_restart(after: &str, mut redis: Option<&mut Redis>) -> (i64, i64) {
 
 #[test]
 fn a_restarted_quota_service_or_an_emptied_redis_admits_no_more_than_the_limit() {
-    let (admitted, bound) = across_a_restart("conservative", None);
+    // The defaults: a new deployment gets its burst at once (checked in `across_a_restart`), and
+    // the proxy's evidence makes the restarted store start the bucket conservatively.
+    let (admitted, bound) = across_a_restart(None, None);
     eprintln!("memory store restarted: {admitted} admitted, bound {bound}");
     assert!(
         admitted <= bound,
         "memory: {admitted} admitted, bound {bound}"
     );
     let mut redis = Redis::start();
-    let (admitted, bound) = across_a_restart("conservative", Some(&mut redis));
+    let (admitted, bound) = across_a_restart(None, Some(&mut redis));
     eprintln!("Redis restarted empty: {admitted} admitted, bound {bound}");
     assert!(
         admitted <= bound,
         "redis: {admitted} admitted, bound {bound}"
     );
     // What `--cold-start full` costs: a restart grants the burst again.
-    let (admitted, bound) = across_a_restart("full", None);
+    let (admitted, bound) = across_a_restart(Some("full"), None);
     eprintln!("memory store restarted, full: {admitted} admitted, bound {bound}");
     assert!(admitted > bound, "full: {admitted} admitted, bound {bound}");
+}
+
+/// A Redis that keeps its data (append-only file) restarted under load: the service reconnects,
+/// no call fails, no request falls back, and the bound holds.
+#[test]
+fn a_redis_restart_with_persistence_under_load_loses_nothing_and_fails_nothing() {
+    let mut redis = Redis::start_persistent();
+    let url = redis.url();
+    let quota = Quota::start(&["--redis", &url]);
+    let plugin = config(
+        json!({"name": "r", "scope": "global", "key": ["header:x-user"],
+               "limit": {"requests": 20, "per": "1s"}, "burst": 50}),
+        json!({"failure_mode": "allow", "instances_hint": 1}),
+    );
+    let e = envoy(quota.port, &plugin);
+    let started = Instant::now();
+    let statuses = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let c = Client::new();
+            let mut out = Vec::new();
+            while started.elapsed() < Duration::from_secs(4) {
+                // Several keys, so that calls go out all the time.
+                let user = format!("u{}", out.len() % 4);
+                out.push(c.get(&e.url("/"), &[("x-user", &user)]).status);
+            }
+            out
+        });
+        std::thread::sleep(Duration::from_millis(1_500));
+        redis.restart_persistent();
+        load.join().unwrap()
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = statuses.iter().filter(|s| **s == 200).count() as i64;
+    // Four keys, each within 50 + 20/s.
+    let bound = 4 * (50 + (20.0 * elapsed).ceil() as i64);
+    let failures = e.prometheus("tollgate_quota_failures{}");
+    eprintln!(
+        "Redis restarted under load: {admitted} of {} admitted (bound {bound}), {failures} failed \
+         calls, {} fallbacks",
+        statuses.len(),
+        e.counter("r", "fallback")
+    );
+    assert!(admitted <= bound, "{admitted} admitted, bound {bound}");
+    assert!(statuses.contains(&429), "the load was over the limit");
+    assert_eq!(e.counter("r", "fallback"), 0, "{failures} failed calls");
 }

@@ -24,4 +24,5 @@ mod matching;
 mod module;
 mod overload;
 mod plugins;
+mod quick_starts;
 mod state;

@@ -1,0 +1,214 @@
+//! What a new user meets first: the README's global quick starts exactly as written, the quota
+//! service with every default, bursts sent back to back on fresh connections.
+
+use crate::harness::{parallel, repo, Client, Envoy, Options, Quota, Upstream};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// The first ```json block after the README line `heading`, parsed.
+fn readme_json(heading: &str) -> Value {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let after = readme
+        .split_once(&format!("\n{heading}\n"))
+        .unwrap_or_else(|| panic!("no {heading:?} in the README"))
+        .1;
+    let block = after
+        .split_once("```json\n")
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .unwrap_or_else(|| panic!("no json block after {heading:?}"))
+        .0;
+    serde_json::from_str(block).unwrap_or_else(|e| panic!("{heading}: {e}\n{block}"))
+}
+
+fn envoy(quota: &Quota, plugin: &Value) -> Envoy {
+    Envoy::start_with(
+        plugin,
+        &Options {
+            quota_port: Some(quota.port),
+            ..Options::default()
+        },
+    )
+}
+
+/// One request on a connection of its own.
+fn fresh(url: &str, user: &str) -> u16 {
+    Client::new().get(url, &[("x-user", user)]).status
+}
+
+/// The issue's first scenario: a global 100 per hour, `failure_mode: deny`.
+fn per_user(extra_rule: Value, instances_hint: u64) -> Value {
+    let mut rule = json!({"name": "per-user", "scope": "global", "key": ["header:x-user"],
+                          "limit": {"requests": 100, "per": "1h"}});
+    for (k, v) in extra_rule.as_object().unwrap() {
+        rule[k] = v.clone();
+    }
+    json!({"rules": [rule],
+           "quota_service": {"upstream": "quota", "timeout": "200ms", "failure_mode": "deny",
+                             "instances_hint": instances_hint}})
+}
+
+#[test]
+fn a_burst_back_to_back_on_fresh_connections_is_admitted_in_full() {
+    let quota = Quota::start(&[]);
+    // With and without worker stashes, and with small token leases: every one of the burst of
+    // 100 passes, and the next is refused (the service said the bucket is empty).
+    for (user, rule, sent) in [
+        ("no-stash", json!({"worker_batch": 0}), 100),
+        ("defaults", json!({}), 100),
+        ("small-leases", json!({"worker_batch": 0}), 40),
+    ] {
+        let mut plugin = per_user(rule, 1);
+        if user == "small-leases" {
+            plugin["quota_service"]["lease_size"] = json!(5);
+        }
+        let e = envoy(&quota, &plugin);
+        let url = e.url("/");
+        let started = Instant::now();
+        let statuses: Vec<u16> = (0..sent).map(|_| fresh(&url, user)).collect();
+        let took = started.elapsed();
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        eprintln!(
+            "{user}: {admitted} of {sent} back to back in {took:?}, {} quota calls",
+            e.prometheus("tollgate_quota_calls{}")
+        );
+        assert_eq!(admitted, sent, "{user}: {statuses:?}");
+        if sent == 100 {
+            let refused = Client::new().get(&url, &[("x-user", user)]);
+            assert_eq!(refused.status, 429, "{user}: the 101st");
+            assert_eq!(refused.header("x-tollgate-rule"), Some("per-user"));
+        }
+        assert_eq!(e.counter("per-user", "fallback"), 0, "{user}");
+    }
+}
+
+#[test]
+fn a_burst_spread_over_three_envoys_is_admitted_exactly_once() {
+    let quota = Quota::start(&[]);
+    let plugin = per_user(json!({}), 3);
+    let envoys: Vec<Envoy> = (0..3).map(|_| envoy(&quota, &plugin)).collect();
+    // 150 requests, round robin over the three, each on a connection of its own.
+    let statuses: Vec<u16> = (0..150)
+        .map(|i| fresh(&envoys[i % 3].url("/"), "spread"))
+        .collect();
+    let admitted = statuses.iter().filter(|s| **s == 200).count();
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 429));
+    let per_envoy: Vec<u64> = envoys
+        .iter()
+        .map(|e| e.counter("per-user", "allowed"))
+        .collect();
+    eprintln!("3 Envoys: {admitted} of 150 admitted ({per_envoy:?})");
+    assert_eq!(admitted, 100, "{statuses:?}");
+    // And from many clients at once: a fresh key, 8 connections over the three Envoys.
+    let counts = parallel(8, |i| {
+        let url = envoys[i % 3].url("/");
+        (0..30).filter(|_| fresh(&url, "many") == 200).count()
+    });
+    assert_eq!(counts.iter().sum::<usize>(), 100, "{counts:?}");
+}
+
+#[test]
+fn the_readme_global_limit_serves_a_new_deployment_at_once() {
+    let plugin = readme_json("## Global limits");
+    assert_eq!(
+        plugin["rules"][0]["limit"],
+        json!({"requests": 1000, "per": "1m"})
+    );
+    let quota = Quota::start(&[]);
+    let e = envoy(&quota, &plugin);
+    // The rule's burst (1000) from one client, back to back: all admitted, none waiting beyond
+    // its refills, and the limit's bound holds after.
+    let c = Client::new();
+    let url = e.url("/");
+    let started = Instant::now();
+    let first: Vec<u16> = (0..1000)
+        .map(|_| c.get(&url, &[("x-user", "ann")]).status)
+        .collect();
+    let admitted = first.iter().filter(|s| **s == 200).count();
+    assert_eq!(admitted, 1000, "the burst, at once");
+    let more: Vec<u16> = (0..200)
+        .map(|_| c.get(&url, &[("x-user", "ann")]).status)
+        .collect();
+    let elapsed = started.elapsed().as_secs_f64();
+    let total = admitted + more.iter().filter(|s| **s == 200).count();
+    let bound = 1000 + (1000.0 / 60.0 * elapsed).ceil() as usize;
+    eprintln!("README global rule: {total} admitted in {elapsed:.2} s, bound {bound}");
+    assert!(total <= bound, "{total} admitted, bound {bound}");
+    assert!(more.contains(&429));
+    assert_eq!(e.counter("per-user", "fallback"), 0);
+}
+
+#[test]
+fn the_readme_global_concurrency_limit_is_served_at_once() {
+    let plugin = readme_json("### Global concurrency");
+    assert_eq!(plugin["rules"][0]["limit"], json!({"concurrent": 50}));
+    // Each request held 2 s upstream.
+    let app = Upstream::start(&["--capacity", "1000", "--service-ms", "2000"]);
+    let quota = Quota::start(&[]);
+    let mut plugin = plugin;
+    if std::env::var("DEBUG_QS").is_ok() {
+        plugin["log_level"] = json!("debug");
+    }
+    let e = Envoy::start_with(
+        &plugin,
+        &Options {
+            quota_port: Some(quota.port),
+            app_port: Some(app.port),
+            debug_log: std::env::var("DEBUG_QS").is_ok(),
+            ..Options::default()
+        },
+    );
+    let url = e.url("/app");
+    let statuses = parallel(60, |_| {
+        Client::new().get(&url, &[("x-tenant", "acme")]).status
+    });
+    let admitted = statuses.iter().filter(|s| **s == 200).count();
+    eprintln!(
+        "README global concurrency: {admitted} of 60 at once admitted ({} waited, {} slot calls)",
+        e.counter("tenant", "waited"),
+        e.prometheus("tollgate_quota_calls{}")
+    );
+    if std::env::var("DEBUG_QS").is_ok() {
+        eprintln!("{}", e.log());
+    }
+    assert_eq!(admitted, 50, "{statuses:?}");
+    assert!(app.max_at_once() <= 50);
+}
+
+#[test]
+fn a_quota_service_outage_with_failure_mode_allow_refuses_nothing() {
+    let quota = Quota::start(&[]);
+    let plugin = json!({
+        "rules": [{"name": "per-user", "scope": "global", "key": ["header:x-user"],
+                   "limit": {"requests": 20, "per": "1d"}}],
+        "quota_service": {"upstream": "quota", "failure_mode": "allow", "instances_hint": 1}
+    });
+    let e = envoy(&quota, &plugin);
+    let c = Client::new();
+    let url = e.url("/");
+    // Over the limit first: the service says there is nothing left, and requests are refused.
+    let over: Vec<u16> = (0..40)
+        .map(|_| c.get(&url, &[("x-user", "u")]).status)
+        .collect();
+    assert_eq!(over.iter().filter(|s| **s == 200).count(), 20, "{over:?}");
+    quota.pause();
+    // The outage: once the first call has failed (its timeout), the failure mode lets every
+    // request through, also while each retry is out.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while e.prometheus("tollgate_quota_failures{}") == 0 {
+        assert!(Instant::now() < deadline, "no call failed");
+        c.get(&url, &[("x-user", "u")]);
+    }
+    let started = Instant::now();
+    let mut during = Vec::new();
+    while started.elapsed() < Duration::from_millis(2_500) {
+        during.push(c.get(&url, &[("x-user", "u")]).status);
+    }
+    quota.resume();
+    let refused = during.iter().filter(|s| **s != 200).count();
+    eprintln!(
+        "outage, failure_mode allow: {refused} of {} refused, {} failed calls",
+        during.len(),
+        e.prometheus("tollgate_quota_failures{}")
+    );
+    assert_eq!(refused, 0, "{during:?}");
+}
