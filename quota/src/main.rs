@@ -149,12 +149,12 @@ async fn run(args: Args) -> Result<(), String> {
         max_connections: args.max_connections,
         header_timeout: Duration::from_millis(args.header_timeout_ms),
     };
-    let open = service.metrics.connections.clone();
+    let server_metrics = service.metrics.server.clone();
     serve(
         listener,
         router(service),
         limits,
-        open,
+        server_metrics,
         shutdown(),
         Duration::from_secs(10),
     )

@@ -33,7 +33,8 @@ pub struct Metrics {
     pub denials: Counter,
     pub storage_errors: Counter,
     pub latency: Histogram,
-    pub connections: Gauge,
+    /// The server's connections: open now, and closed to make room for new ones.
+    pub server: crate::server::ServerMetrics,
 }
 
 impl Default for Metrics {
@@ -55,8 +56,13 @@ impl Default for Metrics {
         let denials = Counter::default();
         let storage_errors = Counter::default();
         let latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
-        let connections = Gauge::default();
-        registry.register("connections", "Connections open now", connections.clone());
+        let server = crate::server::ServerMetrics::default();
+        registry.register("connections", "Connections open now", server.open.clone());
+        registry.register(
+            "connections_evicted",
+            "Connections not yet proven by a call, closed to make room for a new one",
+            server.evicted.clone(),
+        );
         registry.register("lease_calls", "Lease calls by outcome", calls.clone());
         registry.register("lease_items", "Items in lease calls served", items.clone());
         registry.register("tokens_granted", "Tokens granted", granted.clone());
@@ -88,7 +94,7 @@ impl Default for Metrics {
             denials,
             storage_errors,
             latency,
-            connections,
+            server,
         }
     }
 }
