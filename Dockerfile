@@ -1,11 +1,14 @@
 # The quota service image: built in a Rust image, run from a small distroless one.
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
+# Every workspace member's manifest and sources: cargo reads the whole workspace to build one.
 COPY Cargo.toml Cargo.lock ./
 COPY core core
 COPY quota quota
 COPY src src
-RUN cargo build --release -p tollgate-quota
+COPY cli cli
+COPY testbed testbed
+RUN cargo build --release --locked -p tollgate-quota
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /src/target/release/tollgate-quota /usr/local/bin/tollgate-quota

@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build probe quota schema test test-nginx lint dist bench demo demo-keep clean
+.PHONY: setup build probe quota schema test test-nginx test-compose lint dist bench demo demo-keep clean
 
 setup:
 	@scripts/setup.sh
@@ -27,11 +27,17 @@ quota:
 schema:
 	UPDATE_SCHEMA=1 cargo test --lib the_committed_schema_is_current
 
-# Unit and property tests of the core and the host-independent filter code, then the real-Envoy tests.
+# Unit and property tests of the core and the host-independent filter code, the quota service's
+# tests, then the real-Envoy tests, with cargo-nextest (.config/nextest.toml); then the ten
+# slowest tests, also when some failed.
 test: build probe lint quota
+	@status=0; \
 	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) TOLLGATE_PROBE_WASM=$(abspath $(PROBE_WASM)) \
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
-	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) cargo test --workspace
+	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) \
+	cargo nextest run --workspace || status=$$?; \
+	python3 scripts/slowest-tests.py target/nextest/default/junit.xml 10; \
+	exit $$status
 
 # The behaviour checks in nginx with Kong's ngx_wasm_module, against the nginx binary NGINX_BIN
 # names (docs/nginx.md says how to build one). Not part of `make test`: CI has no such nginx.
@@ -42,6 +48,11 @@ test-nginx: build quota
 	TOLLGATE_WASM=$(abspath $(WASM)) NGINX_BIN=$(abspath $(NGINX_BIN)) \
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
 	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) cargo test --test nginx -- --test-threads 2
+
+# The Docker demo for real (not part of `make test`: it needs a Docker Engine and the images the
+# compose file names): scripts/test-compose.sh says what it checks.
+test-compose:
+	@scripts/test-compose.sh
 
 # The module with `--features probe` (time and heap allocations per callback, as Envoy counters):
 # the allocation test and the benchmark's profile use it.

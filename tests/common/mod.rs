@@ -314,6 +314,30 @@ pub fn guarded(cmd: &mut Command) -> Child {
     cmd.spawn().unwrap_or_else(|e| panic!("start {cmd:?}: {e}"))
 }
 
+/// A lock held across processes on this machine until dropped: tests run one process each
+/// (cargo-nextest), and two test runs may share a machine. `name` says what it guards (fixed
+/// ports, a latency measurement).
+pub struct MachineLock {
+    _file: std::fs::File,
+}
+
+impl MachineLock {
+    pub fn take(name: &str) -> Self {
+        use std::os::fd::AsRawFd;
+        let path = std::env::temp_dir().join(format!("tollgate-tests-{name}.lock"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        // SAFETY: flock on a descriptor this process owns; released when the file is closed.
+        let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        assert_eq!(taken, 0, "flock {}", path.display());
+        Self { _file: file }
+    }
+}
+
 /// The quota service binary (`make test` builds it), on a port of its own; killed on drop.
 pub struct Quota {
     child: Option<Child>,

@@ -218,7 +218,7 @@ fn the_compose_demo_is_consistent() {
 /// with headers and metrics, and stops what it started. It uses the fixed demo ports.
 #[test]
 fn demo_runs_end_to_end() {
-    let _demo_ports = DEMO.lock().unwrap_or_else(|e| e.into_inner());
+    let _demo_ports = crate::harness::MachineLock::take("demo-ports");
     wasm_path();
     let out = Command::new("demo/run.sh")
         .current_dir(repo())
@@ -270,7 +270,7 @@ fn assert_demo_ports_free() {
 #[test]
 fn ctrl_c_stops_the_demo_and_all_it_started() {
     use std::io::BufRead;
-    let _demo_ports = DEMO.lock().unwrap_or_else(|e| e.into_inner());
+    let _demo_ports = crate::harness::MachineLock::take("demo-ports");
     wasm_path();
     let mut child = Command::new("demo/run.sh")
         .current_dir(repo())
@@ -313,6 +313,3 @@ fn ctrl_c_stops_the_demo_and_all_it_started() {
     }
     assert_demo_ports_free();
 }
-
-/// The demo uses fixed ports: one demo at a time.
-static DEMO: std::sync::Mutex<()> = std::sync::Mutex::new(());
