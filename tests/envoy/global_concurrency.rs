@@ -205,10 +205,10 @@ fn an_envoy_cut_off_from_the_quota_service_stops_admitting_when_its_lease_ends()
 #[test]
 fn a_quota_service_restart_admits_no_more_than_the_limit() {
     let app = Upstream::start(&["--capacity", "1000", "--service-ms", "1500"]);
-    // A restart forgets every holding: holders declare what they keep, nothing new for a term.
-    let mut quota = Quota::start(&["--lease-ttl-ms", "3000", "--cold-start", "conservative"]);
-    // (The first term after the service's own start grants nothing new either.)
-    std::thread::sleep(Duration::from_millis(3_000));
+    // A restart forgets every holding; the first renewal after it carries the proxy's evidence
+    // (the slots it holds), and then holders declare what they keep, nothing new for a term. The
+    // service's default cold start: a new deployment gets its slots at once.
+    let mut quota = Quota::start(&["--lease-ttl-ms", "3000"]);
     let (a, b) = (envoy(&app, quota.port, 2), envoy(&app, quota.port, 2));
     std::thread::scope(|s| {
         let loads = s.spawn(|| load_all(&[&a, &b], 10, 9.0, None));
