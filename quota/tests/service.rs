@@ -426,11 +426,11 @@ fn many(n: usize, round: usize) -> Vec<LeaseItem> {
 async fn a_thousand_items_on_redis_take_one_round_trip_within_the_storage_timeout() {
     let redis = Redis::start();
     let store = Store::Redis(
-        RedisStore::connect(&single(&redis), Duration::from_millis(50), ColdStart::Full)
+        RedisStore::connect(&single(&redis), Duration::from_millis(100), ColdStart::Full)
             .await
             .unwrap(),
     );
-    // With the service's default storage timeout. The first call loads the script.
+    // With the service's default storage timeout (100 ms). The first call loads the script.
     store.lease("warm", &many(1, 99), 10_000).await.unwrap();
     let mut took = Vec::new();
     for round in 0..20 {
