@@ -239,8 +239,11 @@ impl Holdings {
     }
 }
 
-/// In the packed word of the state: the last answer left room.
+/// In the packed word of the state: the last answer left room; the last call failed; requests
+/// that waited (the rest of its low half).
 const ROOM: u32 = 1 << 15;
+const FAILING: u32 = 1 << 14;
+const WAITED: u32 = FAILING - 1;
 /// A lease is evidence of a holding while more than this is left of it.
 const EVIDENCE_MARGIN_MS: u64 = 250;
 
@@ -287,6 +290,8 @@ struct Parts {
     waited: u64,
     /// The last answer left room: slots were free and this proxy was under its share.
     room: bool,
+    /// The last call failed: the failure mode decides until a call succeeds.
+    failing: bool,
     half_term_ms: u64,
     lease_end_ms: u64,
     mark: u64,
@@ -299,8 +304,9 @@ impl Parts {
             held: u64::from(read_u32(s, 0)),
             in_use: u64::from(read_u32(s, 4)),
             share: u64::from(read_u32(s, 8)),
-            waited: u64::from(packed & 0x7fff),
+            waited: u64::from(packed & WAITED),
             room: packed & ROOM != 0,
+            failing: packed & FAILING != 0,
             half_term_ms: u64::from(packed >> 16) * 10,
             lease_end_ms: read_u64(s, 16),
             mark: read_u64(s, 24),
@@ -312,10 +318,11 @@ impl Parts {
         write_u32(&mut s, 0, saturating_u32(self.held));
         write_u32(&mut s, 4, saturating_u32(self.in_use));
         write_u32(&mut s, 8, saturating_u32(self.share));
-        let waited = self.waited.min(0x7fff) as u32;
+        let waited = self.waited.min(u64::from(WAITED)) as u32;
         let half_term = (self.half_term_ms / 10).min(0xffff) as u32;
         let room = if self.room { ROOM } else { 0 };
-        write_u32(&mut s, 12, waited | room | half_term << 16);
+        let failing = if self.failing { FAILING } else { 0 };
+        write_u32(&mut s, 12, waited | room | failing | half_term << 16);
         write_u64(&mut s, 16, self.lease_end_ms);
         write_u64(&mut s, 24, self.mark);
         s
@@ -351,10 +358,17 @@ impl SlotAllowance {
     pub fn decide(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
         let now_ms = now_ns / 1_000_000;
         let mut p = Parts::decode(state);
-        // A renewal failed: the failure mode decides until the retry. What the lease has left of
-        // its term is the grace of the requests in flight, not room for more.
-        if p.failed(now_ms) {
-            return Decision::Fallback { claim: None };
+        // A call failed: the failure mode decides until a call succeeds (this request asks again
+        // once the retry is due). What the lease has left of its term is the grace of the
+        // requests in flight, not room for more.
+        if p.failing {
+            if p.failed(now_ms) || p.calling(now_ms) {
+                return Decision::Fallback { claim: None };
+            }
+            p.mark = now_ms.saturating_add(self.claim_ms).min(WHEN);
+            return Decision::Fallback {
+                claim: Some(p.encode()),
+            };
         }
         let cap = p.cap(now_ms);
         if p.in_use.saturating_add(cost) <= cap {
@@ -407,7 +421,10 @@ impl SlotAllowance {
         if p.calling(now_ms) || p.failed(now_ms) {
             return None;
         }
-        let due = if p.leased(now_ms) {
+        // After a failure, ask again as soon as the retry is due.
+        let due = if p.failing {
+            true
+        } else if p.leased(now_ms) {
             let renew = now_ms >= p.lease_end_ms.saturating_sub(p.half_term_ms);
             let full = p.in_use >= p.cap(now_ms) && p.held < self.concurrent;
             renew || (full && !p.denied(now_ms))
@@ -468,6 +485,7 @@ impl SlotAllowance {
         wanted: u64,
     ) -> State {
         let mut p = Parts::decode(state);
+        p.failing = false;
         let wants = p.in_use.saturating_add(p.waited) > 0;
         // Asking again may get more: slots are free, and this answer gave all that was asked
         // without putting the proxy above its share.
@@ -496,10 +514,12 @@ impl SlotAllowance {
         p.encode()
     }
 
-    /// A call failed: the lease stands until it ends, then the failure mode until `retry_ms`.
+    /// A call failed: the failure mode decides new requests until a call succeeds (the next one
+    /// after `retry_ms`); the rest of the lease's term is grace for the requests in flight.
     pub fn fail(&self, state: &State, now_ms: u64, retry_ms: u64) -> State {
         let mut p = Parts::decode(state);
         p.mark = FAILED | now_ms.saturating_add(retry_ms).min(WHEN);
+        p.failing = true;
         p.encode()
     }
 
@@ -724,6 +744,39 @@ mod tests {
         let later = TTL / 2 + 300 + TTL;
         let claim = a.renewal(&s, later).expect("declare what is in use");
         assert_eq!(wk(a.ask(&claim, later)), (2, 1));
+    }
+
+    #[test]
+    fn after_a_failed_call_nothing_new_is_admitted_until_a_call_succeeds() {
+        let a = allowance();
+        let mut s = a.grant(&[0; 32], 0, &answer(5, 10, 5), 0, 0);
+        assert!(admitted(&a, &mut s, 10));
+        // A renewal that fails 300 ms before the lease is half over; retry after 1 s.
+        s = a.fail(&a.renewal(&s, TTL / 2).expect("due"), TTL / 2, 1_000);
+        // The retry is due while the lease still stands: the failure mode still decides, and
+        // this request asks again.
+        let at = TTL / 2 + 1_000;
+        let Decision::Fallback {
+            claim: Some(asking),
+        } = a.decide(&s, at * MS, 1)
+        else {
+            panic!("asks again, failure mode meanwhile");
+        };
+        assert!(a.claimed(&s, &asking));
+        assert!(matches!(
+            a.decide(&asking, (at + 1) * MS, 1),
+            Decision::Fallback { claim: None }
+        ));
+        // It fails again: the failure mode, for as long as the service cannot be reached.
+        s = a.fail(&asking, at + 200, 1_000);
+        assert!(matches!(
+            a.decide(&s, (at + 900) * MS, 1),
+            Decision::Fallback { claim: None }
+        ));
+        // The tick asks once the retry is due, and an answer ends it.
+        let claim = a.renewal(&s, at + 1_200).expect("the retry");
+        s = a.grant(&claim, at + 1_210, &answer(5, 10, 5), at + 1_200, 2);
+        assert!(admitted(&a, &mut s, at + 1_220));
     }
 
     #[test]

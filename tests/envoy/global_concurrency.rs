@@ -202,6 +202,68 @@ fn an_envoy_cut_off_from_the_quota_service_stops_admitting_when_its_lease_ends()
     assert!(cut_off.counter("tenant", "limited") > 0);
 }
 
+/// Run `cut` `cut_at_ms` into an open-loop load on `envoy` (10/s of one tenant, 100 ms buckets),
+/// watch for the Envoy's first failed quota call, and return the requests it admitted that were
+/// sent more than one bucket after that failure, and the failure's time (ms into the load).
+fn admitted_after_the_first_failure(
+    envoy: &Envoy,
+    cut_at_ms: u64,
+    cut: impl FnOnce(),
+) -> (u64, u64) {
+    let started = Instant::now();
+    let (result, failed_at) = std::thread::scope(|s| {
+        let load = s.spawn(|| load_all(&[envoy], 10, 8.0, Some(100)));
+        std::thread::sleep(Duration::from_millis(cut_at_ms));
+        cut();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while envoy.prometheus("tollgate_quota_failures{}") == 0 {
+            assert!(Instant::now() < deadline, "no quota call failed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let failed_at = started.elapsed().as_millis() as u64;
+        (load.join().unwrap().remove(0), failed_at)
+    });
+    let timeline = result["timeline"].as_array().unwrap().clone();
+    let from = (failed_at / 100 + 2) as usize;
+    let admitted = timeline
+        .iter()
+        .skip(from)
+        .map(|b| b["200"].as_u64().unwrap_or(0))
+        .sum();
+    (admitted, failed_at)
+}
+
+#[test]
+fn after_a_failed_call_under_deny_a_proxy_admits_nothing_new() {
+    // Requests hold the upstream 1 s; a term of 3 s, renewed halfway: the first renewal after the
+    // cut fails within 1.5 s, the lease then still has half a term, and `retry` (1 s) comes due
+    // before it ends. Nothing new may be admitted from that first failure on.
+    let app = Upstream::start(&["--capacity", "1000", "--service-ms", "1000"]);
+    // A partition: a relay that drops the proxy's traffic both ways.
+    let quota = Quota::start(&["--lease-ttl-ms", "3000"]);
+    let relay = Relay::start(quota.port);
+    let cut_off = envoy(&app, relay.port, 1);
+    let (admitted, failed_at) = admitted_after_the_first_failure(&cut_off, 2_000, || {
+        relay.cut.store(true, Ordering::SeqCst)
+    });
+    eprintln!("partitioned: first failure at {failed_at} ms, {admitted} admitted after it");
+    assert_eq!(
+        admitted, 0,
+        "admitted after the failed call (at {failed_at} ms)"
+    );
+    assert!(cut_off.counter("tenant", "limited") > 0);
+    // A hung service (SIGSTOP).
+    let hung = Quota::start(&["--lease-ttl-ms", "3000"]);
+    let e = envoy(&app, hung.port, 1);
+    let (admitted, failed_at) = admitted_after_the_first_failure(&e, 2_000, || hung.pause());
+    hung.resume();
+    eprintln!("service stopped: first failure at {failed_at} ms, {admitted} admitted after it");
+    assert_eq!(
+        admitted, 0,
+        "admitted after the failed call (at {failed_at} ms)"
+    );
+}
+
 #[test]
 fn a_quota_service_restart_admits_no_more_than_the_limit() {
     let app = Upstream::start(&["--capacity", "1000", "--service-ms", "1500"]);
