@@ -96,15 +96,8 @@ impl Plugin {
             caps.name,
             config.summary()
         );
-        if config
-            .quota_service
-            .as_ref()
-            .is_some_and(|q| q.key_secret.is_none())
-        {
-            log::warn!(
-                "quota_service.key_secret is not set: the key hashes sent to the quota service \
-                 are the same in every deployment (set one secret on all proxies)"
-            );
+        for warning in config.warnings() {
+            log::warn!("{warning}");
         }
         Ok(Self {
             engine: RefCell::new(engine),

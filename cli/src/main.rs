@@ -13,7 +13,7 @@ use tollgate::config::{Config, HostCaps};
 const NGINX_BYTES_PER_SLOT: u64 = 136;
 /// Room in an nginx `shm_kv` zone for tollgate's own few keys and the zone's bookkeeping.
 const NGINX_ZONE_MARGIN: u64 = 64 * 1024;
-/// Shared data nginx needs per overload rule window (240 bytes and the entry's bookkeeping).
+/// Shared data nginx needs per overload rule window (256 bytes and the entry's bookkeeping).
 const NGINX_BYTES_PER_WINDOW: u64 = 640;
 /// The smallest zone nginx accepts.
 const NGINX_MIN_ZONE: u64 = 15 * 1024;
@@ -96,6 +96,9 @@ fn main() -> ExitCode {
             "note: on nginx, global rules need `proxy_wasm_request_headers_in_access on;` \
              (docs/nginx.md)"
         );
+    }
+    for warning in parsed.warnings() {
+        println!("warning: {warning}");
     }
     if host.is_none() {
         for caps in [HostCaps::ENVOY, HostCaps::NGINX] {

@@ -4,16 +4,21 @@
 //! A window of buckets (default 10 × 100 ms) records the requests that completed in each and their
 //! minimum response time. Estimated capacity = the most completions of any full bucket, per second,
 //! × the minimum response time. A request is refused when the in-flight count has reached the
-//! capacity *and* the overload signal is on: the upstream's own CPU (an EWMA of what it reports)
-//! above a threshold, or, without such reports, the window's mean response time inflated past a
-//! factor of the minimum. After a refusal the signal stays on for a cool-down, so that the limit
-//! does not flap around the threshold; under sustained overload every refusal extends it, and the
-//! limit lets go one cool-down after the last refusal.
+//! capacity (with a headroom of its square root, so that an estimate held low by the limit itself
+//! can grow) *and* the limit is engaged: the overload signal is on — the upstream's own CPU (an EWMA
+//! of what it reports) above a threshold, or, without such reports, the window's mean response
+//! time inflated past a factor of the minimum — or was within a cool-down. The cool-down runs from
+//! the last time the signal was on; with the latency signal also from the last refusal (shedding
+//! keeps response times normal, so the latency alone would let go and refill the queue).
 //!
 //! The minimum response time is remembered longer than the window (a sliding minimum over one to
 //! two `min_rt_period`s): a queue that stands at the upstream inflates every response time of a
-//! window alike, and a window's own minimum would take the queue for the service time. The
-//! capacity measured while the signal itself was on is kept through the cool-down, so that
+//! window alike, and a window's own minimum would take the queue for the service time. When no
+//! answer has come close to that minimum for a window while the signal is on, the minimum is
+//! *probed*: for twice the window's mean response time the limit admits half the estimate, so that
+//! no queue can stand, and the least response time of that probe replaces the minimum — the
+//! upstream's new service time if it changed (slower or faster), the old one if a queue had stood.
+//! The capacity measured while the signal itself was on is kept through the cool-down, so that
 //! refusals that hold the in-flight count below it (lower priorities) do not shrink the estimate.
 //!
 //! Priorities: each request has a level (higher is more important) and its level a share of the
@@ -32,7 +37,7 @@ pub const MAX_BUCKETS: usize = 16;
 pub const LEVELS: usize = 4;
 /// Flows counted for fairness: flow keys hash into this many counters.
 pub const FLOWS: usize = 16;
-const HEADER_BYTES: usize = 96 + FLOWS;
+const HEADER_BYTES: usize = 96 + FLOWS + 16;
 const _: () = assert!(40 + FLOWS * 2 <= 72 && 24 + LEVELS * 4 <= 40);
 /// Bytes of an encoded [`Window`].
 pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 8;
@@ -107,6 +112,14 @@ pub struct Window {
     latched: u32,
     /// When the last refusal was, ns; 0: none.
     refused_ns: u64,
+    /// When the signal itself was last seen on ([`stamp`]; 0: never).
+    hot: u32,
+    /// When an answer last came within a quarter of the minimum response time ([`stamp`]).
+    confirmed: u32,
+    /// While a probe of the minimum runs: when it ends ([`stamp`]; 0: none), and the least
+    /// response time it saw, µs (0: none yet).
+    probe_until: u32,
+    probe_floor: u32,
     /// Index (time / min_rt_period) of the newest minimum response time + 1.
     floor_period: u64,
     /// The least response time of this period and of the one before, µs (0: none).
@@ -205,7 +218,39 @@ impl Adaptive {
             next.floors = [0, 0];
         }
         next.floor_period = next.floor_period.max(period);
+        // A probe that ended: its least response time is the minimum from now on.
+        if next.probe_until != 0 && !Self::probing(&next, now_ns) {
+            if next.probe_floor > 0 {
+                next.floors = [next.probe_floor, 0];
+            }
+            next.probe_until = 0;
+            next.probe_floor = 0;
+            next.confirmed = stamp(now_ns);
+        }
         next
+    }
+
+    fn probing(w: &Window, now_ns: u64) -> bool {
+        w.probe_until != 0 && ms_until(now_ns, w.probe_until) > 0
+    }
+
+    /// True if no answer came near the minimum for a window: it may be the service time of
+    /// before (the upstream got slower) or a queue's (one stood all the while).
+    fn stale(&self, w: &Window, now_ns: u64) -> bool {
+        Self::min_rt(w).is_some()
+            && ms_since(now_ns, w.confirmed).is_none_or(|ms| ms * 1_000_000 >= self.window_ns())
+    }
+
+    /// How long a probe lasts: twice the window's mean response time (so that what it admits
+    /// is answered within it), at least a bucket, at most the window.
+    fn probe_ns(&self, w: &Window) -> u64 {
+        let (mut passed, mut sum_us) = (0u64, 0u64);
+        for b in w.buckets.iter().take(self.buckets) {
+            passed += u64::from(b.passed);
+            sum_us += u64::from(b.rt_sum_us);
+        }
+        let mean_ns = sum_us.saturating_mul(1_000) / passed.max(1);
+        (2 * mean_ns).clamp(self.bucket_ns, self.window_ns())
     }
 
     /// The least response time remembered, µs.
@@ -274,8 +319,13 @@ impl Adaptive {
         self.cooling(w, now_ns) || self.hot(w)
     }
 
+    /// True within a cool-down of the signal's last being on; with the latency signal, also of
+    /// the last refusal (shedding itself keeps response times normal). With the CPU signal the
+    /// upstream says when it has room, and the limit lets go one cool-down after.
     fn cooling(&self, w: &Window, now_ns: u64) -> bool {
-        w.refused_ns != 0 && now_ns.saturating_sub(w.refused_ns) < self.cool_down_ns
+        let hot = ms_since(now_ns, w.hot).is_some_and(|ms| ms * 1_000_000 < self.cool_down_ns);
+        let refused = w.refused_ns != 0 && now_ns.saturating_sub(w.refused_ns) < self.cool_down_ns;
+        hot || (self.reported_cpu(w).is_none() && refused)
     }
 
     /// Decide a request of `seat` at `now_ns`; its level may fill `share_milli` thousandths of
@@ -283,14 +333,30 @@ impl Adaptive {
     pub fn admit(&self, w: &Window, now_ns: u64, seat: Seat, share_milli: u64) -> Admission {
         let mut next = self.advance(w, now_ns);
         let hot = self.hot(&next);
-        let cooling = self.cooling(&next, now_ns);
-        if hot || cooling {
+        if hot {
+            next.hot = stamp(now_ns);
+            if !Self::probing(&next, now_ns) && self.stale(&next, now_ns) {
+                next.probe_until = stamp(now_ns.saturating_add(self.probe_ns(&next)));
+                next.probe_floor = 0;
+            }
+        }
+        if hot || self.cooling(&next, now_ns) {
             let measured = self.capacity(&next).map(|(c, _)| c);
-            let capacity = match (measured, cooling && !hot) {
-                (m, true) => m.max(Some(u64::from(next.latched)).filter(|&c| c > 0)),
-                (m, false) => m,
+            let estimate = if hot {
+                measured
+            } else {
+                measured.max(Some(u64::from(next.latched)).filter(|&c| c > 0))
             };
-            if capacity.is_some_and(|c| next.full_for(seat, c, share_milli)) {
+            // A probe admits half the estimate: no queue can stand while it measures. Else the
+            // estimate and a headroom of its square root, so that the estimate can grow.
+            let cap = estimate.map(|c| {
+                if Self::probing(&next, now_ns) {
+                    (c / 2).max(1)
+                } else {
+                    c.saturating_add(ceil_sqrt(c))
+                }
+            });
+            if cap.is_some_and(|c| next.full_for(seat, c, share_milli)) {
                 if hot {
                     next.latched = saturating_u32(measured.unwrap_or(0));
                 }
@@ -327,6 +393,14 @@ impl Adaptive {
         let rt = saturating_u32(rt_us).max(1);
         let floor = &mut next.floors[0];
         *floor = if *floor == 0 { rt } else { (*floor).min(rt) };
+        if Self::probing(&next, now_ns) {
+            let p = &mut next.probe_floor;
+            *p = if *p == 0 { rt } else { (*p).min(rt) };
+        }
+        // Within a quarter of the minimum: the minimum is still the service time.
+        if Self::min_rt(&next).is_some_and(|min| u64::from(rt) * 4 <= min * 5) {
+            next.confirmed = stamp(now_ns);
+        }
         let b = &mut next.buckets[(next.newest % self.buckets as u64) as usize];
         b.passed = b.passed.saturating_add(1);
         b.rt_sum_us = b.rt_sum_us.saturating_add(rt);
@@ -372,6 +446,36 @@ impl Adaptive {
         w.in_flight() == 0
             && !self.cooling(&w, now_ns)
             && w.buckets.iter().take(self.buckets).all(|b| b.passed == 0)
+    }
+}
+
+/// A time in a window's 32-bit fields: milliseconds, wrapping every 49 days (only differences
+/// of seconds are ever taken); never 0, which means "none".
+fn stamp(now_ns: u64) -> u32 {
+    ((now_ns / 1_000_000) as u32).max(1)
+}
+
+/// Milliseconds since `t` (a [`stamp`]; 0 if `t` is later: workers read the clock at slightly
+/// different moments); `None` for none.
+fn ms_since(now_ns: u64, t: u32) -> Option<u64> {
+    (t != 0).then(|| match stamp(now_ns).wrapping_sub(t) {
+        d if d >= 1 << 31 => 0,
+        d => u64::from(d),
+    })
+}
+
+/// Milliseconds until `t` (a [`stamp`]), negative once it passed.
+fn ms_until(now_ns: u64, t: u32) -> i64 {
+    i64::from(t.wrapping_sub(stamp(now_ns)) as i32)
+}
+
+/// ⌈√n⌉.
+fn ceil_sqrt(n: u64) -> u64 {
+    let r = n.isqrt();
+    if r * r < n {
+        r + 1
+    } else {
+        r
     }
 }
 
@@ -424,6 +528,11 @@ impl Window {
         out[84..88].copy_from_slice(&self.floors[1].to_le_bytes());
         out[88..96].copy_from_slice(&self.cpu_ns.to_le_bytes());
         out[96..96 + FLOWS].copy_from_slice(&self.flow_levels);
+        let at = 96 + FLOWS;
+        out[at..at + 4].copy_from_slice(&self.hot.to_le_bytes());
+        out[at + 4..at + 8].copy_from_slice(&self.confirmed.to_le_bytes());
+        out[at + 8..at + 12].copy_from_slice(&self.probe_until.to_le_bytes());
+        out[at + 12..at + 16].copy_from_slice(&self.probe_floor.to_le_bytes());
         for (i, n) in self.in_flight.iter().enumerate() {
             out[24 + i * 4..28 + i * 4].copy_from_slice(&n.to_le_bytes());
         }
@@ -455,6 +564,10 @@ impl Window {
             floor_period: u64_at(72),
             floors: [u32_at(80), u32_at(84)],
             cpu_ns: u64_at(88),
+            hot: u32_at(96 + FLOWS),
+            confirmed: u32_at(96 + FLOWS + 4),
+            probe_until: u32_at(96 + FLOWS + 8),
+            probe_floor: u32_at(96 + FLOWS + 12),
             flow_levels: {
                 let mut levels = [0; FLOWS];
                 levels.copy_from_slice(&bytes[96..96 + FLOWS]);
@@ -563,7 +676,8 @@ mod tests {
             w = a.complete(&w, now, Seat::default(), 100_000, None);
         }
         assert_eq!(w.in_flight(), 0);
-        for _ in 0..20 {
+        // Capacity 20 and a headroom of ⌈√20⌉ = 5.
+        for _ in 0..25 {
             w = admitted(&a, &w, now);
         }
         assert!(a.overloaded(&w, now));
@@ -609,12 +723,12 @@ mod tests {
     }
 
     #[test]
-    fn the_cool_down_keeps_the_capacity_measured_while_overloaded_and_each_refusal_extends_it() {
+    fn the_cool_down_keeps_the_capacity_measured_while_overloaded() {
         let a = latency();
         let mut w = overloaded_window(&a);
         let now = 1_000 * MS;
-        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 20);
-        assert_eq!((w.latched, w.refused_ns), (20, now));
+        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 25);
+        assert_eq!((w.latched, w.refused_ns, w.hot), (20, now, stamp(now)));
         // The next second the upstream is quick again but passes half as many (lower levels
         // held back): its own estimate would be 10.
         let mut calm = a.advance(&w, now);
@@ -632,17 +746,18 @@ mod tests {
         assert_eq!(a.capacity(&calm).map(|c| c.0), Some(10));
         assert!(!a.hot(&calm));
         let t = now + 900 * MS;
-        calm.in_flight = [15, 0, 0, 0];
+        calm.in_flight = [20, 0, 0, 0];
         assert!(matches!(
             a.admit(&calm, t, Seat::default(), MILLI),
             Admission::Admit(_)
         ));
-        calm.in_flight = [20, 0, 0, 0];
+        calm.in_flight = [25, 0, 0, 0];
         let Admission::Refuse(after) = a.admit(&calm, t, Seat::default(), MILLI) else {
-            panic!("admitted past the capacity in the cool-down")
+            panic!("admitted past the latched capacity in the cool-down")
         };
         assert_eq!((after.latched, after.refused_ns), (20, t));
-        // One cool-down after the last refusal, with the signal off, everything goes again.
+        // With the latency signal a refusal extends the cool-down (shedding keeps the answers
+        // quick); one cool-down after the last one, everything goes again.
         assert!(matches!(
             a.admit(&after, t + 900 * MS, Seat::default(), MILLI),
             Admission::Refuse(_)
@@ -654,18 +769,174 @@ mod tests {
     }
 
     #[test]
+    fn with_the_cpu_signal_the_cool_down_ends_one_cool_down_after_the_signal_whatever_refuses() {
+        let a = cpu();
+        // 1 000/s at 20 ms: capacity 20; the upstream reports 95% CPU.
+        let mut w = steady(&a, Window::default(), 0, 1_000, 20_000, Some(950));
+        let now = 1_000 * MS;
+        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 25);
+        // Then it scales out: it reports 40% (the average falls below the threshold within a
+        // few answers), and requests keep coming faster than the estimate.
+        for _ in 0..20 {
+            w = a.complete(&w, now, Seat::default(), 20_000, Some(400));
+        }
+        assert!(!a.hot(&w));
+        w.in_flight = [25, 0, 0, 0];
+        // Within the cool-down of the signal: still refused, and the refusals do not extend it.
+        let mut t = now + 100 * MS;
+        while t < now + 990 * MS {
+            w = match a.admit(&w, t, Seat::default(), MILLI) {
+                Admission::Refuse(next) => next,
+                Admission::Admit(_) => panic!("admitted within the cool-down at {t}"),
+            };
+            // Reports keep saying 40%.
+            w = a.complete(
+                &a.occupy(&w, t, Seat::default()),
+                t,
+                Seat::default(),
+                20_000,
+                Some(400),
+            );
+            t += 10 * MS;
+        }
+        // One cool-down after the signal was last on: admitted, however many were refused.
+        assert!(matches!(
+            a.admit(&w, now + 1_001 * MS, Seat::default(), MILLI),
+            Admission::Admit(_)
+        ));
+    }
+
+    /// An upstream serving `slots` requests at once, each for the service time the run gives it
+    /// at its start; more wait in line. One request arrives every `gap` ns from `from` to `to`;
+    /// the limiter decides each. Per 100 ms: requests answered and their slowest response time
+    /// (µs), the estimate, the minimum response time.
+    struct Upstream {
+        slots: Vec<u64>,
+        /// (answered at, response time µs) of requests in flight.
+        pending: Vec<(u64, u64)>,
+    }
+
+    #[derive(Debug, Default, Clone, Copy)]
+    struct Tick {
+        answered: u64,
+        slowest_us: u64,
+        estimate: u64,
+        min_rt_us: u64,
+    }
+
+    impl Upstream {
+        fn new(slots: usize) -> Self {
+            Self {
+                slots: vec![0; slots],
+                pending: Vec::new(),
+            }
+        }
+
+        fn run(
+            &mut self,
+            a: &Adaptive,
+            mut w: Window,
+            (from, to, gap): (u64, u64, u64),
+            service_ns: impl Fn(u64) -> u64,
+        ) -> (Window, Vec<Tick>) {
+            let mut ticks = vec![Tick::default(); ((to - from) / (100 * MS)) as usize + 1];
+            let mut t = from;
+            while t < to {
+                self.pending.sort_unstable();
+                while let Some(&(at, rt_us)) = self.pending.first().filter(|p| p.0 <= t) {
+                    self.pending.remove(0);
+                    w = a.complete(&w, at, Seat::default(), rt_us, None);
+                    let tick = &mut ticks[((at - from) / (100 * MS)) as usize];
+                    tick.answered += 1;
+                    tick.slowest_us = tick.slowest_us.max(rt_us);
+                }
+                if let Admission::Admit(next) = a.admit(&w, t, Seat::default(), MILLI) {
+                    w = next;
+                    let slot = (0..self.slots.len())
+                        .min_by_key(|&i| self.slots[i])
+                        .unwrap();
+                    let start = self.slots[slot].max(t);
+                    let done = start + service_ns(start);
+                    self.slots[slot] = done;
+                    self.pending.push((done, (done - t) / 1_000));
+                } else if let Admission::Refuse(next) = a.admit(&w, t, Seat::default(), MILLI) {
+                    w = next;
+                }
+                let tick = &mut ticks[((t - from) / (100 * MS)) as usize];
+                tick.estimate = a.capacity(&w).map_or(0, |c| c.0);
+                tick.min_rt_us = a.capacity(&w).map_or(0, |c| c.1);
+                t += gap;
+            }
+            (w, ticks)
+        }
+    }
+
+    /// Answered per second and the slowest response time (ms) over `ticks[from..to]`.
+    fn over(ticks: &[Tick], from: usize, to: usize) -> (f64, u64) {
+        let span = &ticks[from..to];
+        let answered: u64 = span.iter().map(|t| t.answered).sum();
+        let slowest = span.iter().map(|t| t.slowest_us).max().unwrap_or(0);
+        (answered as f64 * 10.0 / span.len() as f64, slowest / 1_000)
+    }
+
+    #[test]
+    fn a_slower_and_then_faster_upstream_is_followed_within_seconds() {
+        let a = latency();
+        // 10 at once, 50 ms each (200/s), offered 300/s; at 5 s the service time doubles
+        // (100/s), at 15 s it is back to 50 ms.
+        let mut up = Upstream::new(10);
+        let service = |t: u64| {
+            if (5_000..15_000).contains(&(t / MS)) {
+                100 * MS
+            } else {
+                50 * MS
+            }
+        };
+        let (_, ticks) = up.run(&a, Window::default(), (0, 25_000 * MS, 3_333_333), service);
+        let (before, _) = over(&ticks, 30, 50);
+        assert!(before >= 190.0, "{before}/s before: {:?}", &ticks[30..50]);
+        // From 3 s after each change: goodput within 20% of the new capacity, and no queue
+        // (the slowest answer within twice the new service time).
+        let (slow, slowest) = over(&ticks, 80, 150);
+        assert!(slow >= 80.0, "{slow}/s while slow: {:?}", &ticks[50..90]);
+        assert!(
+            slowest <= 200,
+            "{slowest} ms while slow: {:?}",
+            &ticks[50..90]
+        );
+        let (fast, slowest) = over(&ticks, 180, 250);
+        assert!(
+            fast >= 160.0,
+            "{fast}/s when fast again: {:?}",
+            &ticks[150..190]
+        );
+        assert!(
+            slowest <= 100,
+            "{slowest} ms when fast again: {:?}",
+            &ticks[150..190]
+        );
+        // The minimum follows the service time.
+        assert_eq!(ticks[140].min_rt_us / 1_000, 100, "{:?}", &ticks[50..150]);
+        assert_eq!(ticks[240].min_rt_us / 1_000, 50);
+    }
+
+    #[test]
     fn a_standing_queue_does_not_pass_for_the_service_time() {
         let a = latency();
-        // 20 ms of service, then a queue that makes every answer take 100 ms for two seconds.
-        let w = steady(&a, Window::default(), 0, 1_000, 20_000, None);
-        let w = steady(&a, w, 1_000 * MS, 2_000, 100_000, None);
-        assert_eq!(a.capacity(&w), Some((20, 20_000)));
-        assert!(a.hot(&w));
-        // Minimums are remembered one to two periods (10 s here).
-        let w = steady(&a, w, 3_000 * MS, 9_000, 100_000, None);
-        assert_eq!(a.capacity(&w).map(|c| c.1), Some(20_000));
-        let w = steady(&a, w, 12_000 * MS, 9_000, 100_000, None);
-        assert_eq!(a.capacity(&w).map(|c| c.1), Some(100_000));
+        // 10 at once, 50 ms each (200/s): warm at 100/s, then 400/s for 20 s. The queue that
+        // forms before the signal comes on is drained and the minimum stays the service time.
+        let mut up = Upstream::new(10);
+        let (w, _) = up.run(&a, Window::default(), (0, 2_000 * MS, 10 * MS), |_| 50 * MS);
+        let (_, ticks) = up.run(&a, w, (2_000 * MS, 22_000 * MS, 2_500_000), |_| 50 * MS);
+        assert!(
+            ticks
+                .iter()
+                .all(|t| t.min_rt_us == 0 || t.min_rt_us <= 60_000),
+            "{ticks:?}"
+        );
+        let (goodput, slowest) = over(&ticks, 50, 200);
+        assert!(goodput >= 180.0, "{goodput}/s");
+        assert!(slowest <= 150, "{slowest} ms");
     }
 
     #[test]
@@ -681,15 +952,16 @@ mod tests {
             level: 3,
             flow: None,
         };
-        assert_eq!(fill(&a, &mut w, now, low, 600), 12);
+        // Capacity 20 with its headroom: 25; the low level's share of it: 15.
+        assert_eq!(fill(&a, &mut w, now, low, 600), 15);
         // The highest level counts only itself: it may use the whole capacity (the low
         // requests in flight end and are not replaced).
-        assert_eq!(fill(&a, &mut w, now, high, MILLI), 20);
+        assert_eq!(fill(&a, &mut w, now, high, MILLI), 25);
         w = a.abandon(&w, now, high);
-        for _ in 0..10 {
+        for _ in 0..13 {
             w = a.abandon(&w, now, low);
         }
-        // 2 low and 19 high in flight: room for a high request, not for a low one.
+        // 2 low and 24 high in flight: room for a high request, not for a low one.
         assert!(matches!(a.admit(&w, now, low, 600), Admission::Refuse(_)));
         assert!(matches!(a.admit(&w, now, high, MILLI), Admission::Admit(_)));
     }
@@ -703,19 +975,22 @@ mod tests {
             level: 0,
             flow: Some(f),
         };
-        // Alone, a flow may use the whole allowance.
-        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 20);
-        for _ in 0..12 {
+        // Alone, a flow may use the whole allowance (20 and its headroom).
+        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 25);
+        for _ in 0..17 {
             w = a.abandon(&w, now, seat(1));
         }
-        // With a second flow in flight, each may hold half.
-        assert_eq!(fill(&a, &mut w, now, seat(2), MILLI), 10);
+        // With a second flow in flight, each may hold half (13 of 25).
+        assert_eq!(fill(&a, &mut w, now, seat(2), MILLI), 13);
         assert!(matches!(
             a.admit(&w, now, seat(1), MILLI),
             Admission::Admit(_)
         ));
-        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 2);
-        assert_eq!(w.flows[1], 10);
+        let more = fill(&a, &mut w, now, seat(1), MILLI);
+        assert_eq!(
+            (more, w.flows[1], w.flows[2], w.in_flight()),
+            (4, 12, 13, 25)
+        );
     }
 
     #[test]
@@ -723,7 +998,7 @@ mod tests {
         let a = latency();
         let mut w = overloaded_window(&a);
         let now = 1_000 * MS;
-        // 6 of the 20 held by a flow of a higher level: the default level's two flows share 14
+        // 6 of the 25 held by a flow of a higher level: the default level's two flows share 19
         // (its share, 1.0 here, less what is above it).
         let high = Seat {
             level: 3,
@@ -737,8 +1012,9 @@ mod tests {
             flow: Some(f),
         };
         w = a.occupy(&w, now, low(2));
-        assert_eq!(fill(&a, &mut w, now, low(1), MILLI), 7);
-        assert_eq!(fill(&a, &mut w, now, low(2), MILLI), 6);
+        // 25 with the headroom: the two flows share 19.
+        assert_eq!(fill(&a, &mut w, now, low(1), MILLI), 10);
+        assert_eq!(fill(&a, &mut w, now, low(2), MILLI), 8);
     }
 
     #[test]
@@ -770,8 +1046,9 @@ mod tests {
         // Reports of a calm CPU: not overloaded, however slow.
         let w = steady(&a, w, 1_300 * MS, 300, 100_000, Some(300));
         assert!(!a.hot(&w));
-        // The reports stop for longer than the window: latency again.
-        let w = steady(&a, w, 2_700 * MS, 300, 100_000, None);
+        // The reports stop for longer than the window: latency again (until a probe of the
+        // minimum, 200 ms in, finds these answers are the service time now).
+        let w = steady(&a, w, 2_700 * MS, 150, 100_000, None);
         assert!(a.hot(&w));
     }
 

@@ -225,6 +225,45 @@ impl Config {
             .flat_map(|rule| rule.quotas().map(move |q| (rule, q)))
     }
 
+    /// What the configuration asks for that cannot take effect, or weakens what it sets up: one
+    /// line each, logged when it loads and printed by `tollgate check`.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self
+            .quota_service
+            .as_ref()
+            .is_some_and(|q| q.key_secret.is_none())
+        {
+            out.push(
+                "quota_service.key_secret is not set: the key hashes sent to the quota service \
+                 are the same in every deployment (set one secret on all proxies)"
+                    .to_owned(),
+            );
+        }
+        for (i, rule) in self.rules.iter().enumerate() {
+            let cpu = rule.guard.as_ref().and_then(|g| match &g.kind {
+                super::overload::GuardKind::Adaptive { estimator, .. } => estimator.signal().cpu,
+                _ => None,
+            });
+            if let Some(cpu) = cpu.filter(|c| c.threshold >= tollgate_core::adaptive::MILLI) {
+                out.push(format!(
+                    "rules[{i}].adaptive.cpu.threshold is {}: the CPU signal comes on only if \
+                     the upstream reports more than that (utilisation is at most 1 in ORCA's \
+                     reports)",
+                    cpu.threshold as f64 / 1_000.0
+                ));
+            }
+        }
+        if !self.priorities.classes.is_empty() && !self.rules.iter().any(|r| r.guard.is_some()) {
+            out.push(
+                "priorities are set but no rule is an overload rule (\"adaptive\" or \
+                 \"sre_throttle\"): they have no effect"
+                    .to_owned(),
+            );
+        }
+        out
+    }
+
     /// One line for the log: every rule and its limit.
     pub fn summary(&self) -> String {
         let rules: Vec<String> = self
