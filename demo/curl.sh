@@ -82,8 +82,9 @@ for base in "$URL" "$URL" "$URL_B" "$URL_B"; do
   curl -sS --max-time 10 -o /dev/null -w "    %{http_code} from $base\n" "$base/reports/q3" &
 done
 wait
-echo "   (when they end, their slots are free again; a proxy that dies loses its slots after"
-echo "   the quota service's lease term)"
+echo "   (when they end, their slots are free again here at once; the quota service hears of it"
+echo "   at the next renewal, so its slots_held below may still count them; a proxy that dies"
+echo "   loses its slots after the quota service's lease term)"
 
 bold "8. Metrics, per rule, at $ADMIN/stats/prometheus (and $ADMIN_B for B)"
 curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)' | sed 's/^/    A /'

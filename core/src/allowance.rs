@@ -1,8 +1,9 @@
 //! A global rule's local allowance: a lease from the quota service, spent here with CAS.
 //!
 //! A lease is tokens granted outright plus, for a rate lease, a share of the global refill rate
-//! that accrues here from the grant until the lease ends. State (32 bytes): tokens granted
-//! (carried over, granted, and accrual frozen by a failure), tokens spent since the grant (with
+//! that accrues here from the grant until the lease ends. State (32 bytes): tokens granted, in
+//! 64ths (carried over with what accrued of the lease before, to the 64th of a token: a low rate
+//! renewed often loses nothing; and accrual frozen by a failure), tokens spent since the grant (with
 //! two flags: the lease ran dry; its rate was capped by fairness), the global bucket's remaining
 //! tokens as last reported, the rate (milli-tokens per second), the grant's time (`base`, ms),
 //! the lease's end and a mark, both as ms after `base`. The mark is a refill in flight (claimed
@@ -34,6 +35,8 @@ const ANSWERED: u32 = 1 << 28;
 const FAILING: u32 = 1 << 27;
 const FLAGS: u32 = RAN_DRY | CAPPED | DENIED | ANSWERED | FAILING;
 const SPENT: u32 = FAILING - 1;
+/// Granted tokens are kept in these parts of a token.
+const UNIT: u64 = 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseAllowance {
@@ -89,6 +92,7 @@ pub struct Grant {
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Parts {
+    /// In [`UNIT`]s of a token.
     granted: u64,
     spent: u64,
     flags: u32,
@@ -152,21 +156,27 @@ impl Parts {
         (self.mark != 0 && self.mark_flags == 0).then(|| self.mark.saturating_sub(claim_ms))
     }
 
-    /// Tokens accrued from the rate until `end` (never past the lease's end).
+    /// What accrued from the rate until `end` (never past the lease's end), in [`UNIT`]s.
     fn accrued(&self, end_ms: u64) -> u64 {
         let ms = end_ms.min(self.until).saturating_sub(self.base);
-        u64::try_from(u128::from(self.rate) * u128::from(ms) / 1_000_000).unwrap_or(u64::MAX)
+        let units = u128::from(self.rate) * u128::from(ms) * u128::from(UNIT) / 1_000_000;
+        u64::try_from(units).unwrap_or(u64::MAX)
     }
 
-    /// Tokens that may be spent now.
+    /// Granted and accrued until `end`, less what was spent, in [`UNIT`]s.
+    fn held_units(&self, end_ms: u64) -> u64 {
+        self.granted
+            .saturating_add(self.accrued(end_ms))
+            .saturating_sub(self.spent.saturating_mul(UNIT))
+    }
+
+    /// Whole tokens that may be spent now.
     fn available(&self, now_ms: u64, claim_ms: u64) -> u64 {
         if !self.live(now_ms) {
             return 0;
         }
         let end = self.claim_at(claim_ms).map_or(now_ms, |c| c.min(now_ms));
-        self.granted
-            .saturating_add(self.accrued(end))
-            .saturating_sub(self.spent)
+        self.held_units(end) / UNIT
     }
 
     /// Write a mark at `mark` (absolute ms); a key without a live lease starts afresh, keeping
@@ -265,8 +275,11 @@ impl LeaseAllowance {
             // left: refused now, not held. Enough accrues after `wait` (unless the lease ends
             // first, or a renewal changes the rate). A lease that was not capped, or whose bucket
             // still has tokens, asks for more instead (below).
-            let accrual_needed = u128::from((p.spent + cost).saturating_sub(p.granted)) * 1_000_000;
-            let after_base = accrual_needed.div_ceil(u128::from(p.rate));
+            let needed = (p.spent + cost)
+                .saturating_mul(UNIT)
+                .saturating_sub(p.granted);
+            let after_base =
+                (u128::from(needed) * 1_000_000).div_ceil(u128::from(p.rate) * u128::from(UNIT));
             let at = u64::try_from(after_base).map_or(u64::MAX, |ms| p.base.saturating_add(ms));
             let wait_ns = at
                 .saturating_sub(now_ms)
@@ -292,7 +305,15 @@ impl LeaseAllowance {
         // Exhausted until the mark; or the last answer had nothing for this key and the next is
         // on its way: refuse rather than hold requests for what is most likely nothing again.
         if marked && (p.mark_flags & EXHAUSTED != 0 || p.flags & DENIED != 0) {
-            let wait = (p.mark - now_ms).saturating_mul(1_000_000);
+            // This proxy asks again at the mark (a share may free up sooner); the client is told
+            // when a token can be back in the global bucket at the earliest, by the answer.
+            let token_back_ms = p
+                .base
+                .saturating_add(self.global_interval_ns.div_ceil(1_000_000))
+                .saturating_sub(now_ms);
+            let wait = (p.mark - now_ms)
+                .max(token_back_ms)
+                .saturating_mul(1_000_000);
             return Decision::Deny {
                 retry_after_ns: wait,
                 remaining: available,
@@ -372,9 +393,7 @@ impl LeaseAllowance {
     pub fn grant(&self, state: &State, now_ms: u64, g: &Grant) -> State {
         let p = parts(state);
         let carried = if p.live(now_ms) {
-            p.granted
-                .saturating_add(p.accrued(g.claimed_ms.min(now_ms)))
-                .saturating_sub(p.spent)
+            p.held_units(g.claimed_ms.min(now_ms))
         } else {
             0
         };
@@ -384,7 +403,7 @@ impl LeaseAllowance {
             && (g.rate_mtps < g.asked.demand_mtps || g.asked.demand_mtps >= self.global_rate_mtps);
         let until = g.claimed_ms.saturating_add(g.ttl_ms);
         encode(&Parts {
-            granted: carried.saturating_add(g.tokens),
+            granted: carried.saturating_add(g.tokens.saturating_mul(UNIT)),
             spent: 0,
             flags: ANSWERED
                 | if nothing { RAN_DRY | DENIED } else { 0 }
@@ -429,7 +448,9 @@ impl LeaseAllowance {
         if p.spent >= cost {
             p.spent -= cost;
         } else {
-            p.granted = p.granted.saturating_add(cost - p.spent);
+            p.granted = p
+                .granted
+                .saturating_add((cost - p.spent).saturating_mul(UNIT));
             p.spent = 0;
         }
         encode(&p)
@@ -707,6 +728,34 @@ mod tests {
             s = allowed(&l, &s, T0);
         }
         assert!(matches!(l.decide(&s, T0 * MS, 1), Decision::Deny { .. }));
+    }
+
+    #[test]
+    fn a_low_rate_renewed_every_eighth_of_its_term_accrues_whole_tokens() {
+        let l = lease();
+        // A share of 0.05 per second (one token per 20 s), capped by fairness: renewed every
+        // eighth of a 10 s lease, 0.0625 tokens accrued each time. Over 60 s: 3 tokens.
+        let rated = |at: u64| {
+            let mut g = grant(0, 50, at, 10_000);
+            g.asked.demand_mtps = 100;
+            g
+        };
+        let mut s = l.grant(&[0; STATE_BYTES], T0, &rated(T0));
+        let mut admitted = 0;
+        let mut t = T0;
+        while t < T0 + 60_000 {
+            t += 250;
+            if let Decision::Allow { state, .. } = l.decide(&s, t * MS, 1) {
+                admitted += 1;
+                s = state;
+            }
+            // Renewed (and answered at once) every 1.25 s.
+            let p = parts(&s);
+            if t >= p.base + 1_250 {
+                s = l.grant(&s, t, &rated(t));
+            }
+        }
+        assert_eq!(admitted, 3);
     }
 
     #[test]

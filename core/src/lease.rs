@@ -172,6 +172,10 @@ pub(crate) fn call_problem<I>(
         .find_map(|(i, item)| problem(item).map(|p| format!("items[{i}]: {p}")))
 }
 
+/// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in
+/// milli-tokens per second × ms).
+pub const MIN_RESERVED_MTPS_MS: u128 = 2 * 1_000_000;
+
 /// Milli-tokens per second: the unit rate shares are divided in (whole numbers, so that the
 /// memory and Redis stores round alike).
 pub fn rate_mtps(requests: u64, per_ms: u64) -> u64 {
@@ -374,6 +378,14 @@ impl GlobalBucket {
         let share = demand
             .min(fair_rate)
             .min(rate_mtps.saturating_sub(reserved));
+        // A share that cannot accrue a few tokens within the lease is no share: what accrues
+        // is lost at the lease's end. The bucket refills by it instead, and the instance asks
+        // for its tokens (`retry_ms` says when one comes).
+        let share = if u128::from(share) * u128::from(ttl_ms) < MIN_RESERVED_MTPS_MS {
+            0
+        } else {
+            share
+        };
 
         let available = self.tokens.floor().max(0.0) as u64;
         let granted = item.wanted.min(fair_tokens).min(available);

@@ -154,6 +154,8 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     if U[i] > now then held = held + S[i] end
   end
   local share = min(demand, fair_rate, max(rate_mtps - held, 0))
+  -- A share that cannot accrue two tokens within the lease is none (MIN_RESERVED_MTPS_MS).
+  if share * ttl < 2000000 then share = 0 end
 
   local available = max(floor(tokens), 0)
   local granted = min(wanted, fair_tokens, available)

@@ -898,46 +898,64 @@ fn ureq_get(port: u16, path: &str) -> String {
         .unwrap_or_default()
 }
 
-/// A lease call on a kept-alive connection (opened if `conn` has none): its status and time.
+/// A lease call on a kept-alive connection (opened if `conn` has none): its status and time. As
+/// a proxy does, a kept-alive connection the service closed meanwhile (its idle timeout) is
+/// replaced once by a new one.
 fn keep_alive_call(port: u16, conn: &mut Option<std::net::TcpStream>) -> (u16, Duration) {
-    use std::io::{BufRead, BufReader, Read, Write};
     let started = Instant::now();
-    let s = conn.get_or_insert_with(|| {
-        let s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.set_nodelay(true).unwrap();
-        s
-    });
+    let reused = conn.is_some();
+    match call_on(port, conn) {
+        Ok(code) => (code, started.elapsed()),
+        Err(_) if reused => {
+            *conn = None;
+            let code = call_on(port, conn).unwrap_or_else(|e| panic!("on a new connection: {e}"));
+            (code, started.elapsed())
+        }
+        Err(e) => panic!("on a new connection: {e}"),
+    }
+}
+
+fn call_on(port: u16, conn: &mut Option<std::net::TcpStream>) -> std::io::Result<u16> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    if conn.is_none() {
+        let s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        s.set_nodelay(true)?;
+        *conn = Some(s);
+    }
+    let Some(s) = conn.as_mut() else {
+        unreachable!()
+    };
     let body = lease_body("proxy", vec![item("k", 1_000_000, 1)]);
     write!(
         s,
         "POST /v1/lease HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
          content-length: {}\r\n\r\n{body}",
         body.len()
-    )
-    .unwrap();
-    let mut reader = BufReader::new(s.try_clone().unwrap());
+    )?;
+    let mut reader = BufReader::new(s.try_clone()?);
     let mut status = String::new();
-    reader.read_line(&mut status).unwrap();
+    if reader.read_line(&mut status)? == 0 {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     let mut length = 0;
     loop {
         let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
+        reader.read_line(&mut line)?;
         if line == "\r\n" || line.is_empty() {
             break;
         }
         if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-            length = v.trim().parse().unwrap();
+            length = v.trim().parse().unwrap_or(0);
         }
     }
     let mut body = vec![0; length];
-    reader.read_exact(&mut body).unwrap();
-    let code = status
+    reader.read_exact(&mut body)?;
+    Ok(status
         .split(' ')
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (code, started.elapsed())
+        .unwrap_or(0))
 }
 
 #[test]
