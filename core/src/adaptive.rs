@@ -347,11 +347,15 @@ impl Adaptive {
             } else {
                 measured.max(Some(u64::from(next.latched)).filter(|&c| c > 0))
             };
-            // A probe admits half the estimate: no queue can stand while it measures. Else the
-            // estimate and a headroom of its square root, so that the estimate can grow.
+            // A probe admits half the estimate: no queue can stand while it measures. While the
+            // signal is on, the estimate; in the cool-down, with a headroom of its square root,
+            // so that an estimate the limit held low can grow (an upstream with room answers
+            // the more without a queue, and the estimate follows).
             let cap = estimate.map(|c| {
                 if Self::probing(&next, now_ns) {
                     (c / 2).max(1)
+                } else if hot {
+                    c
                 } else {
                     c.saturating_add(ceil_sqrt(c))
                 }
@@ -676,8 +680,8 @@ mod tests {
             w = a.complete(&w, now, Seat::default(), 100_000, None);
         }
         assert_eq!(w.in_flight(), 0);
-        // Capacity 20 and a headroom of ⌈√20⌉ = 5.
-        for _ in 0..25 {
+        // Capacity 20 (while the signal is on, no headroom).
+        for _ in 0..20 {
             w = admitted(&a, &w, now);
         }
         assert!(a.overloaded(&w, now));
@@ -727,7 +731,7 @@ mod tests {
         let a = latency();
         let mut w = overloaded_window(&a);
         let now = 1_000 * MS;
-        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 25);
+        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 20);
         assert_eq!((w.latched, w.refused_ns, w.hot), (20, now, stamp(now)));
         // The next second the upstream is quick again but passes half as many (lower levels
         // held back): its own estimate would be 10.
@@ -751,9 +755,10 @@ mod tests {
             a.admit(&calm, t, Seat::default(), MILLI),
             Admission::Admit(_)
         ));
+        // In the cool-down: the latched 20 and a headroom of ⌈√20⌉ = 5.
         calm.in_flight = [25, 0, 0, 0];
         let Admission::Refuse(after) = a.admit(&calm, t, Seat::default(), MILLI) else {
-            panic!("admitted past the latched capacity in the cool-down")
+            panic!("admitted past the latched capacity and its headroom in the cool-down")
         };
         assert_eq!((after.latched, after.refused_ns), (20, t));
         // With the latency signal a refusal extends the cool-down (shedding keeps the answers
@@ -774,7 +779,7 @@ mod tests {
         // 1 000/s at 20 ms: capacity 20; the upstream reports 95% CPU.
         let mut w = steady(&a, Window::default(), 0, 1_000, 20_000, Some(950));
         let now = 1_000 * MS;
-        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 25);
+        assert_eq!(fill(&a, &mut w, now, Seat::default(), MILLI), 20);
         // Then it scales out: it reports 40% (the average falls below the threshold within a
         // few answers), and requests keep coming faster than the estimate.
         for _ in 0..20 {
@@ -952,16 +957,15 @@ mod tests {
             level: 3,
             flow: None,
         };
-        // Capacity 20 with its headroom: 25; the low level's share of it: 15.
-        assert_eq!(fill(&a, &mut w, now, low, 600), 15);
+        assert_eq!(fill(&a, &mut w, now, low, 600), 12);
         // The highest level counts only itself: it may use the whole capacity (the low
         // requests in flight end and are not replaced).
-        assert_eq!(fill(&a, &mut w, now, high, MILLI), 25);
+        assert_eq!(fill(&a, &mut w, now, high, MILLI), 20);
         w = a.abandon(&w, now, high);
-        for _ in 0..13 {
+        for _ in 0..10 {
             w = a.abandon(&w, now, low);
         }
-        // 2 low and 24 high in flight: room for a high request, not for a low one.
+        // 2 low and 19 high in flight: room for a high request, not for a low one.
         assert!(matches!(a.admit(&w, now, low, 600), Admission::Refuse(_)));
         assert!(matches!(a.admit(&w, now, high, MILLI), Admission::Admit(_)));
     }
@@ -975,22 +979,19 @@ mod tests {
             level: 0,
             flow: Some(f),
         };
-        // Alone, a flow may use the whole allowance (20 and its headroom).
-        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 25);
-        for _ in 0..17 {
+        // Alone, a flow may use the whole allowance.
+        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 20);
+        for _ in 0..12 {
             w = a.abandon(&w, now, seat(1));
         }
-        // With a second flow in flight, each may hold half (13 of 25).
-        assert_eq!(fill(&a, &mut w, now, seat(2), MILLI), 13);
+        // With a second flow in flight, each may hold half.
+        assert_eq!(fill(&a, &mut w, now, seat(2), MILLI), 10);
         assert!(matches!(
             a.admit(&w, now, seat(1), MILLI),
             Admission::Admit(_)
         ));
-        let more = fill(&a, &mut w, now, seat(1), MILLI);
-        assert_eq!(
-            (more, w.flows[1], w.flows[2], w.in_flight()),
-            (4, 12, 13, 25)
-        );
+        assert_eq!(fill(&a, &mut w, now, seat(1), MILLI), 2);
+        assert_eq!(w.flows[1], 10);
     }
 
     #[test]
@@ -998,7 +999,7 @@ mod tests {
         let a = latency();
         let mut w = overloaded_window(&a);
         let now = 1_000 * MS;
-        // 6 of the 25 held by a flow of a higher level: the default level's two flows share 19
+        // 6 of the 20 held by a flow of a higher level: the default level's two flows share 14
         // (its share, 1.0 here, less what is above it).
         let high = Seat {
             level: 3,
@@ -1012,9 +1013,8 @@ mod tests {
             flow: Some(f),
         };
         w = a.occupy(&w, now, low(2));
-        // 25 with the headroom: the two flows share 19.
-        assert_eq!(fill(&a, &mut w, now, low(1), MILLI), 10);
-        assert_eq!(fill(&a, &mut w, now, low(2), MILLI), 8);
+        assert_eq!(fill(&a, &mut w, now, low(1), MILLI), 7);
+        assert_eq!(fill(&a, &mut w, now, low(2), MILLI), 6);
     }
 
     #[test]

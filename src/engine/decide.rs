@@ -5,7 +5,7 @@ use super::{quota_of, saturating_i64, Admitted, CheckInput, Engine, QuotaRef, Re
 use crate::config::Config;
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::RuleStat;
-use log::{debug, info};
+use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::limiter::INLINE_RULES;
 use tollgate_core::{
@@ -190,11 +190,7 @@ impl Engine {
                     if input.enforced {
                         self.stats.bump(rule, RuleStat::Limited);
                     } else {
-                        self.stats.bump(rule, RuleStat::DryRunLimited);
-                        info!(
-                            "dry run: rule {} would reject (key {:016x})",
-                            self.config.rules[rule].name, input.slot.tag
-                        );
+                        self.would_refuse(rule);
                     }
                     (remaining, retry_after_secs(retry_after_ns))
                 }

@@ -6,7 +6,7 @@ use super::{Engine, Rejection};
 use crate::config::{CpuHeader, GuardKind, MissingKey, Rule, DEFAULT_LEVEL};
 use crate::request::{Request, RequestView};
 use crate::stats::RuleStat;
-use log::{debug, info};
+use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::adaptive::{self, Adaptive, Admission, Window, FLOWS, MILLI};
 use tollgate_core::limiter::MAX_CAS_ATTEMPTS;
@@ -178,6 +178,7 @@ impl Engine {
             };
             self.stats
                 .bump(i, RuleStat::of_level(level, verdict == Verdict::Shed));
+            self.log_dry_runs(now);
             match verdict {
                 Verdict::Shed => {}
                 Verdict::Go { seated } => {
@@ -261,8 +262,7 @@ impl Engine {
         match result {
             Written::Done(true) => Verdict::Go { seated: true },
             Written::Done(false) if dry_run => {
-                self.stats.bump(i, RuleStat::DryRunLimited);
-                info!("dry run: rule {} would refuse a request", self.rule_name(i));
+                self.would_refuse(i);
                 Verdict::Go { seated: true }
             }
             Written::Done(false) => {

@@ -4,6 +4,7 @@
 //! layer only gathers what the engine asks for and carries out its answer.
 
 mod decide;
+mod dry_run;
 mod failure;
 mod guard;
 mod lease;
@@ -19,7 +20,7 @@ pub use strict::Strict;
 use crate::config::{Config, Cost, OverrideAction, Quota};
 use crate::request::{header_cost, Request, RequestView};
 use crate::stats::{ProcessStat, RuleStat, Stats};
-use log::{debug, info};
+use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::limiter::INLINE_RULES;
 use tollgate_core::slot::key_hash;
@@ -140,6 +141,7 @@ pub struct Engine {
     slot_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
     /// When the tick looks at them next (ms).
     next_slot_scan_ms: u64,
+    dry_run_log: dry_run::DryRunLog,
 }
 
 impl Engine {
@@ -156,6 +158,7 @@ impl Engine {
             guarded,
             slot_keys: rustc_hash::FxHashMap::default(),
             next_slot_scan_ms: 0,
+            dry_run_log: dry_run::DryRunLog::default(),
         }
     }
 
@@ -209,8 +212,7 @@ impl Engine {
                 Some((_, OverrideAction::Unlimited)) => continue,
                 Some((_, OverrideAction::Block)) => {
                     if rule.dry_run {
-                        self.stats.bump(i, RuleStat::DryRunLimited);
-                        info!("dry run: rule {} would block its key", rule.name);
+                        self.dry_run_log.note(&mut self.stats, i);
                         continue;
                     }
                     self.stats.bump(i, RuleStat::Blocked);
@@ -240,8 +242,7 @@ impl Engine {
             };
             if capacity.is_some_and(|c| cost > c) {
                 if rule.dry_run {
-                    self.stats.bump(i, RuleStat::DryRunLimited);
-                    info!("dry run: rule {} would refuse a cost of {cost}", rule.name);
+                    self.dry_run_log.note(&mut self.stats, i);
                     continue;
                 }
                 self.stats.bump(i, RuleStat::CostExceeded);
@@ -279,7 +280,9 @@ impl Engine {
             };
             self.record_claims(inputs, &outcome, now);
             if outcome.admitted || outcome.rejected_by.is_some() {
-                return self.conclude(inputs, &outcome);
+                let step = self.conclude(inputs, &outcome);
+                self.log_dry_runs(now);
+                return step;
             }
             match self.fall_back(inputs, &outcome, timed_out) {
                 failure::Undecided::Wait => return Step::Wait,

@@ -79,12 +79,7 @@ impl Engine {
             }
             let rule = g.which.rule();
             if !g.enforced {
-                self.stats.bump(rule, RuleStat::DryRunLimited);
-                log::info!(
-                    "dry run: rule {} would reject (key {:016x})",
-                    self.config.rules[rule].name,
-                    g.slot.tag
-                );
+                self.would_refuse(rule);
                 continue;
             }
             if refusal.is_some() {
@@ -107,6 +102,7 @@ impl Engine {
             });
         }
         if let Some(r) = refusal {
+            self.log_dry_runs(now);
             return Step::Reject(r);
         }
         for (g, grant) in globals.iter().zip(&answer.items) {
