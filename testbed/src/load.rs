@@ -34,7 +34,8 @@ pub struct Args {
     #[arg(long, default_value_t = 10.0)]
     timeout: f64,
     /// Also print the statuses of every request by when it was due, in buckets of this many
-    /// milliseconds (warm-up included): "timeline".
+    /// milliseconds (warm-up included), and the latencies of the 200s in ms ("ok_ms"):
+    /// "timeline".
     #[arg(long)]
     bucket_ms: Option<u64>,
 }
@@ -108,8 +109,8 @@ pub fn run(args: &Args) -> Result<(), String> {
     let tallies: Vec<Mutex<Tally>> = classes.iter().map(|_| Mutex::default()).collect();
     let bucket_ns = args.bucket_ms.map(|ms| ms.max(1) * 1_000_000);
     let buckets = bucket_ns.map_or(0, |b| (args.seconds * 1e9) as u64 / b + 1);
-    let timeline: Mutex<Vec<BTreeMap<String, u64>>> =
-        Mutex::new(vec![BTreeMap::new(); buckets as usize]);
+    let timeline: Mutex<Vec<(BTreeMap<String, u64>, Vec<u64>)>> =
+        Mutex::new(vec![(BTreeMap::new(), Vec::new()); buckets as usize]);
     let timeout = Duration::from_secs_f64(args.timeout);
     std::thread::scope(|s| {
         for _ in 0..args.connections.max(1) {
@@ -145,8 +146,11 @@ pub fn run(args: &Args) -> Result<(), String> {
                         let i = (due.duration_since(start).as_nanos() as u64 / b) as usize;
                         let key = result.map_or("error".to_string(), |s| s.to_string());
                         let mut tl = timeline.lock().unwrap_or_else(PoisonError::into_inner);
-                        if let Some(bucket) = tl.get_mut(i) {
-                            *bucket.entry(key).or_default() += 1;
+                        if let Some((counts, ok_ms)) = tl.get_mut(i) {
+                            *counts.entry(key).or_default() += 1;
+                            if result == Some(200) {
+                                ok_ms.push(due.elapsed().as_millis() as u64);
+                            }
                         }
                     }
                     let counted = due.duration_since(start).as_secs_f64() >= args.warmup;
@@ -186,9 +190,16 @@ pub fn run(args: &Args) -> Result<(), String> {
     }
     out.insert("all".into(), summary(all, measured));
     if bucket_ns.is_some() {
-        let tl = timeline
+        let tl: Vec<Value> = timeline
             .into_inner()
-            .unwrap_or_else(PoisonError::into_inner);
+            .unwrap_or_else(PoisonError::into_inner)
+            .into_iter()
+            .map(|(counts, ok_ms)| {
+                let mut bucket = json!(counts);
+                bucket["ok_ms"] = json!(ok_ms);
+                bucket
+            })
+            .collect();
         out.insert("timeline".into(), json!(tl));
     }
     println!("{}", Value::Object(out));

@@ -1,7 +1,9 @@
 //! An upstream with a capacity: it serves at most `capacity` requests at once for `service_ms`
 //! each and queues the rest, so its latency grows with load. It can report its "CPU" (requests
 //! at the service, queued ones included, over its capacity) and fail a share of its answers.
-//! `GET /__stats` answers the most requests it had at once, and how many it served.
+//! `GET /__stats` answers the most requests it had at once, and how many it served;
+//! `GET /__set?service_ms=N&capacity=N` changes either while it runs (a slower upstream, one
+//! that scaled out).
 
 use crate::http::{read_head, skip_body};
 use std::io::{BufReader, Write};
@@ -37,6 +39,9 @@ struct Counts {
 
 struct Service {
     args: Args,
+    /// The service time and capacity now (`/__set` changes them).
+    service_ms: AtomicU64,
+    capacity: AtomicU64,
     counts: Mutex<Counts>,
     free: Condvar,
     max_at_once: AtomicU64,
@@ -53,6 +58,8 @@ pub fn run(args: &Args) -> Result<(), String> {
             cpu_header: args.cpu_header.clone(),
             fail_percent: args.fail_percent.min(100),
         },
+        service_ms: AtomicU64::new(args.service_ms),
+        capacity: AtomicU64::new(args.capacity.max(1)),
         counts: Mutex::new(Counts::default()),
         free: Condvar::new(),
         max_at_once: AtomicU64::new(0),
@@ -85,11 +92,26 @@ impl Service {
                     "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
                     body.len()
                 )
+            } else if let Some(query) = path.strip_prefix("/__set?") {
+                for (name, value) in query.split('&').filter_map(|kv| kv.split_once('=')) {
+                    let Ok(n) = value.parse::<u64>() else {
+                        continue;
+                    };
+                    match name {
+                        "service_ms" => self.service_ms.store(n, Ordering::Relaxed),
+                        "capacity" => {
+                            self.capacity.store(n.max(1), Ordering::Relaxed);
+                            self.free.notify_all();
+                        }
+                        _ => {}
+                    }
+                }
+                "HTTP/1.1 204 No Content\r\n\r\n".to_string()
             } else {
                 let hold = head
                     .header("x-hold-ms")
                     .and_then(|v| v.parse().ok())
-                    .unwrap_or(self.args.service_ms);
+                    .unwrap_or_else(|| self.service_ms.load(Ordering::Relaxed));
                 self.serve(hold)
             };
             out.write_all(response.as_bytes())?;
@@ -99,12 +121,11 @@ impl Service {
 
     /// Wait for a free place, hold it, answer.
     fn serve(&self, hold_ms: u64) -> String {
-        let capacity = self.args.capacity;
         let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
         counts.waiting += 1;
         self.max_at_once
             .fetch_max(counts.waiting + counts.serving, Ordering::Relaxed);
-        while counts.serving >= capacity {
+        while counts.serving >= self.capacity.load(Ordering::Relaxed) {
             counts = self
                 .free
                 .wait(counts)
@@ -115,7 +136,7 @@ impl Service {
         drop(counts);
         std::thread::sleep(Duration::from_millis(hold_ms));
         let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        let load = (counts.serving + counts.waiting) * 100 / capacity;
+        let load = (counts.serving + counts.waiting) * 100 / self.capacity.load(Ordering::Relaxed);
         counts.serving -= 1;
         drop(counts);
         self.free.notify_one();

@@ -5,6 +5,7 @@
 
 use crate::harness::{load, Envoy, MachineLock, Options, Upstream};
 use serde_json::{json, Value};
+use std::time::Duration;
 
 /// The upstream: 10 at once, 50 ms each (200 requests/s).
 const CAPACITY_RPS: f64 = 200.0;
@@ -241,4 +242,125 @@ fn a_dry_run_sheds_nothing_and_counts_what_it_would_shed() {
     let would = envoy.counter("app", "dry_run_limited");
     assert!(would > 0, "{r}");
     assert_eq!(envoy.counter("app", "limited"), 0);
+}
+
+/// Change the testbed upstream's service time or capacity while it runs.
+fn set_upstream(app: &Upstream, what: &str) {
+    let reply = crate::harness::Client::new()
+        .get(&format!("http://127.0.0.1:{}/__set?{what}", app.port), &[]);
+    assert_eq!(reply.status, 204);
+}
+
+/// Over the timeline's buckets `from..to`: answers per second and the p99 response time (ms) of
+/// the 200s, from buckets of `bucket_ms`.
+fn window(timeline: &[Value], from: usize, to: usize, bucket_ms: u64) -> (f64, u64) {
+    let mut ok: Vec<u64> = timeline[from..to]
+        .iter()
+        .flat_map(|b| {
+            b["ok_ms"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+        })
+        .collect();
+    ok.sort_unstable();
+    let per_s = ok.len() as f64 * 1_000.0 / ((to - from) as u64 * bucket_ms) as f64;
+    (per_s, ok.get(ok.len() * 99 / 100).copied().unwrap_or(0))
+}
+
+#[test]
+fn a_slower_then_faster_upstream_is_followed_within_seconds() {
+    // 10 at once, 50 ms (200/s), offered 300/s. At 6 s the service time doubles (100/s), at 14 s
+    // it is back to 50 ms. From 3 s after each change: goodput within 20% of the new capacity
+    // and p99 within twice the new service time.
+    let (_turn, app, envoy) = start(
+        json!({"rules": [adaptive_rule()]}),
+        &["--capacity", "10", "--service-ms", "50"],
+    );
+    let bucket_ms = 500;
+    let r = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            load(
+                &envoy.url("/app"),
+                &["--rate", "300", "--seconds", "22", "--bucket-ms", "500"],
+            )
+        });
+        std::thread::sleep(Duration::from_secs(6));
+        set_upstream(&app, "service_ms=100");
+        std::thread::sleep(Duration::from_secs(8));
+        set_upstream(&app, "service_ms=50");
+        load.join().unwrap()
+    });
+    let timeline = r["timeline"].as_array().unwrap();
+    let per_s: Vec<String> = timeline
+        .iter()
+        .map(|b| {
+            format!(
+                "{}:{}",
+                b["200"].as_u64().unwrap_or(0) * 2,
+                b["503"].as_u64().unwrap_or(0) * 2
+            )
+        })
+        .collect();
+    eprintln!("ok:refused per second, by 0.5 s: {per_s:?}");
+    let (before, before_p99) = window(timeline, 6, 12, bucket_ms);
+    let (slow, slow_p99) = window(timeline, 18, 28, bucket_ms);
+    let (fast, fast_p99) = window(timeline, 34, 44, bucket_ms);
+    eprintln!(
+        "50 ms: {before:.0}/s p99 {before_p99} ms; 100 ms (from 3 s after): {slow:.0}/s p99 \
+         {slow_p99} ms; 50 ms again (from 3 s after): {fast:.0}/s p99 {fast_p99} ms"
+    );
+    assert!(
+        slow >= 80.0 && slow_p99 <= 200,
+        "slow: {slow}/s, p99 {slow_p99} ms"
+    );
+    assert!(
+        fast >= 160.0 && fast_p99 <= 100,
+        "fast again: {fast}/s, p99 {fast_p99} ms"
+    );
+}
+
+#[test]
+fn shedding_stops_once_the_upstream_reports_room() {
+    // 10 at once, 50 ms, reporting its CPU; offered 300/s (1.5×). At 4 s it scales out to 20
+    // (400/s): it reports 75% and less. Two seconds later nothing is refused.
+    let (_turn, app, envoy) = start(
+        json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
+                          "adaptive": {"cpu": {"header": "endpoint-load-metrics"}}}]}),
+        &[
+            "--capacity",
+            "10",
+            "--service-ms",
+            "50",
+            "--cpu-header",
+            "endpoint-load-metrics",
+        ],
+    );
+    let r = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            load(
+                &envoy.url("/app"),
+                &["--rate", "300", "--seconds", "10", "--bucket-ms", "500"],
+            )
+        });
+        std::thread::sleep(Duration::from_secs(4));
+        set_upstream(&app, "capacity=20");
+        load.join().unwrap()
+    });
+    let timeline = r["timeline"].as_array().unwrap();
+    let refused: Vec<u64> = timeline
+        .iter()
+        .map(|b| b["503"].as_u64().unwrap_or(0))
+        .collect();
+    eprintln!("refused by 0.5 s: {refused:?}");
+    assert!(
+        refused[2..8].iter().sum::<u64>() > 0,
+        "it shed while overloaded"
+    );
+    let late: u64 = refused[12..].iter().sum();
+    assert_eq!(
+        late, 0,
+        "refused 2 s after the upstream scaled out: {refused:?}"
+    );
 }
