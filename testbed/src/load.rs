@@ -46,6 +46,9 @@ struct Class {
     headers: Vec<(String, String)>,
 }
 
+/// One bucket of the timeline: statuses (and "error") by count, and the 200s' latencies (ms).
+type Bucket = (BTreeMap<String, u64>, Vec<u64>);
+
 /// What came back for one class.
 #[derive(Default)]
 struct Tally {
@@ -109,8 +112,7 @@ pub fn run(args: &Args) -> Result<(), String> {
     let tallies: Vec<Mutex<Tally>> = classes.iter().map(|_| Mutex::default()).collect();
     let bucket_ns = args.bucket_ms.map(|ms| ms.max(1) * 1_000_000);
     let buckets = bucket_ns.map_or(0, |b| (args.seconds * 1e9) as u64 / b + 1);
-    let timeline: Mutex<Vec<(BTreeMap<String, u64>, Vec<u64>)>> =
-        Mutex::new(vec![(BTreeMap::new(), Vec::new()); buckets as usize]);
+    let timeline: Mutex<Vec<Bucket>> = Mutex::new(vec![Bucket::default(); buckets as usize]);
     let timeout = Duration::from_secs_f64(args.timeout);
     std::thread::scope(|s| {
         for _ in 0..args.connections.max(1) {
