@@ -408,7 +408,7 @@ def setups(quota_port, quota_redis_port):
     return [s for s in out if s]
 
 
-SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split", "overload")
+SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split", "overload", "change")
 
 
 def main():
@@ -455,6 +455,8 @@ def main():
             saved["split"] = sections.process_split()
         if "overload" in wanted:
             saved["overload"] = sections.overload()
+        if "change" in wanted:
+            saved["change"] = sections.capacity_change()
     finally:
         for p in (quota, quota_redis, quota_redis2, redis):
             p.stop()
@@ -935,6 +937,35 @@ def report(saved, args):
         "of 3). It is Envoy's own; tollgate's rule judges from one process-wide estimate in shared "
         "data, in Envoy and in nginx, and adds priorities.",
         "",
+    ]
+    change = saved.get("change")
+    if change:
+        names = list(change["setups"])
+        lines += [
+            "### When the upstream's service time changes",
+            "",
+            f"The same upstream (10 at once) under a constant open-loop {change['rate']}/s; its service time "
+            f"goes from 50 ms (capacity 200/s) to 100 ms (100/s) at {change['slow_at']} s and back to 50 ms "
+            f"at {change['fast_at']} s. Goodput (200s per second) and p99 of the 200s, per "
+            f"{change['bucket_ms'] / 1000:g} s, by when requests were due "
+            "(`bench/run.py --sections change`; chart: [overload-change.png](overload-change.png)).",
+            "",
+            "| t (s) | " + " | ".join(f"{n}: goodput /s | p99 ms" for n in names) + " |",
+            "|---|" + "---|---|" * len(names),
+        ]
+        rows = zip(*(change["setups"][n] for n in names))
+        for buckets in rows:
+            cells = []
+            for b in buckets:
+                p99 = "" if b["p99_ms"] is None else f"{b['p99_ms']:.0f}"
+                cells.append(f"{b['goodput']:.0f} | {p99}")
+            lines.append(f"| {buckets[0]['t']:g} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "![goodput and p99 as the service time changes](overload-change.png)",
+            "",
+        ]
+    lines += [
         "## Noise",
         "",
         "This is a shared 2-core VM: the same setup's CPU per request moves by several µs from round to "
@@ -963,6 +994,28 @@ def report(saved, args):
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(REPO / "docs/benchmarks.png", dpi=90)
+    change = saved.get("change")
+    if change:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+        for name, timeline in change["setups"].items():
+            t = [b["t"] for b in timeline]
+            color = "#d62728" if "tollgate" in name else "#7f7f7f"
+            top.plot(t, [b["goodput"] for b in timeline], label=name, color=color)
+            bottom.plot(t, [b["p99_ms"] for b in timeline], label=name, color=color)
+        capacity = [200 if not change["slow_at"] <= b["t"] < change["fast_at"] else 100
+                    for b in next(iter(change["setups"].values()))]
+        top.step([b["t"] for b in next(iter(change["setups"].values()))], capacity, where="post",
+                 linestyle=":", color="black", label="upstream capacity")
+        top.set_ylabel("goodput (200s per second)")
+        bottom.set_ylabel("p99 of the 200s (ms)")
+        bottom.set_xlabel("seconds (service time 50 → 100 → 50 ms)")
+        for ax in (top, bottom):
+            ax.axvline(change["slow_at"], color="black", alpha=0.2)
+            ax.axvline(change["fast_at"], color="black", alpha=0.2)
+            ax.grid(alpha=0.3)
+        top.legend()
+        fig.tight_layout()
+        fig.savefig(REPO / "docs/overload-change.png", dpi=90)
 
 
 if __name__ == "__main__":

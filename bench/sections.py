@@ -7,6 +7,7 @@ import math
 import statistics
 import subprocess
 import threading
+import time
 import urllib.request
 
 import run
@@ -538,3 +539,40 @@ def overload(seconds=7, warmup=3, rounds=3, factors=(2, 3, 5)):
     return [{"setup": name, "factor": factor, "rounds": len(ms),
              **{f: statistics.median(x[f] for x in ms) for f in ms[0]}}
             for (name, factor), ms in runs.items()]
+
+
+def capacity_change(rate=300, seconds=22, slow_at=6, fast_at=14, bucket_ms=500):
+    """The same upstream (10 at once) whose service time goes 50 → 100 → 50 ms under a constant
+    open-loop load of 300/s (1.5×, then 3×, then 1.5× its capacity), behind tollgate's adaptive rule
+    and behind Envoy's adaptive_concurrency: goodput and p99 of the 200s per half second."""
+    setups = {
+        "tollgate adaptive (latency)": [wasm_filter(TOLLGATE, {"rules": [{"name": "app", "algorithm": "adaptive"}]})],
+        "Envoy adaptive_concurrency": [adaptive_concurrency()],
+    }
+    out = {}
+    for name, filters in setups.items():
+        port = free_port()
+        app = Proc([str(TESTBED), "upstream", "--port", str(port), "--capacity", "10", "--service-ms", "50"])
+        run.wait_port(port)
+        envoy = EnvoyServer(filters, [upstream_cluster(port)], concurrency=2, pin=False, upstream="app")
+        load = subprocess.Popen([str(TESTBED), "load", "--url", envoy.url, "--rate", str(rate),
+                                 "--seconds", str(seconds), "--bucket-ms", str(bucket_ms)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            started = time.monotonic()
+            for at, ms in ((slow_at, 100), (fast_at, 50)):
+                time.sleep(max(0.0, started + at - time.monotonic()))
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/__set?service_ms={ms}", timeout=5).read()
+            result = json.loads(load.communicate()[0])
+        finally:
+            envoy.stop()
+            app.stop()
+        timeline = []
+        for i, b in enumerate(result["timeline"]):
+            ok = sorted(b.get("ok_ms", []))
+            timeline.append({"t": i * bucket_ms / 1000, "goodput": len(ok) * 1000 / bucket_ms,
+                             "p99_ms": ok[len(ok) * 99 // 100] if ok else None,
+                             "refused": sum(v for k, v in b.items() if k not in ("200", "ok_ms")) * 1000 / bucket_ms})
+        out[name] = timeline
+        print(f"capacity change, {name}: " + " ".join(f"{x['goodput']:.0f}" for x in timeline), flush=True)
+    return {"rate": rate, "slow_at": slow_at, "fast_at": fast_at, "bucket_ms": bucket_ms, "setups": out}
