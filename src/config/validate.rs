@@ -136,6 +136,10 @@ impl RawRule {
                 ))
             }
             Some(n) => n,
+            // A global rule's allowance is this proxy's part of the limit: a token stashed by one
+            // worker would be missing to another's request at the end of a burst, and the service
+            // would say there is no more (a refusal with budget left).
+            None if self.scope == Scope::Global => 0,
             None if algorithm == Algorithm::TokenBucket && self.warmup.is_none() => {
                 DEFAULT_WORKER_BATCH
             }

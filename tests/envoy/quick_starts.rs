@@ -285,3 +285,20 @@ fn a_global_rule_of_a_few_a_minute_keeps_to_its_rate() {
     // The burst and the tokens that came back at 10 s and 20 s.
     assert_eq!(admitted, 3.0, "{statuses:?}");
 }
+
+#[test]
+fn a_local_burst_back_to_back_on_fresh_connections_is_admitted_in_full() {
+    // 100 a minute with a burst of 20 per user, every default (worker stashes on): 21 requests
+    // back to back, each on a new connection (over both workers): the burst passes, the 21st not.
+    let e = Envoy::start(
+        &json!({"rules": [{"name": "per-user", "key": ["header:x-user"],
+        "limit": {"requests": 100, "per": "1m"}, "burst": 20}]}),
+    );
+    let url = e.url("/");
+    for round in 0..10 {
+        let user = format!("r{round}");
+        let codes: Vec<u16> = (0..21).map(|_| fresh(&url, &user)).collect();
+        let admitted = codes.iter().filter(|s| **s == 200).count();
+        assert_eq!(admitted, 20, "round {round}: {codes:?}");
+    }
+}
