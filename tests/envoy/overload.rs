@@ -251,6 +251,32 @@ fn set_upstream(app: &Upstream, what: &str) {
     assert_eq!(reply.status, 204);
 }
 
+/// Open-loop load at 300/s for `seconds` in 0.5 s buckets, changing the upstream at each of
+/// `changes` (seconds after the start, what to set); the load generator's report.
+fn load_while_changing(
+    envoy: &Envoy,
+    app: &Upstream,
+    seconds: u64,
+    changes: &[(u64, &str)],
+) -> Value {
+    let secs = seconds.to_string();
+    std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            load(
+                &envoy.url("/app"),
+                &["--rate", "300", "--seconds", &secs, "--bucket-ms", "500"],
+            )
+        });
+        let mut at = 0;
+        for &(when, what) in changes {
+            std::thread::sleep(Duration::from_secs(when - at));
+            set_upstream(app, what);
+            at = when;
+        }
+        load.join().unwrap()
+    })
+}
+
 /// Over the timeline's buckets `from..to`: answers per second and the p99 response time (ms) of
 /// the 200s, from buckets of `bucket_ms`.
 fn window(timeline: &[Value], from: usize, to: usize, bucket_ms: u64) -> (f64, u64) {
@@ -279,19 +305,12 @@ fn a_slower_then_faster_upstream_is_followed_within_seconds() {
         &["--capacity", "10", "--service-ms", "50"],
     );
     let bucket_ms = 500;
-    let r = std::thread::scope(|s| {
-        let load = s.spawn(|| {
-            load(
-                &envoy.url("/app"),
-                &["--rate", "300", "--seconds", "22", "--bucket-ms", "500"],
-            )
-        });
-        std::thread::sleep(Duration::from_secs(6));
-        set_upstream(&app, "service_ms=100");
-        std::thread::sleep(Duration::from_secs(8));
-        set_upstream(&app, "service_ms=50");
-        load.join().unwrap()
-    });
+    let r = load_while_changing(
+        &envoy,
+        &app,
+        22,
+        &[(6, "service_ms=100"), (14, "service_ms=50")],
+    );
     let timeline = r["timeline"].as_array().unwrap();
     let per_s: Vec<String> = timeline
         .iter()
@@ -337,17 +356,7 @@ fn shedding_stops_once_the_upstream_reports_room() {
             "endpoint-load-metrics",
         ],
     );
-    let r = std::thread::scope(|s| {
-        let load = s.spawn(|| {
-            load(
-                &envoy.url("/app"),
-                &["--rate", "300", "--seconds", "10", "--bucket-ms", "500"],
-            )
-        });
-        std::thread::sleep(Duration::from_secs(4));
-        set_upstream(&app, "capacity=20");
-        load.join().unwrap()
-    });
+    let r = load_while_changing(&envoy, &app, 10, &[(4, "capacity=20")]);
     let timeline = r["timeline"].as_array().unwrap();
     let refused: Vec<u64> = timeline
         .iter()
