@@ -24,6 +24,23 @@ fn start(plugin: Value, upstream: &[&str]) -> (MachineLock, Upstream, Envoy) {
     (turn, app, envoy)
 }
 
+/// The adaptive rule on the CPU signal, before an upstream of 10 at once × 50 ms that reports
+/// its CPU in `endpoint-load-metrics`.
+fn start_reporting_cpu() -> (MachineLock, Upstream, Envoy) {
+    start(
+        json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
+                          "adaptive": {"cpu": {"header": "endpoint-load-metrics"}}}]}),
+        &[
+            "--capacity",
+            "10",
+            "--service-ms",
+            "50",
+            "--cpu-header",
+            "endpoint-load-metrics",
+        ],
+    )
+}
+
 fn run(envoy: &Envoy, rate: f64, seconds: f64, warmup: f64, classes: &[&str]) -> Value {
     let (rate, seconds, warmup) = (rate.to_string(), seconds.to_string(), warmup.to_string());
     let mut args = vec!["--rate", &rate, "--seconds", &seconds, "--warmup", &warmup];
@@ -140,18 +157,7 @@ fn flows_of_a_level_share_it_equally() {
 
 #[test]
 fn the_cpu_the_upstream_reports_is_the_signal() {
-    let (_turn, _app, envoy) = start(
-        json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
-                          "adaptive": {"cpu": {"header": "endpoint-load-metrics"}}}]}),
-        &[
-            "--capacity",
-            "10",
-            "--service-ms",
-            "50",
-            "--cpu-header",
-            "endpoint-load-metrics",
-        ],
-    );
+    let (_turn, _app, envoy) = start_reporting_cpu();
     // The gauge is read while the overload lasts: once the load stops, the upstream's last
     // answers report its queue draining (less and less in use), and the smoothed CPU follows.
     let done = std::sync::atomic::AtomicBool::new(false);
@@ -344,18 +350,7 @@ fn a_slower_then_faster_upstream_is_followed_within_seconds() {
 fn shedding_stops_once_the_upstream_reports_room() {
     // 10 at once, 50 ms, reporting its CPU; offered 300/s (1.5×). At 4 s it scales out to 20
     // (400/s): it reports 75% and less. Two seconds later nothing is refused.
-    let (_turn, app, envoy) = start(
-        json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
-                          "adaptive": {"cpu": {"header": "endpoint-load-metrics"}}}]}),
-        &[
-            "--capacity",
-            "10",
-            "--service-ms",
-            "50",
-            "--cpu-header",
-            "endpoint-load-metrics",
-        ],
-    );
+    let (_turn, app, envoy) = start_reporting_cpu();
     let r = load_while_changing(&envoy, &app, 10, &[(4, "capacity=20")]);
     let timeline = r["timeline"].as_array().unwrap();
     let refused: Vec<u64> = timeline
