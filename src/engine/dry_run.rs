@@ -8,20 +8,26 @@ use log::info;
 const EVERY_MS: u64 = 1_000;
 
 /// Per rule: would-be refusals not logged yet, and when the last line was (ms; 0: never).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct DryRunLog {
     pending: Vec<(u64, u64)>,
 }
 
 impl DryRunLog {
+    /// For `rules` rules, allocated here so that counting never allocates.
+    pub(super) fn new(rules: usize) -> Self {
+        Self {
+            pending: vec![(0, 0); rules],
+        }
+    }
+
     /// A dry-run rule would have refused a request: counted in `stats` at once, logged by
     /// [`Engine::log_dry_runs`].
     pub(super) fn note(&mut self, stats: &mut Stats, rule: usize) {
         stats.bump(rule, RuleStat::DryRunLimited);
-        if self.pending.len() <= rule {
-            self.pending.resize(rule + 1, (0, 0));
+        if let Some((count, _)) = self.pending.get_mut(rule) {
+            *count += 1;
         }
-        self.pending[rule].0 += 1;
     }
 }
 

@@ -149,6 +149,7 @@ impl Engine {
         let guarded = config.rules.iter().any(|r| r.guard.is_some());
         Self {
             stats: Stats::new(config.rules.len()),
+            dry_run_log: dry_run::DryRunLog::new(config.rules.len()),
             config,
             stash: StashTable::default(),
             refills: Vec::new(),
@@ -158,7 +159,6 @@ impl Engine {
             guarded,
             slot_keys: rustc_hash::FxHashMap::default(),
             next_slot_scan_ms: 0,
-            dry_run_log: dry_run::DryRunLog::default(),
         }
     }
 
