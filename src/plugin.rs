@@ -121,13 +121,17 @@ impl Plugin {
         }
     }
 
-    /// The periodic work of one worker: return stashes, send claimed refills, decide waiting
+    /// The periodic work of one worker: return stashes, log dry runs, send claimed refills, decide waiting
     /// requests again, release held ones that are due, hand over stats.
     pub fn tick(&self) {
         let Some(now) = host::now_ns() else {
             return;
         };
-        self.engine.borrow_mut().return_stashes(&SharedData, now);
+        {
+            let mut engine = self.engine.borrow_mut();
+            engine.return_stashes(&SharedData, now);
+            engine.log_dry_runs(now);
+        }
         self.send_refills(now);
         self.retry_waiting(now);
         let due = self.queues.borrow_mut().due(now);

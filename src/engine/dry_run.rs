@@ -38,8 +38,8 @@ impl Engine {
     }
 
     /// Log each dry-run rule's would-be refusals since its last line, if that was a second ago
-    /// or more.
-    pub(super) fn log_dry_runs(&mut self, now: u64) {
+    /// or more (after a request's decision, and at the tick, so the last ones are not kept).
+    pub fn log_dry_runs(&mut self, now: u64) {
         let now_ms = now / 1_000_000;
         for (rule, (count, last_ms)) in self.dry_run_log.pending.iter_mut().enumerate() {
             if *count == 0 || (*last_ms != 0 && now_ms.saturating_sub(*last_ms) < EVERY_MS) {

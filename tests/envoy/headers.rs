@@ -142,14 +142,11 @@ fn dry_run_counts_and_logs_but_never_refuses() {
     assert_eq!(envoy.counter("enforced", "allowed"), 4);
     assert_eq!(envoy.counter("enforced", "limited"), 2);
     // Logged at most once a second per rule (and worker): the first would-be refusal at once,
-    // the others in the next line a second later.
+    // the other three in the next line, a second later, by the tick (no request needed).
     assert!(envoy.log_shows("dry run: rule shadow would have refused 1 request(s)"));
     let lines = |e: &Envoy| e.log().matches("dry run: rule shadow").count();
     assert_eq!(lines(&envoy), 1, "{}", envoy.log());
-    // The rate limit of the log is what is tested: a second must pass.
-    std::thread::sleep(std::time::Duration::from_millis(1_100));
-    assert_eq!(c.get(&envoy.url("/"), &[]).status, 429);
-    assert!(envoy.log_shows("dry run: rule shadow would have refused 4 request(s)"));
+    assert!(envoy.log_shows("dry run: rule shadow would have refused 3 request(s)"));
     assert_eq!(lines(&envoy), 2);
 
     let all_dry = Envoy::start(&json!({
