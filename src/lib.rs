@@ -11,6 +11,7 @@ pub mod engine;
 pub mod header_map;
 pub mod headers;
 pub mod key;
+pub mod network;
 pub mod queues;
 pub mod request;
 pub mod stats;

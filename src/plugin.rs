@@ -11,6 +11,7 @@ use crate::stats::{ProcessStat, RuleStat, Stat};
 use crate::{abi, quota_client};
 use log::{debug, info, warn};
 use std::cell::RefCell;
+use tollgate_core::slot::KeyPlacement;
 use tollgate_core::{CasStore, StoreError};
 
 /// How often a worker looks for held requests that are due: the spacing's resolution.
@@ -47,7 +48,7 @@ impl Plugin {
             .check_host(&caps)
             .map_err(|e| format!("invalid configuration: {e}"))?;
         host::set_log_level(config.log_level);
-        let engine = Engine::new(config);
+        let engine = Engine::new(config, deployment_placement());
         engine.initialize(&SharedData)?;
         let config = engine.config();
         let rule_metrics = config
@@ -405,6 +406,46 @@ fn add_to_total(key: &str, delta: i64) -> Option<u64> {
 }
 
 /// This process's name at the quota service: made once per process (shared by its workers).
+/// The process's random placement secret: made by whichever configuration loads first and kept in
+/// shared data, so every worker and every later configuration places keys alike. Envoy configures
+/// its main thread before any worker; nginx refuses a second create (a write with CAS 0 to a key
+/// that exists), and whoever loses the race reads the winner's.
+fn deployment_placement() -> KeyPlacement {
+    const KEY: &str = "tollgate.placement";
+    if let Ok(Some((secret, _))) = SharedData.read(KEY) {
+        if let Ok(secret) = <[u8; 16]>::try_from(&secret[..]) {
+            return KeyPlacement::new(secret);
+        }
+    }
+    let secret = random_secret();
+    let _ = SharedData.write(KEY, &secret, 0);
+    match SharedData.read(KEY) {
+        Ok(Some((stored, _))) => match <[u8; 16]>::try_from(&stored[..]) {
+            Ok(stored) => KeyPlacement::new(stored),
+            Err(_) => KeyPlacement::new(secret),
+        },
+        _ => KeyPlacement::new(secret),
+    }
+}
+
+/// 16 bytes from the host's random source (WASI `random_get`, through std's hash keys), mixed
+/// with the time in nanoseconds: nginx's source is `random()` seeded from its pid and the time.
+fn random_secret() -> [u8; 16] {
+    use std::hash::{BuildHasher, Hasher};
+    let now = host::now_ns().unwrap_or(0);
+    let mut halves = [0u64; 2];
+    for (i, half) in halves.iter_mut().enumerate() {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(now);
+        h.write_usize(i);
+        *half = h.finish();
+    }
+    let mut secret = [0; 16];
+    secret[..8].copy_from_slice(&halves[0].to_le_bytes());
+    secret[8..].copy_from_slice(&halves[1].to_le_bytes());
+    secret
+}
+
 fn instance_id() -> String {
     const KEY: &str = "tollgate.instance";
     if let Ok(Some((id, _))) = SharedData.read(KEY) {

@@ -4,6 +4,7 @@
 
 use crate::config::{KeyPart, Match, MissingKey, PathMatch};
 use crate::key::{push_key_part, KeyBytes};
+use crate::network::ClientIp;
 use std::cell::OnceCell;
 use std::net::{IpAddr, SocketAddr};
 
@@ -22,7 +23,7 @@ pub trait RequestView {
 /// A request with its derived values computed once, on first use.
 pub struct Request<'a, V: RequestView> {
     view: &'a V,
-    trusted_hops: u32,
+    client: ClientIp,
     path: OnceCell<Option<Vec<u8>>>,
     method: OnceCell<Option<Vec<u8>>>,
     host: OnceCell<Option<Vec<u8>>>,
@@ -30,10 +31,10 @@ pub struct Request<'a, V: RequestView> {
 }
 
 impl<'a, V: RequestView> Request<'a, V> {
-    pub fn new(view: &'a V, trusted_hops: u32) -> Self {
+    pub fn new(view: &'a V, client: impl Into<ClientIp>) -> Self {
         Self {
             view,
-            trusted_hops,
+            client: client.into(),
             path: OnceCell::new(),
             method: OnceCell::new(),
             host: OnceCell::new(),
@@ -85,19 +86,21 @@ impl<'a, V: RequestView> Request<'a, V> {
     }
 
     /// The client address: the downstream peer, or with `trusted_hops = N > 0` the N-th entry from
-    /// the right of `x-forwarded-for`; IPv4-mapped IPv6 addresses are the IPv4 address. When that entry is missing or is not an IP address, the
-    /// downstream peer is used: a client cannot escape its limit by leaving the header out or
-    /// sending garbage.
+    /// the right of `x-forwarded-for`, as its network under the configured prefix lengths
+    /// ([`ClientIp::key_of`]); IPv4-mapped IPv6 addresses are the IPv4 address. When that entry is
+    /// missing or is not an IP address, the downstream peer is used: a client cannot escape its
+    /// limit by leaving the header out or sending garbage.
     pub fn client_ip(&self) -> Option<&[u8]> {
         self.client_ip
             .get_or_init(|| {
-                if self.trusted_hops > 0 {
+                let hops = self.client.trusted_hops;
+                if hops > 0 {
                     let xff = self.view.header("x-forwarded-for");
-                    if let Some(ip) = xff.and_then(|x| forwarded_hop(&x, self.trusted_hops)) {
-                        return Some(ip.to_canonical().to_string().into_bytes());
+                    if let Some(ip) = xff.and_then(|x| forwarded_hop(&x, hops)) {
+                        return Some(self.client.key_of(ip));
                     }
                 }
-                Some(peer_ip(self.view.source_address()?))
+                Some(peer_ip(self.view.source_address()?, &self.client))
             })
             .as_deref()
     }
@@ -159,15 +162,16 @@ pub fn forwarded_hop(xff: &[u8], hops: u32) -> Option<IpAddr> {
     std::str::from_utf8(hop.trim_ascii()).ok()?.parse().ok()
 }
 
-/// The IP part of the peer address the host reports (`ip:port`, `[v6]:port`); anything else is
-/// kept as it is (still a distinct key per value).
-pub fn peer_ip(mut peer: Vec<u8>) -> Vec<u8> {
-    // The common case, IPv4 `a.b.c.d:port` as hosts write it: cut, don't reformat.
+/// The key part of the peer address the host reports (`ip:port`, `[v6]:port`), as
+/// [`ClientIp::key_of`] writes it; anything else is kept as it is (still a distinct key per value).
+pub fn peer_ip(mut peer: Vec<u8>, client: &ClientIp) -> Vec<u8> {
+    // The common case, IPv4 `a.b.c.d:port` as hosts write it, keyed by the whole address: cut,
+    // don't reformat.
     if let Some(colon) = peer.iter().position(|&b| b == b':') {
         let (ip, port) = (&peer[..colon], &peer[colon + 1..]);
         let dotted = !ip.is_empty() && ip.iter().all(|b| b.is_ascii_digit() || *b == b'.');
         let port_ok = !port.is_empty() && port.len() <= 5 && port.iter().all(u8::is_ascii_digit);
-        if dotted && port_ok {
+        if dotted && port_ok && client.ipv4_prefix >= 32 {
             peer.truncate(colon);
             return peer;
         }
@@ -176,8 +180,7 @@ pub fn peer_ip(mut peer: Vec<u8>) -> Vec<u8> {
         .ok()
         .and_then(|s| s.parse::<SocketAddr>().ok());
     match parsed {
-        // An IPv4 client on an IPv6 socket (`::ffff:a.b.c.d`) is the IPv4 address.
-        Some(addr) => addr.ip().to_canonical().to_string().into_bytes(),
+        Some(addr) => client.key_of(addr.ip()),
         None => peer,
     }
 }
@@ -357,7 +360,8 @@ mod tests {
         // Fewer hops than trusted, or garbage: the peer address.
         assert_eq!(ip(&f, 4).as_deref(), Some(&b"127.0.0.1"[..]));
         let junk = fake(&[("x-forwarded-for", "not-an-ip")], "[::1]:9");
-        assert_eq!(ip(&junk, 1).as_deref(), Some(&b"::1"[..]));
+        // IPv6 clients are their /64.
+        assert_eq!(ip(&junk, 1).as_deref(), Some(&b"::/64"[..]));
         let none = fake(&[], "127.0.0.1:1");
         assert_eq!(ip(&none, 1).as_deref(), Some(&b"127.0.0.1"[..]));
         let mut bytes = fake(&[], "10.0.0.9:1");
@@ -368,14 +372,20 @@ mod tests {
         assert_eq!(ip(&bytes, 2).as_deref(), Some(&b"1.2.3.4"[..]));
         // IPv4-mapped IPv6 is the IPv4 address, from the peer or from a forwarded hop.
         assert_eq!(
-            peer_ip(b"[::ffff:203.0.113.10]:80".to_vec()),
+            peer_ip(b"[::ffff:203.0.113.10]:80".to_vec(), &ClientIp::default()),
             b"203.0.113.10"
         );
         let mapped = fake(&[("x-forwarded-for", "::ffff:203.0.113.10")], "10.0.0.1:1");
         assert_eq!(ip(&mapped, 1).as_deref(), Some(&b"203.0.113.10"[..]));
         // A peer the host writes some other way is still one key per value.
-        assert_eq!(peer_ip(b"unix:/tmp/s".to_vec()), b"unix:/tmp/s");
-        assert_eq!(peer_ip(b"1.2.3.4:99999999".to_vec()), b"1.2.3.4:99999999");
+        assert_eq!(
+            peer_ip(b"unix:/tmp/s".to_vec(), &ClientIp::default()),
+            b"unix:/tmp/s"
+        );
+        assert_eq!(
+            peer_ip(b"1.2.3.4:99999999".to_vec(), &ClientIp::default()),
+            b"1.2.3.4:99999999"
+        );
     }
 
     #[test]

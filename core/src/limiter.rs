@@ -72,8 +72,8 @@ pub enum SlotEvent {
     /// Every slot of the group held an active key: the one closest to fresh was evicted for this
     /// key (see [`choose`]).
     Evicted,
-    /// Concurrency: every slot has requests in flight; this key shares the one with the fewest
-    /// (stricter for both, never looser).
+    /// Every slot's key is being limited (or, concurrency, has requests in flight): this key
+    /// shares one of them (stricter for both, never looser).
     Shared,
 }
 
@@ -123,10 +123,11 @@ struct Plan {
 ///
 /// Its own slot, else a free one, else an idle one (as good as fresh: nothing lost). With every
 /// slot held by an active key, the slot whose reset gives back the least is evicted — never one
-/// whose key is being limited, unless all are; among equals the one whose refusal ends soonest,
-/// then the least recently admitted. A key that returns after its eviction starts fresh: it can be
-/// admitted at most what it had spent more than it would have been. Concurrency slots with
-/// requests in flight are never taken over: the new key shares the one with the fewest.
+/// whose key is being limited; among equals the least recently admitted. A key that returns after
+/// its eviction starts fresh: it can be admitted at most what it had spent more than it would have
+/// been. When every key of the group is being limited, the new key shares the slot that frees
+/// soonest (stricter for both, never looser). Concurrency slots with requests in flight are never
+/// taken over: the new key shares the one with the fewest.
 fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEvent, Slot) {
     let slots = &group.slots;
     if let Some(i) = slots.iter().position(|s| s.tag == tag) {
@@ -148,9 +149,16 @@ fn choose(limit: &Limit, group: &Group, tag: u64, now_ns: u64) -> (usize, SlotEv
         let least = (0..WAYS).min_by_key(|&i| standing[i].spent).unwrap_or(0);
         return (least, SlotEvent::Shared, slots[least]);
     }
-    let all_limited = standing.iter().all(|s| s.limited);
+    if standing.iter().all(|s| s.limited) {
+        // Evicting a limited key would reset it: whoever can fill a group with limited keys could
+        // reset their own again and again. The newcomer shares the slot that frees soonest.
+        let soonest = (0..WAYS)
+            .min_by_key(|&i| standing[i].retry_after_ns)
+            .unwrap_or(0);
+        return (soonest, SlotEvent::Shared, slots[soonest]);
+    }
     let victim = (0..WAYS)
-        .filter(|&i| all_limited || !standing[i].limited)
+        .filter(|&i| !standing[i].limited)
         .min_by_key(|&i| {
             (
                 standing[i].spent,
@@ -514,6 +522,7 @@ mod tests {
     use std::sync::Arc;
 
     const SEC: u64 = 1_000_000_000;
+    const MS: u64 = 1_000_000;
     const NOW: u64 = 1_700_000_000 * SEC;
 
     #[derive(Clone)]
@@ -627,21 +636,67 @@ mod tests {
     }
 
     #[test]
-    fn limited_keys_are_evicted_only_when_all_are_and_then_the_one_free_soonest() {
+    fn limited_keys_are_never_evicted_a_newcomer_shares_the_slot_that_frees_soonest() {
         let store = MemoryStore::new();
         let r = rule(&store, "lim", 1, 1, 1);
-        // Four keys, each limited (burst 1 spent), at different times: "a" refills first.
+        // Four keys, each limited (burst 1 spent, a token a minute), at different times: "a"
+        // refills first.
         for (n, key) in ["a", "b", "c", "d"].into_iter().enumerate() {
             assert!(admit(&store, &[check(&r, key, true)], NOW + n as u64 * SEC).admitted);
         }
         let out = admit(&store, &[check(&r, "e", true)], NOW + 5 * SEC);
-        assert_eq!(out.checks[0].slot, SlotEvent::Evicted);
-        for key in ["b", "c", "d"] {
+        assert_eq!(out.checks[0].slot, SlotEvent::Shared);
+        assert!(!out.admitted, "the newcomer is held to a's refusal");
+        let Verdict::Limited { retry_after_ns, .. } = out.checks[0].verdict else {
+            panic!("{out:?}")
+        };
+        assert_eq!(retry_after_ns, 55 * SEC, "a's token is due at +60 s");
+        for key in ["a", "b", "c", "d"] {
             assert!(
                 !admit(&store, &[check(&r, key, true)], NOW + 6 * SEC).admitted,
                 "{key} kept its state"
             );
         }
+        // Once a's token is due, one of a and e gets it: one admission between them, not two.
+        let later = NOW + 60 * SEC;
+        let both = ["e", "a"]
+            .into_iter()
+            .filter(|k| admit(&store, &[check(&r, k, true)], later).admitted)
+            .count();
+        assert_eq!(both, 1);
+    }
+
+    #[test]
+    fn an_attacker_cannot_reset_their_own_limited_key_by_filling_its_group() {
+        // The attack a public hash allowed: three junk keys and the attacker's own, all limited,
+        // then a fifth key to force an eviction, again and again. Over 10 minutes on 5 per
+        // minute (burst 5) the attacker's key gets at most 5 + 50.
+        let store = MemoryStore::new();
+        let tb = TokenBucket::new(5, 60 * SEC, 5).unwrap();
+        let r = rule_with(&store, "atk", Limit::TokenBucket(tb), 1);
+        let mut admitted = 0;
+        let mut now = NOW;
+        let mut n = 0u64;
+        while now < NOW + 600 * SEC {
+            // The attacker spends its key until it is refused, the junk keys take every token
+            // they get just after (so the attacker's refusal ends soonest), then a fresh key.
+            for _ in 0..10 {
+                admitted += u64::from(admit(&store, &[check(&r, "attacker", true)], now).admitted);
+            }
+            for junk in ["j1", "j2", "j3"] {
+                for _ in 0..10 {
+                    admit(&store, &[check(&r, junk, true)], now + MS);
+                }
+            }
+            n += 1;
+            admit(
+                &store,
+                &[check(&r, &format!("fresh{n}"), true)],
+                now + 2 * MS,
+            );
+            now += SEC / 10;
+        }
+        assert!(admitted <= 55, "admitted {admitted}");
     }
 
     #[test]

@@ -35,6 +35,40 @@ pub fn key_hash(key: &[u8]) -> u128 {
     xxh3_128_with_seed(key, KEY_SEED)
 }
 
+/// The keyed hash that places client keys: their slot group and tag, and overload rules' fairness
+/// flows. Keyed by a secret of the deployment (SipHash-1-3, 128 bits), so which keys share a group
+/// or a flow cannot be computed from outside, and colliding keys cannot be chosen on purpose.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct KeyPlacement {
+    secret: [u8; 16],
+}
+
+impl KeyPlacement {
+    pub fn new(secret: [u8; 16]) -> Self {
+        Self { secret }
+    }
+
+    /// A placement keyed by any bytes (a configured secret, of any length).
+    pub fn from_secret(secret: &[u8]) -> Self {
+        Self::new(xxh3_128_with_seed(secret, KEY_SEED).to_le_bytes())
+    }
+
+    pub fn hash(&self, key: &[u8]) -> u128 {
+        use siphasher::sip128::Hasher128;
+        use std::hash::Hasher;
+        let mut h = siphasher::sip128::SipHasher13::new_with_key(&self.secret);
+        h.write(key);
+        h.finish128().as_u128()
+    }
+}
+
+impl std::fmt::Debug for KeyPlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never in a log line.
+        f.write_str("KeyPlacement(..)")
+    }
+}
+
 /// Where a client key lives: its group and the tag that marks a slot as its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct SlotId {

@@ -58,7 +58,7 @@ impl Http {
             return ACTION_CONTINUE;
         };
         let view = HostRequest { caps: plugin.caps };
-        let trusted_hops = plugin.engine.borrow().config().trusted_hops;
+        let trusted_hops = plugin.engine.borrow().config().client_ip;
         let request = Request::new(&view, trusted_hops);
         let mut now = None;
         if plugin.engine.borrow().has_guards() {

@@ -31,6 +31,9 @@ pub(super) struct RawConfig {
     /// Priority classes for overload rules (adaptive, sre_throttle): first match wins.
     #[serde(default)]
     pub priorities: Vec<super::overload::RawPriority>,
+    /// At least 16 bytes: keys the hash that places client keys in slot groups. Without it each
+    /// proxy process makes a random one at start (shared by its workers and reloads).
+    pub placement_secret: Option<String>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
@@ -53,7 +56,8 @@ pub(super) struct RawQuotaService {
     pub retry: Option<Period>,
     pub lease_size: Option<NonZeroU64>,
     /// At least 16 bytes, the same on every proxy of a deployment: key hashes sent to the service
-    /// are keyed by it, so they say nothing outside this deployment.
+    /// are keyed by it, so they say nothing outside this deployment. Default: derived from
+    /// `token`.
     pub key_secret: Option<String>,
 }
 
@@ -261,6 +265,10 @@ impl Default for RawResponse {
 pub(super) struct RawClientIp {
     #[serde(default)]
     pub trusted_hops: u32,
+    /// IPv4 clients are keyed by their network of this length (default 32: the address).
+    pub ipv4_prefix: Option<u8>,
+    /// IPv6 clients are keyed by their network of this length (default 64: one subscriber).
+    pub ipv6_prefix: Option<u8>,
 }
 
 /// `[a-z0-9_-]{1,64}`.

@@ -2,6 +2,7 @@
 
 use super::period::format_duration;
 use serde::Deserialize;
+use tollgate_core::slot::KeyPlacement;
 use tollgate_core::{Limit, SlotTable};
 
 /// Slots per rule when `max_keys` is not given.
@@ -20,13 +21,16 @@ pub struct Config {
     pub rules: Vec<Rule>,
     pub response: Response,
     pub rate_limit_headers: HeaderFormat,
-    pub trusted_hops: u32,
+    /// How `client_ip` is found (`trusted_hops`) and keyed (prefix lengths).
+    pub client_ip: crate::network::ClientIp,
     /// Required when a rule has `"scope": "global"`.
     pub quota_service: Option<QuotaService>,
     /// The filter's own log level: messages below it are never formatted.
     pub log_level: LogLevel,
     /// Levels of requests for overload rules.
     pub priorities: super::overload::Priorities,
+    /// From `placement_secret`; `None`: the deployment's random one.
+    pub placement: Option<KeyPlacement>,
 }
 
 /// Where global rules get their quota.
@@ -120,8 +124,40 @@ pub struct Quota {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Override {
+    /// The key bytes it is for; with `networks`, their values for the other parts.
     pub key: Vec<u8>,
+    /// `client_ip` parts given as a range wider than one key: (part index, range).
+    pub networks: Vec<(usize, crate::network::Network)>,
     pub action: OverrideAction,
+}
+
+impl Override {
+    /// True if a request's bucket key is this override's: equal bytes, or with ranges, each
+    /// range part inside its range and every other part equal.
+    pub fn matches(&self, key: &[u8]) -> bool {
+        if self.networks.is_empty() {
+            return self.key[..] == key[..];
+        }
+        let mut mine = crate::key::parts(&self.key);
+        let mut theirs = crate::key::parts(key);
+        let mut index = 0;
+        loop {
+            match (mine.next(), theirs.next()) {
+                (None, None) => return true,
+                (Some(a), Some(b)) => {
+                    let ok = match self.networks.iter().find(|(i, _)| *i == index) {
+                        Some((_, network)) => b.is_some_and(|b| network.contains_key(b)),
+                        None => a == b,
+                    };
+                    if !ok {
+                        return false;
+                    }
+                }
+                _ => return false,
+            }
+            index += 1;
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -235,8 +271,8 @@ impl Config {
             .is_some_and(|q| q.key_secret.is_none())
         {
             out.push(
-                "quota_service.key_secret is not set: the key hashes sent to the quota service \
-                 are the same in every deployment (set one secret on all proxies)"
+                "quota_service.key_secret is not set, nor a token: the key hashes sent to the \
+                 quota service are the same in every deployment (set one secret on all proxies)"
                     .to_owned(),
             );
         }

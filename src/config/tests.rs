@@ -53,7 +53,7 @@ fn the_documented_example_parses() {
     );
     assert!(r.dry_run);
     assert_eq!(r.missing_key, MissingKey::Limit);
-    assert_eq!(c.trusted_hops, 1);
+    assert_eq!(c.client_ip.trusted_hops, 1);
     assert_eq!(c.rate_limit_headers, HeaderFormat::Both);
     assert!(!r.quota.table.prefix().contains('/'));
 }
@@ -69,7 +69,7 @@ fn defaults() {
     assert_eq!(r.missing_key, MissingKey::Skip);
     assert_eq!(c.response.status, 429);
     assert_eq!(c.rate_limit_headers, HeaderFormat::Draft);
-    assert_eq!(c.trusted_hops, 0);
+    assert_eq!(c.client_ip.trusted_hops, 0);
     assert!(!r.dry_run);
 }
 
@@ -118,7 +118,8 @@ fn every_algorithm_and_option() {
     assert_eq!(cc.overrides.len(), 3);
     assert_eq!(
         cc.overrides[1].key,
-        crate::key::encode_key([Some(&b"::1"[..])].into_iter())
+        // An IPv6 address stands for its /64, as IPv6 clients are keyed.
+        crate::key::encode_key([Some(&b"::/64"[..])].into_iter())
     );
     assert!(matches!(cc.overrides[2].action, OverrideAction::Block));
     assert_eq!(c.quotas().count(), 7);

@@ -1,8 +1,8 @@
 //! Validation: the JSON shape into the model, with errors that name the field and the reason.
 
 use super::json::{
-    Algorithm, Delay, QuotaMode, RawConfig, RawCost, RawLimit, RawMatch, RawQuotaService,
-    RawResponse, RawRule, Scope,
+    Algorithm, Delay, QuotaMode, RawClientIp, RawConfig, RawCost, RawLimit, RawMatch,
+    RawQuotaService, RawResponse, RawRule, Scope,
 };
 use super::model::{
     Config, Cost, FirstLease, GlobalRule, KeyPart, Match, Override, OverrideAction, PathMatch,
@@ -10,9 +10,11 @@ use super::model::{
     DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
 };
 use super::{err, ConfigError};
+use crate::network::{ClientIp, Network};
 use std::collections::HashSet;
 use std::num::{NonZeroU32, NonZeroU64};
 use tollgate_core::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
+use tollgate_core::slot::KeyPlacement;
 use tollgate_core::{
     Concurrency, FixedWindow, LeakyBucket, LeaseAllowance, Limit, SlidingWindow, SlotAllowance,
     TokenBucket, WarmUp,
@@ -30,6 +32,7 @@ impl RawConfig {
             .quota_service
             .map(|q| q.validate("quota_service"))
             .transpose()?;
+        let client_ip = self.client_ip.validate("client_ip")?;
         let mut seen = HashSet::new();
         let mut rules = Vec::with_capacity(self.rules.len());
         for (i, raw) in self.rules.into_iter().enumerate() {
@@ -41,7 +44,7 @@ impl RawConfig {
                 ));
             }
             let global = raw.scope == Scope::Global;
-            let mut rule = raw.validate(&path, self.dry_run)?;
+            let mut rule = raw.validate(&path, self.dry_run, &client_ip)?;
             if global {
                 let Some((qs, lease_size)) = &quota_service else {
                     return Err(err(
@@ -55,12 +58,20 @@ impl RawConfig {
         }
         let response = self.response.validate("response")?;
         let priorities = super::overload::priorities(self.priorities)?;
+        let placement = match self.placement_secret {
+            Some(secret) if secret.len() < 16 => {
+                return Err(err("placement_secret", "must be at least 16 bytes"));
+            }
+            Some(secret) => Some(KeyPlacement::from_secret(secret.as_bytes())),
+            None => None,
+        };
         Ok(Config {
+            placement,
             priorities,
             rules,
             response,
             rate_limit_headers: self.rate_limit_headers,
-            trusted_hops: self.client_ip.trusted_hops,
+            client_ip,
             quota_service: quota_service.map(|(q, _)| q),
             log_level: self.log_level,
         })
@@ -68,7 +79,12 @@ impl RawConfig {
 }
 
 impl RawRule {
-    fn validate(self, path: &str, dry_run_all: bool) -> Result<Rule, ConfigError> {
+    fn validate(
+        self,
+        path: &str,
+        dry_run_all: bool,
+        client_ip: &ClientIp,
+    ) -> Result<Rule, ConfigError> {
         if matches!(self.algorithm, Algorithm::Adaptive | Algorithm::SreThrottle) {
             return self.validate_guard(path, dry_run_all);
         }
@@ -212,17 +228,23 @@ impl RawRule {
                 ));
             }
             let mut values = Vec::with_capacity(o.values.len());
+            let mut networks = Vec::new();
             for (k, (v, part)) in o.values.iter().zip(&self.key).enumerate() {
                 values.push(match part {
-                    KeyPart::ClientIp => v
-                        .parse::<std::net::IpAddr>()
-                        .map(|ip| ip.to_canonical().to_string())
-                        .map_err(|_| {
-                            err(
-                                format!("{at}.values[{k}]"),
-                                format!("{v:?} is not an IP address"),
-                            )
-                        })?,
+                    KeyPart::ClientIp => {
+                        let at = format!("{at}.values[{k}]");
+                        let network = client_network(v, client_ip, &at)?;
+                        let keyed = if network.is_ipv4() {
+                            client_ip.ipv4_prefix
+                        } else {
+                            client_ip.ipv6_prefix
+                        };
+                        // A range of exactly the keys' length is one key: matched as bytes.
+                        if network.prefix() < keyed {
+                            networks.push((k, network));
+                        }
+                        network.text()
+                    }
                     KeyPart::Host => v.to_ascii_lowercase(),
                     _ => v.clone(),
                 });
@@ -248,7 +270,11 @@ impl RawRule {
                     ))
                 }
             };
-            overrides.push(Override { key, action });
+            overrides.push(Override {
+                key,
+                networks,
+                action,
+            });
         }
         let response = self
             .response
@@ -330,7 +356,13 @@ impl RawQuotaService {
                 ));
             }
             Some(secret) => Some(tollgate_core::slot::key_hash(secret.as_bytes()).to_le_bytes()),
-            None => None,
+            // Every proxy of a deployment holds the token: a secret they all share, which no
+            // client knows.
+            None => self.token.as_ref().map(|token| {
+                let mut bytes = b"tollgate key names\0".to_vec();
+                bytes.extend_from_slice(token.as_bytes());
+                tollgate_core::slot::key_hash(&bytes).to_le_bytes()
+            }),
         };
         let service = QuotaService {
             key_secret,
@@ -706,5 +738,52 @@ fn header_path(path: &str, name: &str) -> String {
         format!("{path}.{name}")
     } else {
         format!("{path}[{name:?}]")
+    }
+}
+
+/// An override's `client_ip` value: an address (its network under the keys' prefix length, as
+/// clients are keyed) or a CIDR range at least as wide as the keys' networks.
+fn client_network(value: &str, client_ip: &ClientIp, at: &str) -> Result<Network, ConfigError> {
+    let network = Network::parse(value).ok_or_else(|| {
+        err(
+            at,
+            format!("{value:?} is not an IP address or a CIDR range (10.0.0.0/8, 2001:db8::/32)"),
+        )
+    })?;
+    let (keyed, field) = if network.is_ipv4() {
+        (client_ip.ipv4_prefix, "ipv4_prefix")
+    } else {
+        (client_ip.ipv6_prefix, "ipv6_prefix")
+    };
+    if !value.contains('/') {
+        return Ok(network.widen(keyed));
+    }
+    if network.prefix() > keyed {
+        return Err(err(
+            at,
+            format!(
+                "{value:?} is narrower than the networks clients are keyed by \
+                 (client_ip.{field} {keyed}): it would never match"
+            ),
+        ));
+    }
+    Ok(network)
+}
+
+impl RawClientIp {
+    fn validate(self, path: &str) -> Result<ClientIp, ConfigError> {
+        let ipv4_prefix = self.ipv4_prefix.unwrap_or(32);
+        let ipv6_prefix = self.ipv6_prefix.unwrap_or(64);
+        if !(1..=32).contains(&ipv4_prefix) {
+            return Err(err(format!("{path}.ipv4_prefix"), "must be 1 to 32"));
+        }
+        if !(1..=128).contains(&ipv6_prefix) {
+            return Err(err(format!("{path}.ipv6_prefix"), "must be 1 to 128"));
+        }
+        Ok(ClientIp {
+            trusted_hops: self.trusted_hops,
+            ipv4_prefix,
+            ipv6_prefix,
+        })
     }
 }

@@ -117,7 +117,7 @@ impl Engine {
         let rule = input.which.rule();
         if let Some(g) = self.config.rules.get(rule).and_then(|r| r.global.as_ref()) {
             input.which = QuotaRef::Fallback(rule);
-            input.slot = g.fallback.table.locate_hash(input.key);
+            input.slot = g.fallback.table.locate_hash(input.place);
         }
     }
 }

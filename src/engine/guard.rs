@@ -10,7 +10,6 @@ use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::adaptive::{self, Adaptive, Admission, Window, FLOWS, MILLI};
 use tollgate_core::limiter::MAX_CAS_ATTEMPTS;
-use tollgate_core::slot::key_hash;
 use tollgate_core::throttle::{draw, Counts, SreThrottle};
 use tollgate_core::{CasStore, StoreError};
 
@@ -142,14 +141,14 @@ impl Engine {
             let Some(key) = request.key(&rule.key, rule.missing_key) else {
                 continue;
             };
-            let window = g.table.locate_hash(key_hash(&key)).group;
+            let window = g.table.locate_hash(self.placement.hash(&key)).group;
             let flow = if g.fair_key.is_empty() {
                 None
             } else {
                 // Requests without a flow key are not held to a flow's part.
                 request
                     .key(&g.fair_key, MissingKey::Skip)
-                    .map(|k| (key_hash(&k) % FLOWS as u128) as u8)
+                    .map(|k| (self.placement.hash(&k) % FLOWS as u128) as u8)
             };
             let level = *level.get_or_insert_with(|| self.level_of(request));
             let seat = Seat {

@@ -20,6 +20,12 @@ const SLOT_SCAN_MS: u64 = 100;
 /// Most global concurrency keys a worker keeps in view (those with its requests in flight).
 const MAX_SLOT_KEYS: usize = 65_536;
 
+/// Items in one call to the quota service (it takes at most [`tollgate_core::lease::MAX_ITEMS`]).
+pub const ITEMS_PER_CALL: usize = 250;
+
+/// Calls one tick (or one request) sends at most; further refills wait for the next.
+pub const CALLS_PER_TICK: usize = 8;
+
 /// A call to the quota service a tick sends: the refills it is for, and its body.
 pub enum Call {
     Lease(Vec<Refill>, LeaseRequest),
@@ -72,7 +78,12 @@ impl Engine {
             return calls;
         }
         let now_ms = now / 1_000_000;
-        let refills = std::mem::take(&mut self.refills);
+        // Past what a tick may send, refills wait for the next tick: a flood of new keys delays
+        // new keys, never the calls of keys already served.
+        let later = self
+            .refills
+            .split_off(self.refills.len().min(ITEMS_PER_CALL * CALLS_PER_TICK));
+        let refills = std::mem::replace(&mut self.refills, later);
         let (mut leases, mut slots) = (Vec::new(), Vec::new());
         let mut slot_items = Vec::new();
         for mut r in refills {
@@ -91,8 +102,12 @@ impl Engine {
                 }
             }
         }
-        if !leases.is_empty() {
-            let items = leases
+        // Calls of at most ITEMS_PER_CALL items: a call that fails takes only its own keys to
+        // the failure mode.
+        while !leases.is_empty() {
+            let rest = leases.split_off(leases.len().min(ITEMS_PER_CALL));
+            let chunk = std::mem::replace(&mut leases, rest);
+            let items = chunk
                 .iter()
                 .filter_map(|r| self.lease_item(r.rule, r.key, &r.ask))
                 .collect();
@@ -100,14 +115,17 @@ impl Engine {
                 instance: instance.to_owned(),
                 items,
             };
-            calls.push(Call::Lease(leases, request));
+            calls.push(Call::Lease(chunk, request));
         }
-        if !slots.is_empty() {
+        while !slots.is_empty() {
+            let rest = slots.split_off(slots.len().min(ITEMS_PER_CALL));
+            let chunk = std::mem::replace(&mut slots, rest);
+            let rest_items = slot_items.split_off(chunk.len());
             let request = SlotRequest {
                 instance: instance.to_owned(),
-                items: slot_items,
+                items: std::mem::replace(&mut slot_items, rest_items),
             };
-            calls.push(Call::Slots(slots, request));
+            calls.push(Call::Slots(chunk, request));
         }
         calls
     }

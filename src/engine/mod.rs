@@ -23,7 +23,7 @@ use crate::stats::{ProcessStat, RuleStat, Stats};
 use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::limiter::INLINE_RULES;
-use tollgate_core::slot::key_hash;
+use tollgate_core::slot::{key_hash, KeyPlacement};
 use tollgate_core::{release, return_stash, CasStore, Hold, SlotId, StashTable};
 
 /// How much longer than the quota call's timeout a request waits for quota: two of the plugin's
@@ -73,8 +73,11 @@ impl QuotaRef {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CheckInput {
     pub which: QuotaRef,
-    /// The client key's hash: its slot in any table, and its name at the quota service.
+    /// The client key's name at the quota service (an unkeyed hash, the same on every proxy;
+    /// keyed by `key_secret` on the wire). 0 for local rules.
     pub key: u128,
+    /// The client key's placement hash (keyed by the deployment's secret): its slot in any table.
+    pub place: u128,
     pub slot: SlotId,
     pub cost: u64,
     pub enforced: bool,
@@ -142,10 +145,14 @@ pub struct Engine {
     /// When the tick looks at them next (ms).
     next_slot_scan_ms: u64,
     dry_run_log: dry_run::DryRunLog,
+    /// Places client keys in slot groups and flows (the configured `placement_secret`, else the
+    /// deployment's random one).
+    placement: KeyPlacement,
 }
 
 impl Engine {
-    pub fn new(config: Config) -> Self {
+    pub fn new(config: Config, deployment: KeyPlacement) -> Self {
+        let placement = config.placement.unwrap_or(deployment);
         let guarded = config.rules.iter().any(|r| r.guard.is_some());
         Self {
             stats: Stats::new(config.rules.len()),
@@ -159,6 +166,7 @@ impl Engine {
             guarded,
             slot_keys: rustc_hash::FxHashMap::default(),
             next_slot_scan_ms: 0,
+            placement,
         }
     }
 
@@ -206,7 +214,7 @@ impl Engine {
             let Some(key) = request.key(&rule.key, rule.missing_key) else {
                 continue;
             };
-            let overridden = rule.overrides.iter().position(|o| o.key[..] == key[..]);
+            let overridden = rule.overrides.iter().position(|o| o.matches(&key));
             let (which, quota) = match overridden.map(|j| (j, &rule.overrides[j].action)) {
                 None => (QuotaRef::Rule(i), &rule.quota),
                 Some((_, OverrideAction::Unlimited)) => continue,
@@ -224,7 +232,12 @@ impl Engine {
                 }
                 Some((j, OverrideAction::Limit(q))) => (QuotaRef::Override(i, j), q),
             };
-            let key = key_hash(&key);
+            let place = self.placement.hash(&key);
+            let key = if rule.global.is_some() {
+                key_hash(&key)
+            } else {
+                0
+            };
             let cost = match &rule.cost {
                 Cost::Fixed(n) => *n,
                 Cost::Header {
@@ -255,8 +268,9 @@ impl Engine {
             }
             inputs.push(CheckInput {
                 which,
-                slot: quota.table.locate_hash(key),
+                slot: quota.table.locate_hash(place),
                 key,
+                place,
                 cost,
                 enforced: !rule.dry_run,
             });

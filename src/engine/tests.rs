@@ -45,14 +45,14 @@ struct Rig {
 impl Rig {
     fn new(json: &str) -> Self {
         let config = Config::parse(json.as_bytes()).unwrap();
-        let engine = Engine::new(config);
+        let engine = Engine::new(config, KeyPlacement::new([7; 16]));
         let store = MemoryStore::new();
         engine.initialize(&store).unwrap();
         Self { engine, store }
     }
 
     fn inputs(&mut self, r: &Req) -> Inputs {
-        let trusted = self.engine.config().trusted_hops;
+        let trusted = self.engine.config().client_ip;
         let mut inputs = Inputs::new();
         if let Some(b) = self.engine.gather(&Request::new(r, trusted), &mut inputs) {
             panic!("blocked: {b:?}");
@@ -216,7 +216,7 @@ fn overrides_dry_run_and_all_or_nothing() {
         1,
         "unlimited: only the dry rule"
     );
-    let trusted = rig.engine.config().trusted_hops;
+    let trusted = rig.engine.config().client_ip;
     let blocked = rig.engine.gather(
         &Request::new(&from("10.0.0.3:1"), trusted),
         &mut Inputs::new(),
@@ -534,7 +534,7 @@ fn a_cost_no_bucket_can_hold_is_refused_without_a_retry_after() {
         r#"{"rules":[{"name":"c","limit":{"requests":1,"per":"1s"},"burst":2,
             "cost":{"header":"x-cost","max":100},"worker_batch":0}]}"#,
     );
-    let trusted = rig.engine.config().trusted_hops;
+    let trusted = rig.engine.config().client_ip;
     let five = req(&[("x-cost", b"5")]);
     let refused = rig
         .engine
@@ -588,6 +588,75 @@ fn after_a_failed_call_strict_requests_skip_the_call_for_retry() {
     assert!(rig.engine.may_call(NOW + 2 * SEC));
 }
 
+fn key_of_token(token: &str) -> (String, String) {
+    let config = GLOBAL.replace(
+        r#""upstream":"quota""#,
+        &format!(r#""upstream":"quota","token":"{token}""#),
+    );
+    let mut rig = Rig::new(&config.replace("FAILURE", "deny").replace("FIRST", "wait"));
+    let u = req(&[("x-user", b"victim")]);
+    assert_eq!(rig.step(&u, NOW), Step::Wait);
+    let (refills, call) = rig.lease_call(NOW).unwrap();
+    (
+        format!("{:032x}", refills[0].key),
+        call.items[0].key.clone(),
+    )
+}
+
+/// The groups of `keys` under a placement secret (`None`: the deployment's, as the rig has it).
+fn groups_of(secret: Option<&str>, keys: &[String]) -> Vec<u32> {
+    let json = r#"{"rules":[{"name":"r","key":["header:x-user"],"limit":{"requests":5,"per":"1m"},"max_keys":4096}]SECRET}"#;
+    let json = json.replace(
+        "SECRET",
+        &secret.map_or(String::new(), |s| format!(r#","placement_secret":"{s}""#)),
+    );
+    let mut rig = Rig::new(&json);
+    keys.iter()
+        .map(|k| {
+            let r = Req {
+                headers: vec![("x-user", k.as_bytes().to_vec())],
+                peer: "10.0.0.1:4000",
+            };
+            rig.inputs(&r)[0].slot.group
+        })
+        .collect()
+}
+
+#[test]
+fn which_keys_share_a_slot_group_depends_on_the_deployments_secret() {
+    // Keys an attacker found to share a group under one secret (as they could under the public
+    // seed before): under another secret they are spread like any keys.
+    let keys: Vec<String> = (0..20_000).map(|i| format!("user-{i}")).collect();
+    let under_a = groups_of(Some("deployment-a-placement"), &keys);
+    let target = under_a[0];
+    let colliding: Vec<String> = keys
+        .iter()
+        .zip(&under_a)
+        .filter(|(_, g)| **g == target)
+        .map(|(k, _)| k.clone())
+        .collect();
+    assert!(
+        colliding.len() >= 5,
+        "{} keys share group {target}",
+        colliding.len()
+    );
+    assert_eq!(
+        groups_of(Some("deployment-a-placement"), &colliding),
+        vec![target; colliding.len()]
+    );
+    for other in [Some("deployment-b-placement"), None] {
+        let spread = groups_of(other, &colliding);
+        let together = spread.iter().filter(|g| **g == spread[0]).count();
+        assert!(
+            together <= 2,
+            "{together} of {} still together",
+            colliding.len()
+        );
+    }
+    let e = Config::parse(br#"{"rules":[{"name":"r","key":["header:x-user"],"limit":{"requests":5,"per":"1m"}}],"placement_secret":"short"}"#).unwrap_err();
+    assert!(e.to_string().contains("placement_secret"), "{e}");
+}
+
 #[test]
 fn key_hashes_sent_to_the_service_are_keyed_by_the_deployments_secret() {
     let key_of = |secret: Option<&str>| {
@@ -608,7 +677,14 @@ fn key_hashes_sent_to_the_service_are_keyed_by_the_deployments_secret() {
         )
     };
     let (plain, sent) = key_of(None);
-    assert_eq!(plain, sent, "no secret: the plain key hash");
+    assert_eq!(plain, sent, "no secret and no token: the plain key hash");
+    let (_, by_token) = key_of_token("token-of-deployment-a");
+    assert_eq!(by_token, key_of_token("token-of-deployment-a").1);
+    assert!(
+        by_token != plain,
+        "a token keys the names when there is no key_secret"
+    );
+    assert!(by_token != key_of_token("token-of-deployment-b").1);
     let (_, a) = key_of(Some("deployment-a-secret-0123"));
     let (_, a_again) = key_of(Some("deployment-a-secret-0123"));
     let (_, b) = key_of(Some("deployment-b-secret-0123"));
@@ -630,7 +706,7 @@ mod overload {
 
     impl Rig {
         fn guard(&mut self, r: &Req, now: u64) -> Result<Seats, Rejection> {
-            let trusted = self.engine.config().trusted_hops;
+            let trusted = self.engine.config().client_ip;
             let mut seats = Seats::new();
             match self
                 .engine
@@ -935,4 +1011,162 @@ mod global_concurrency {
             .0;
         assert!(nginx.contains("first_lease"), "{nginx}");
     }
+}
+
+#[test]
+fn a_flood_of_new_keys_goes_in_calls_the_service_takes_and_a_limited_key_stays_limited() {
+    use super::lease::{CALLS_PER_TICK, ITEMS_PER_CALL};
+    let mut rig = Rig::new(
+        &GLOBAL
+            .replace("FAILURE", "allow")
+            .replace("FIRST", "wait")
+            .replace(
+                r#""worker_batch":0"#,
+                r#""worker_batch":0,"max_keys":65536"#,
+            ),
+    );
+    let user = |name: String| Req {
+        headers: vec![("x-user", name.into_bytes())],
+        peer: "10.0.0.1:4000",
+    };
+    let victim = user("victim".into());
+    assert_eq!(rig.step(&victim, NOW), Step::Wait);
+    // 5 000 new keys before the next tick (the flood that made one call of 1 499 items, which
+    // the service refused whole, so every key of it fell to `failure_mode: allow`).
+    for i in 0..5_000 {
+        assert_eq!(rig.step(&user(format!("new-{i}")), NOW + MS), Step::Wait);
+    }
+    let mut empty = grant(0);
+    empty.items[0].remaining = 0;
+    let mut sent = 0;
+    let mut ticks = 0;
+    loop {
+        let calls = rig.engine.take_refills(&rig.store, "me", NOW + 2 * MS);
+        if calls.is_empty() {
+            break;
+        }
+        ticks += 1;
+        assert!(calls.len() <= CALLS_PER_TICK, "{} calls", calls.len());
+        for call in calls {
+            let Call::Lease(refills, request) = call else {
+                panic!("a slot call")
+            };
+            assert!(request.items.len() <= ITEMS_PER_CALL);
+            assert_eq!(request.problem(), None, "the service takes the call");
+            assert_eq!(refills.len(), request.items.len());
+            // The victim's bucket is empty; everyone else gets 5.
+            let answer = LeaseResponse {
+                items: (0..refills.len())
+                    .map(|i| {
+                        if sent == 0 && i == 0 {
+                            empty.items[0]
+                        } else {
+                            grant(5).items[0]
+                        }
+                    })
+                    .collect(),
+            };
+            sent += refills.len();
+            rig.engine
+                .apply_grants(&rig.store, &refills, Some(&answer), NOW + 3 * MS);
+        }
+    }
+    assert_eq!((sent, ticks), (5_001, 3));
+    reject(rig.step(&victim, NOW + 4 * MS));
+    admit(rig.step(&user("new-4999".into()), NOW + 4 * MS));
+    assert_eq!(
+        rig.stat(0, RuleStat::Fallback),
+        0,
+        "no key fell to its failure mode"
+    );
+}
+
+fn from_peer(peer: &'static str) -> Req {
+    Req {
+        headers: Vec::new(),
+        peer,
+    }
+}
+
+#[test]
+fn an_ipv6_client_is_limited_by_its_64_whatever_address_it_uses() {
+    let mut rig = Rig::new(
+        r#"{"rules":[{"name":"ip","key":["client_ip"],"limit":{"requests":3,"per":"1h"}}]}"#,
+    );
+    // Three addresses of one /64: one bucket of 3.
+    let admitted = [
+        "[2001:db8:1:2::1]:5",
+        "[2001:db8:1:2::2]:5",
+        "[2001:db8:1:2:ffff::9]:5",
+    ]
+    .iter()
+    .map(|p| rig.admitted(&from_peer(p), NOW, 2))
+    .sum::<usize>();
+    assert_eq!(admitted, 3);
+    // Another /64 has its own.
+    assert_eq!(rig.admitted(&from_peer("[2001:db8:1:3::1]:5"), NOW, 5), 3);
+    // With ipv6_prefix 128 every address is a key.
+    let mut rig = Rig::new(
+        r#"{"rules":[{"name":"ip","key":["client_ip"],"limit":{"requests":3,"per":"1h"}}],
+            "client_ip":{"ipv6_prefix":128,"ipv4_prefix":24}}"#,
+    );
+    assert_eq!(rig.admitted(&from_peer("[2001:db8:1:2::1]:5"), NOW, 5), 3);
+    assert_eq!(rig.admitted(&from_peer("[2001:db8:1:2::2]:5"), NOW, 5), 3);
+    // IPv4 clients by their /24.
+    assert_eq!(rig.admitted(&from_peer("10.1.2.3:5"), NOW, 2), 2);
+    assert_eq!(rig.admitted(&from_peer("10.1.2.4:5"), NOW, 5), 1);
+    for (field, bad) in [
+        ("ipv6_prefix", "0"),
+        ("ipv6_prefix", "129"),
+        ("ipv4_prefix", "33"),
+    ] {
+        let json = format!(
+            r#"{{"rules":[{{"name":"ip","key":["client_ip"],"limit":{{"requests":3,"per":"1h"}}}}],
+                "client_ip":{{"{field}":{bad}}}}}"#
+        );
+        let e = Config::parse(json.as_bytes()).unwrap_err().to_string();
+        assert!(e.contains(&format!("client_ip.{field}")), "{e}");
+    }
+}
+
+#[test]
+fn cidr_overrides_allow_block_and_limit_whole_ranges() {
+    let mut rig = Rig::new(
+        r#"{"rules":[{"name":"ip","key":["client_ip"],"limit":{"requests":1,"per":"1h"},
+            "overrides":[{"values":["10.0.0.0/8"],"unlimited":true},
+                         {"values":["192.0.2.0/24"],"block":true},
+                         {"values":["2001:db8::/32"],"limit":{"requests":5,"per":"1h"}},
+                         {"values":["198.51.100.7"],"limit":{"requests":2,"per":"1h"}}]}]}"#,
+    );
+    assert_eq!(rig.admitted(&from_peer("10.200.3.4:1"), NOW, 20), 20);
+    assert_eq!(rig.admitted(&from_peer("11.0.0.1:1"), NOW, 20), 1);
+    let trusted = rig.engine.config().client_ip;
+    let blocked = rig.engine.gather(
+        &Request::new(&from_peer("192.0.2.99:1"), trusted),
+        &mut Inputs::new(),
+    );
+    assert!(blocked.is_some(), "inside the blocked range");
+    // The range's own limit is per key inside it (each /64 its own 5), like any override.
+    assert_eq!(rig.admitted(&from_peer("[2001:db8:7::1]:1"), NOW, 20), 5);
+    assert_eq!(rig.admitted(&from_peer("[2001:db8:8::1]:1"), NOW, 20), 5);
+    assert_eq!(rig.admitted(&from_peer("[2001:db9::1]:1"), NOW, 20), 1);
+    assert_eq!(rig.admitted(&from_peer("198.51.100.7:1"), NOW, 20), 2);
+    // A range narrower than the keys' networks could never match: refused at load.
+    let e = Config::parse(
+        br#"{"rules":[{"name":"ip","key":["client_ip"],"limit":{"requests":1,"per":"1h"},
+            "overrides":[{"values":["2001:db8::/96"],"unlimited":true}]}]}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("rules[0].overrides[0].values[0]") && e.contains("ipv6_prefix"),
+        "{e}"
+    );
+    let e = Config::parse(
+        br#"{"rules":[{"name":"ip","key":["client_ip"],"limit":{"requests":1,"per":"1h"},
+            "overrides":[{"values":["10.0.0.0/33"],"unlimited":true}]}]}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("CIDR"), "{e}");
 }

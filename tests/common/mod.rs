@@ -246,6 +246,36 @@ pub fn statuses(url: &str, headers: &[(&str, &str)], n: usize) -> (usize, usize)
 }
 
 /// A plugin configuration with one rule.
+/// A per-IP rule behind one trusted hop (so tests can send any client address) with the default
+/// prefixes, and CIDR overrides: allowed, blocked, and an own limit.
+pub fn client_networks_plugin() -> Value {
+    json!({
+        "rules": [{"name": "per-ip", "key": ["client_ip"], "limit": {"requests": 2, "per": "1h"},
+                   "overrides": [{"values": ["10.0.0.0/8"], "unlimited": true},
+                                 {"values": ["192.0.2.0/24"], "block": true},
+                                 {"values": ["2001:db8:aaaa::/48"], "limit": {"requests": 4, "per": "1h"}}]}],
+        "client_ip": {"trusted_hops": 1}
+    })
+}
+
+/// What [`client_networks_plugin`] does, asked of a proxy at `url`.
+pub fn check_client_networks(url: &str) {
+    let from = |ip: &'static str, n| statuses(url, &[("x-forwarded-for", ip)], n);
+    // Addresses of one /64 share one bucket of 2; the next /64 has its own.
+    assert_eq!(from("2001:db8:1:2::1", 1), (1, 0));
+    assert_eq!(from("2001:db8:1:2::ffff", 1), (1, 0));
+    assert_eq!(from("2001:db8:1:2:8000::1", 1), (0, 1));
+    assert_eq!(from("2001:db8:1:3::1", 3), (2, 1));
+    // IPv4 clients are their address.
+    assert_eq!(from("203.0.113.1", 3), (2, 1));
+    assert_eq!(from("203.0.113.2", 3), (2, 1));
+    // Ranges: allowed, blocked, and 4 per client /64 inside 2001:db8:aaaa::/48.
+    assert_eq!(from("10.20.30.40", 10), (10, 0));
+    assert_eq!(from("192.0.2.77", 2), (0, 2));
+    assert_eq!(from("2001:db8:aaaa:1::1", 6), (4, 2));
+    assert_eq!(from("2001:db8:aaaa:2::1", 6), (4, 2));
+}
+
 pub fn one_rule(rule: Value) -> Value {
     json!({"rules": [rule]})
 }

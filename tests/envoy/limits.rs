@@ -126,6 +126,12 @@ fn client_ip_with_trusted_hops_reads_x_forwarded_for_from_the_right() {
 }
 
 #[test]
+fn ipv6_clients_are_limited_by_their_64_and_overrides_take_cidr_ranges() {
+    let envoy = Envoy::start(&crate::harness::client_networks_plugin());
+    crate::harness::check_client_networks(&envoy.url("/"));
+}
+
+#[test]
 fn a_refusal_by_one_rule_does_not_charge_the_others() {
     let envoy = Envoy::start(&json!({"rules": [
         {"name": "all", "limit": {"requests": 1, "per": "1d"}, "burst": 10},

@@ -154,6 +154,13 @@ fn concurrency_slots_are_released_also_when_the_client_goes_away() {
 }
 
 #[test]
+fn ipv6_clients_are_limited_by_their_64_and_overrides_take_cidr_ranges() {
+    nginx_or_skip!();
+    let nginx = Nginx::start(&common::client_networks_plugin());
+    common::check_client_networks(&nginx.url("/"));
+}
+
+#[test]
 fn hosts_match_and_key_by_the_host_header() {
     nginx_or_skip!();
     let nginx = Nginx::start(&json!({"rules": [
