@@ -45,7 +45,7 @@ struct Args {
     /// empty). `full`: always full (a restart can admit up to a burst more per key).
     #[arg(long, env = "TOLLGATE_QUOTA_COLD_START", value_enum, default_value_t = ColdStartArg::Auto)]
     cold_start: ColdStartArg,
-    /// Require `Authorization: Bearer <token>` on lease calls.
+    /// Require `Authorization: Bearer <token>` on lease calls. Required to listen beyond loopback.
     #[arg(long, env = "TOLLGATE_QUOTA_TOKEN")]
     token: Option<String>,
     /// Longest wait for Redis before answering 503; within it a dropped connection is made
@@ -99,6 +99,14 @@ async fn main() {
 }
 
 async fn run(args: Args) -> Result<(), String> {
+    if args.token.is_none() && !args.listen.ip().is_loopback() {
+        return Err(format!(
+            "refusing to listen on {} without --token: anyone who reaches it could take every \
+             key's quota and free other proxies' slots; set --token (TOLLGATE_QUOTA_TOKEN), or \
+             listen on 127.0.0.1",
+            args.listen
+        ));
+    }
     let timeout = Duration::from_millis(args.storage_timeout_ms);
     let epoch_ms = now_ms();
     let cold = match args.cold_start {
@@ -125,7 +133,7 @@ async fn run(args: Args) -> Result<(), String> {
         Some(target) => Store::Redis(
             RedisStore::connect(target, timeout, cold)
                 .await
-                .map_err(|e| format!("cannot use {target:?}: {e}"))?,
+                .map_err(|e| format!("cannot use {target}: {e}"))?,
         ),
         None => Store::Memory(MemoryStore::new(args.max_keys, cold)),
     };

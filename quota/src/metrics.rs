@@ -21,8 +21,14 @@ pub struct Holder {
     pub instance: String,
 }
 
+/// Most `slots_held` series: their labels come from callers, so a caller must not be able to grow
+/// `/metrics` (and the service's memory) without bound.
+pub const MAX_HELD_SERIES: usize = 1_024;
+
 pub struct Metrics {
     registry: Registry,
+    /// The `slots_held` series made so far (at most [`MAX_HELD_SERIES`]).
+    held_series: std::sync::Mutex<std::collections::HashSet<Holder>>,
     pub calls: Family<Outcome, Counter>,
     pub slot_calls: Family<Outcome, Counter>,
     /// Slots an instance held of a rule's keys, as its last slot call's answers said.
@@ -35,6 +41,23 @@ pub struct Metrics {
     pub latency: Histogram,
     /// The server's connections: open now, and closed to make room for new ones.
     pub server: crate::server::ServerMetrics,
+}
+
+impl Metrics {
+    /// Set what `holder` holds, unless that would make a series past [`MAX_HELD_SERIES`]
+    /// (then it is not shown; the call is served alike).
+    pub fn set_held(&self, holder: Holder, n: i64) {
+        let Ok(mut series) = self.held_series.lock() else {
+            return;
+        };
+        if !series.contains(&holder) {
+            if series.len() >= MAX_HELD_SERIES {
+                return;
+            }
+            series.insert(holder.clone());
+        }
+        self.slots_held.get_or_create(&holder).set(n);
+    }
 }
 
 impl Default for Metrics {
@@ -85,6 +108,7 @@ impl Default for Metrics {
         );
         Self {
             registry,
+            held_series: Default::default(),
             calls,
             slot_calls,
             slots_held,
@@ -106,5 +130,39 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn callers_cannot_grow_the_held_series_without_bound() {
+        let m = Metrics::default();
+        for i in 0..5_000 {
+            let holder = Holder {
+                rule: format!("r{i}"),
+                instance: format!("proxy-{i}"),
+            };
+            m.set_held(holder, 1);
+        }
+        let text = m.render();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("tollgate_quota_slots_held{"))
+            .count();
+        assert_eq!(series, MAX_HELD_SERIES);
+        // A known series is still updated.
+        m.set_held(
+            Holder {
+                rule: "r0".into(),
+                instance: "proxy-0".into(),
+            },
+            7,
+        );
+        assert!(m
+            .render()
+            .contains(r#"tollgate_quota_slots_held{rule="r0",instance="proxy-0"} 7"#));
     }
 }

@@ -42,6 +42,40 @@ pub enum RedisTarget {
     },
 }
 
+impl std::fmt::Display for RedisTarget {
+    /// The target as a log line may show it: passwords in URLs replaced by `***`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |urls: &[String]| urls.iter().map(|u| redact(u)).collect::<Vec<_>>().join(",");
+        match self {
+            Self::Single(url) => f.write_str(&redact(url)),
+            Self::Cluster(nodes) => write!(f, "cluster {}", list(nodes)),
+            Self::Sentinel { sentinels, master } => {
+                write!(f, "master {master:?} of sentinels {}", list(sentinels))
+            }
+        }
+    }
+}
+
+/// A Redis URL without its password: `redis://user:secret@host` → `redis://user:***@host`.
+pub fn redact(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let Some(at) = rest.rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = &rest[..at];
+    let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+    let hidden = if userinfo.contains(':') {
+        format!("{user}:***")
+    } else {
+        // `redis://secret@host`: the whole userinfo is the password.
+        "***".to_owned()
+    };
+    format!("{}{hidden}{}", &url[..scheme_end], &rest[at..])
+}
+
 #[derive(Clone)]
 enum Connection {
     Single(ConnectionManager),
@@ -615,6 +649,29 @@ fn slot_ranges(answer: redis::Value) -> Vec<(u16, u16, (String, u16))> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn passwords_never_reach_a_log_line() {
+        assert_eq!(
+            redact("redis://:s3cret@10.0.0.1:6379/0"),
+            "redis://:***@10.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact("rediss://app:p@ss@host:6380"),
+            "rediss://app:***@host:6380"
+        );
+        assert_eq!(redact("redis://s3cret@host"), "redis://***@host");
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+        let target = RedisTarget::Sentinel {
+            sentinels: vec!["redis://:a1@s1:26379".into(), "redis://s2:26379".into()],
+            master: "mymaster".into(),
+        };
+        let shown = target.to_string();
+        assert!(!shown.contains("a1"), "{shown}");
+        assert!(!RedisTarget::Single("redis://u:zz@h".into())
+            .to_string()
+            .contains("zz"));
+    }
 
     #[test]
     fn slots_are_the_clusters_and_every_slot_has_a_marker() {

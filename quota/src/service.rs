@@ -205,7 +205,7 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                     rule: rule.to_owned(),
                     instance: request.instance.clone(),
                 };
-                service.metrics.slots_held.get_or_create(&holder).set(n);
+                service.metrics.set_held(holder, n);
             }
             Json(SlotResponse { items: answers }).into_response()
         }

@@ -1288,3 +1288,29 @@ async fn slot_calls_are_checked_served_and_counted_per_instance() {
     );
     assert!(metrics.contains("tollgate_quota_slot_calls_total{outcome=\"ok\"} 1"));
 }
+
+#[test]
+fn without_a_token_it_refuses_to_listen_beyond_loopback() {
+    let port = free_port();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate-quota"))
+        .args(["--listen", &format!("0.0.0.0:{port}")])
+        .env_remove("TOLLGATE_QUOTA_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("without --token"), "{err}");
+    // With a token it serves there.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate-quota"))
+        .args(["--listen", &format!("0.0.0.0:{port}"), "--token", "t0ken"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
