@@ -130,6 +130,21 @@ async fn read_call<T: serde::de::DeserializeOwned>(
     Ok(request)
 }
 
+/// The name a bucket is stored under: the caller's `limit_id` bound to the limit the item states.
+/// A caller that states another limit for a key reaches another bucket, never rewrites the one
+/// the proxies of that limit use (one call with `burst: 1` could cut their bucket to 1 token).
+pub fn bound_limit_id(limit_id: &str, limit: &[u64]) -> String {
+    let mut bytes = Vec::with_capacity(limit_id.len() + 8 * limit.len());
+    bytes.extend_from_slice(limit_id.as_bytes());
+    for n in limit {
+        bytes.extend_from_slice(&n.to_le_bytes());
+    }
+    format!(
+        "{limit_id}.{:08x}",
+        tollgate_core::slot::fingerprint(&bytes) as u32
+    )
+}
+
 /// The answer to a storage failure.
 fn storage_failed(service: &Service, calls: &Family<Outcome, Counter>, e: StoreError) -> Response {
     calls
@@ -150,10 +165,14 @@ fn storage_failed(service: &Service, calls: &Family<Outcome, Counter>, e: StoreE
 async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let calls = &service.metrics.calls;
-    let request = match read_call(&service, calls, &headers, body, LeaseRequest::problem).await {
+    let mut request = match read_call(&service, calls, &headers, body, LeaseRequest::problem).await
+    {
         Ok(r) => r,
         Err(answer) => return answer,
     };
+    for item in &mut request.items {
+        item.limit_id = bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
+    }
     let result = service
         .store
         .lease(&request.instance, &request.items, service.lease_ttl_ms)
@@ -184,10 +203,13 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
 
 async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let calls = &service.metrics.slot_calls;
-    let request = match read_call(&service, calls, &headers, body, SlotRequest::problem).await {
+    let mut request = match read_call(&service, calls, &headers, body, SlotRequest::problem).await {
         Ok(r) => r,
         Err(answer) => return answer,
     };
+    for item in &mut request.items {
+        item.limit_id = bound_limit_id(&item.limit_id, &[item.concurrent]);
+    }
     match service
         .store
         .slots(&request.instance, &request.items, service.lease_ttl_ms)

@@ -1314,3 +1314,23 @@ fn without_a_token_it_refuses_to_listen_beyond_loopback() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+#[tokio::test]
+async fn a_caller_that_states_another_limit_cannot_rewrite_a_bucket() {
+    let svc = service(
+        Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        Some("s3cret"),
+    );
+    let ok = Some("Bearer s3cret");
+    // The proxies' limit: burst 50. Someone with the token sends the same limit_id and key with
+    // burst 1 and wanted 0 (the call that cut the victim's bucket from 50 tokens to 1).
+    let (status, _) = call(&svc, lease_body("evil", vec![item("victim", 1, 0)]), ok).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, text) = call(&svc, lease_body("a", vec![item("victim", 50, 50)]), ok).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(
+        grants(&text)[0].granted,
+        50,
+        "the bucket still holds its 50"
+    );
+}
