@@ -443,6 +443,17 @@ pub fn return_stash<S: CasStore + ?Sized>(
 }
 
 /// The enforced refusal with the longest wait, if any.
+/// What [`admit`] would decide from one read of each check, writing nothing (no claims either):
+/// a refusal here is one `admit` would make now.
+pub fn preview<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
+    let plans: SmallVec<[Plan; INLINE_RULES]> = checks
+        .iter()
+        .map(|c| plan(store, c, c.table.store_key(c.slot.group), now_ns))
+        .collect();
+    let refused = worst_refusal(checks, &plans);
+    finish(refused.is_none(), refused, plans)
+}
+
 fn worst_refusal(checks: &[Check], plans: &[Plan]) -> Option<usize> {
     plans
         .iter()

@@ -102,6 +102,12 @@ impl StashTable {
     }
 
     /// Decide a request of `cost` from the stash if possible, else say how much to ask for.
+    /// True if this worker's stash holds `cost` usable tokens of the key (nothing changes).
+    pub fn holds(&self, quota: u32, slot: SlotId, cost: u64, now_ns: u64) -> bool {
+        let e = &self.entries[self.index(quota, slot)];
+        e.is(quota, slot) && e.tokens >= cost && now_ns < e.expires_ns
+    }
+
     pub fn lookup(
         &mut self,
         quota: u32,

@@ -93,6 +93,14 @@ impl Http {
         };
         if plugin.engine.borrow().is_strict(&inputs) {
             let strict = plugin.engine.borrow().split(inputs);
+            let refused =
+                plugin
+                    .engine
+                    .borrow_mut()
+                    .local_refusal(&SharedData, &strict.locals, now);
+            if let Some(step) = refused {
+                return self.carry_out(&plugin, step, now, false);
+            }
             return self.call_own(&plugin, strict, now);
         }
         #[cfg(feature = "probe")]

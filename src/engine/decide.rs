@@ -14,7 +14,7 @@ use tollgate_core::{
 
 /// The stash name of an input's quota if a worker may stash for it: an enforced check of a rule
 /// with `worker_batch`.
-fn stashed_quota(config: &Config, input: &CheckInput) -> Option<u32> {
+pub(super) fn stashed_quota(config: &Config, input: &CheckInput) -> Option<u32> {
     let batches = config
         .rules
         .get(input.which.rule())

@@ -1,11 +1,14 @@
 //! Requests whose global rules are asked with a call of their own: strict mode, and lease-mode
 //! waits on hosts that can only resume a request from its own callbacks.
 
-use super::{CheckInput, Engine, Inputs, QuotaRef, QuotaReport, Rejection, Step};
+use super::decide::stashed_quota;
+use super::{quota_of, CheckInput, Engine, Inputs, QuotaRef, QuotaReport, Rejection, Step};
 use crate::config::FailureMode;
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::{ProcessStat, RuleStat};
+use smallvec::SmallVec;
 use tollgate_core::lease::{LeaseItem, LeaseResponse};
+use tollgate_core::limiter::{preview, Check, SlotEvent, INLINE_RULES};
 use tollgate_core::{Ask, CasStore};
 
 /// A request waiting for its own call to the quota service.
@@ -39,6 +42,46 @@ impl Engine {
     /// by the failure mode without calling (pass `None` to [`Engine::finish_strict`]).
     pub fn may_call(&self, now: u64) -> bool {
         now / 1_000_000 >= self.calls_off_until_ms
+    }
+
+    /// Strict mode, before the request's own call: the local rules' refusal, if they refuse now
+    /// (one read each, nothing written), so that a request they refuse spends no global quota.
+    /// A rule whose tokens this worker holds in its stash is not asked (the request would spend
+    /// them).
+    pub fn local_refusal<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        locals: &Inputs,
+        now: u64,
+    ) -> Option<Step> {
+        let mut checked: Inputs = Inputs::new();
+        let mut checks: SmallVec<[Check; INLINE_RULES]> = SmallVec::new();
+        for input in locals {
+            let stashed = stashed_quota(&self.config, input)
+                .is_some_and(|id| self.stash.holds(id, input.slot, input.cost, now));
+            if !input.enforced || stashed {
+                continue;
+            }
+            let quota = quota_of(&self.config, input.which)?;
+            checks.push(Check {
+                limit: &quota.limit,
+                table: &quota.table,
+                slot: input.slot,
+                cost: input.cost,
+                enforced: true,
+                batch: 0,
+            });
+            checked.push(*input);
+        }
+        let mut outcome = preview(store, &checks, now);
+        drop(checks);
+        let refused = outcome.rejected_by?;
+        for (n, check) in outcome.checks.iter_mut().enumerate() {
+            if n != refused {
+                check.slot = SlotEvent::Own;
+            }
+        }
+        Some(self.conclude(&checked, &outcome))
     }
 
     /// The call's items: each global check's cost.

@@ -424,6 +424,11 @@ fn strict_answers_grant_refuse_or_fall_back() {
     assert!(rig.engine.is_strict(&inputs));
     let s = rig.engine.split(inputs);
     assert_eq!((s.globals.len(), s.locals.len()), (1, 1));
+    assert_eq!(
+        rig.engine.local_refusal(&rig.store, &s.locals, NOW),
+        None,
+        "the local rule has its token: ask the service"
+    );
     let items = rig.engine.strict_items(&s);
     assert_eq!((items[0].wanted, items[0].used), (1, 1));
     // Granted: the local rule decides (its one token, then refusals).
@@ -446,6 +451,11 @@ fn strict_answers_grant_refuse_or_fall_back() {
         .engine
         .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW);
     assert_eq!(reject(step).rule, 1);
+    // From now on the local rule refuses before any call: no global quota is spent on it.
+    let step = rig.engine.local_refusal(&rig.store, &s.locals, NOW);
+    let r = reject(step.expect("refused before the call"));
+    assert_eq!((r.rule, r.retry_after_secs), (1, Some(3600)));
+    assert_eq!(rig.stat(1, RuleStat::Limited), 2);
     // Short: refused by the global rule, with the time a token takes (60 s / 100 = 0.6 s → 1).
     let r = reject(
         rig.engine

@@ -1,6 +1,6 @@
 //! Global limits: two Envoys, the quota service (in memory or on Redis), and its failures.
 
-use crate::harness::{parallel, Client, Envoy, Options, Quota, Redis};
+use crate::harness::{parallel, statuses, Client, Envoy, Options, Quota, Redis};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -283,6 +283,25 @@ fn strict_mode_asks_for_every_request_and_counts_exactly() {
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-tollgate-rule"), Some("exact"));
     assert_eq!(r.header("retry-after"), Some("86400"));
+}
+
+#[test]
+fn strict_mode_spends_no_global_quota_on_requests_a_local_rule_refuses() {
+    let quota = Quota::start(&[]);
+    let mut plugin = config(
+        json!({"name": "shared", "scope": "global", "limit": {"requests": 1, "per": "1d"}, "burst": 100}),
+        json!({"mode": "strict"}),
+    );
+    plugin["rules"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "per-ip", "key": ["client_ip"], "limit": {"requests": 1, "per": "1h"}, "burst": 3}));
+    let e = envoy(quota.port, &plugin);
+    // One client over its per-IP limit keeps sending: 3 admitted, 47 refused by per-ip.
+    let url = e.url("/");
+    assert_eq!(statuses(&url, &[], 50), (3, 47));
+    // Only the 3 admitted requests called (and spent a global token); before, all 50 did.
+    assert_eq!(calls(&e), 3);
 }
 
 #[test]
