@@ -75,10 +75,19 @@ impl TokenBucket {
     /// Decide a request of `cost` tokens at `now_ns` against stored `tat` (0 for a fresh bucket).
     pub fn decide(&self, tat: u128, now_ns: u64, cost: u64) -> GcraDecision {
         let now = self.scaled(now_ns);
-        let base = tat.max(now);
-        let period = u128::from(self.period_ns);
-        let new_tat = base.saturating_add(period.saturating_mul(u128::from(cost)));
         let horizon = now.saturating_add(self.capacity());
+        let period = u128::from(self.period_ns);
+        // A `tat` beyond the horizon is no bucket's: the clock stepped back. Read it as a bucket
+        // with one token left, so the key is admitted at its rate from now on, never refused for
+        // the length of the step (a refusal writes nothing, so reading it as empty would refuse
+        // until the clock caught up).
+        let base = if tat > horizon {
+            horizon.saturating_sub(period)
+        } else {
+            tat
+        }
+        .max(now);
+        let new_tat = base.saturating_add(period.saturating_mul(u128::from(cost)));
         if new_tat <= horizon {
             GcraDecision::Allow {
                 tat: new_tat,
@@ -145,6 +154,19 @@ mod tests {
             GcraDecision::Allow { tat, .. } => Some(tat),
             GcraDecision::Deny { .. } => None,
         }
+    }
+
+    #[test]
+    fn a_clock_stepped_back_never_refuses_longer_than_the_limit_allows() {
+        // 100 per hour, 1 spent; then the clock steps back one hour.
+        let tb = TokenBucket::new(100, 3_600 * SEC, 100).unwrap();
+        let now = 10_000 * SEC;
+        let tat = allowed(tb.decide(0, now, 1)).unwrap();
+        let back = now - 3_600 * SEC;
+        // Before: refused for ~59 minutes. Now: read as one token left, then the rate.
+        let tat = allowed(tb.decide(tat, back, 1)).expect("one token left");
+        assert_eq!(allowed(tb.decide(tat, back + SEC, 1)), None);
+        assert!(allowed(tb.decide(tat, back + 36 * SEC, 1)).is_some());
     }
 
     #[test]
