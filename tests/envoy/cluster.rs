@@ -46,7 +46,7 @@ fn a_cluster_holds_the_buckets_on_all_its_masters_and_survives_a_failover() {
     eprintln!("1000 new keys on a 3-master cluster: {status} in {took:?}");
 
     assert_eq!(status, 200);
-    let spread = cluster.masters_with("{tg:cluster:*}:b");
+    let spread = cluster.masters_with("{tg:cluster.*}:b");
     assert_eq!(spread.len(), 3, "{spread:?}");
     assert!(spread.iter().all(|(_, keys)| *keys > 200), "{spread:?}");
 
@@ -76,9 +76,10 @@ fn a_cluster_holds_the_buckets_on_all_its_masters_and_survives_a_failover() {
         }
     };
     send(&mut statuses, Duration::from_millis(1_000));
-    // The Envoy's bucket: its limit id is 16 hex digits (the probe's is "cluster").
+    // The Envoy's bucket: its limit id is 16 hex digits and the service's 8 for the limit (the
+    // probe's is "cluster").
     let holder = cluster
-        .masters_with("{tg:????????????????:*}:b")
+        .masters_with("{tg:????????????????.????????:*}:b")
         .into_iter()
         .find(|(_, keys)| *keys > 0)
         .map(|(i, _)| i)
