@@ -11,6 +11,13 @@ local function before(x, y)
   return #x < #y
 end
 
+-- HDEL of any number of fields, in batches: unpack() fails past a few thousand values.
+local function hdel_all(key, fields)
+  for i = 1, #fields, 512 do
+    redis.call('HDEL', key, unpack(fields, i, min(i + 511, #fields)))
+  end
+end
+
 -- Max-min fair division (core/src/fair_share.rs) of `capacity` among the first `n` demands:
 -- the allocation of demand `at`. Remainders go to the earliest unsatisfied.
 local function max_min_fair(capacity, d, n, at)

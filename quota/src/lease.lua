@@ -83,14 +83,17 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
       tokens, updated = burst, now
     end
   else
-    -- Insertion sort by name: a handful of holders.
-    for i = 2, n do
-      local j = i
-      while j > 1 and before(N[j], N[j - 1]) do
-        N[j], N[j - 1], W[j], W[j - 1], D[j], D[j - 1] = N[j - 1], N[j], W[j - 1], W[j], D[j - 1], D[j]
-        A[j], A[j - 1], S[j], S[j - 1], U[j], U[j - 1] = A[j - 1], A[j], S[j - 1], S[j], U[j - 1], U[j]
-        j = j - 1
+    -- Sorted by name in O(n log n): nothing caps how many holders a bucket has.
+    if n > 1 then
+      local order = {}
+      for i = 1, n do order[i] = i end
+      table.sort(order, function(x, y) return before(N[x], N[y]) end)
+      local n2, w2, d2, a2, s2, u2 = {}, {}, {}, {}, {}, {}
+      for i = 1, n do
+        local k = order[i]
+        n2[i], w2[i], d2[i], a2[i], s2[i], u2[i] = N[k], W[k], D[k], A[k], S[k], U[k]
       end
+      N, W, D, A, S, U = n2, w2, d2, a2, s2, u2
     end
   end
 
@@ -200,7 +203,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   for i = 1, n do
     idle_at = max(idle_at, U[i], A[i] + ttl)
   end
-  if gone then call('HDEL', bkey, unpack(gone)) end
+  if gone then hdel_all(bkey, gone) end
   if (fresh or reconciled) and n > 1 and N[1] == '' then
     call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
          format('%d', updated), '@' .. instance, holder_value(at), '@', holder_value(1))

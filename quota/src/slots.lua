@@ -41,7 +41,7 @@ local function grant(hkey, mkey, limit, wanted, keep, known_held)
       end
     end
   end
-  if #gone > 0 then call('HDEL', hkey, unpack(gone)) end
+  hdel_all(hkey, gone)
   local known = expires[me] ~= nil
   -- The caller holds slots this store does not know of: it lost holdings. No new grants for a
   -- term from now (from the epoch, if that is younger).

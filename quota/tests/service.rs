@@ -1334,3 +1334,46 @@ async fn a_caller_that_states_another_limit_cannot_rewrite_a_bucket() {
         "the bucket still holds its 50"
     );
 }
+
+#[tokio::test]
+async fn a_bucket_with_thousands_of_holders_is_served_in_one_script_run() {
+    // Holders per bucket are not capped (each instance that asked in the last TTL is one): the
+    // script must sort them in O(n log n) and forget thousands at once (unpack() failed past
+    // ~8 000 names, and an insertion sort blocked Redis for everyone).
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(
+            &single(&redis),
+            Duration::from_millis(2_000),
+            ColdStart::Full,
+        )
+        .await
+        .unwrap(),
+    );
+    let items = [item("many", 100, 1)];
+    store.lease("a", &items, 10_000).await.unwrap();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let now = tollgate_quota::store::now_ms();
+    let mut hset = redis::cmd("HSET");
+    hset.arg("{tg:lim:many}:b");
+    for i in (0..10_000).rev() {
+        // 10 000 quiet holders (to forget) and 10 000 that asked just now (to sort).
+        hset.arg(format!("@quiet-{i:05}")).arg("1:0:0:0:0");
+        hset.arg(format!("@live-{i:05}"))
+            .arg(format!("1:0:{now}:0:0"));
+    }
+    let _: () = hset.query_async(&mut conn).await.unwrap();
+    let started = Instant::now();
+    let g = store.lease("b", &items, 10_000).await.unwrap()[0];
+    eprintln!("20 000 holders: served in {:?}", started.elapsed());
+    // 10 002 live holders want 1 each of 99: "b" is among the last by name, nothing left for it.
+    assert!(g.granted <= 1, "{g:?}");
+    let fields: usize = redis::cmd("HLEN")
+        .arg("{tg:lim:many}:b")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // tokens, updated, a, b and the live ones: the quiet ones are gone.
+    assert_eq!(fields, 2 + 2 + 10_000);
+}
