@@ -43,12 +43,14 @@ impl Plugin {
     /// Parse, check and set up a configuration: its slots and its stats. The error is the line
     /// to log.
     pub fn load(bytes: &[u8], caps: HostCaps) -> Result<Self, String> {
-        let config = Config::parse(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
+        let mut config = Config::parse(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
         config
             .check_host(&caps)
             .map_err(|e| format!("invalid configuration: {e}"))?;
+        config.fit_host(&caps);
         host::set_log_level(config.log_level);
-        let engine = Engine::new(config, deployment_placement());
+        let mut engine = Engine::new(config, deployment_placement());
+        engine.hold_for_stashes(caps.resume_from_timer);
         engine.initialize(&SharedData)?;
         let config = engine.config();
         let rule_metrics = config
@@ -291,10 +293,10 @@ impl Plugin {
         }
         for mut w in waiting {
             self.add(ProcessStat::QuotaWaiting, -1);
-            let step = self
-                .engine
-                .borrow_mut()
-                .evaluate(&SharedData, &mut w.inputs, now, true);
+            let step =
+                self.engine
+                    .borrow_mut()
+                    .evaluate_at_once(&SharedData, &mut w.inputs, now, true);
             self.finish_paused(w.context_id, step, now);
         }
         self.flush_stats();

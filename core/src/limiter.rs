@@ -8,6 +8,7 @@ use crate::algorithm::{Limit, Standing};
 use crate::slot::{Group, Slot, SlotId, SlotTable, StoreKey, WAYS};
 use crate::state::Decision;
 use crate::store::{CasStore, StoreError};
+use crate::token_bucket::TokenBucket;
 use smallvec::SmallVec;
 
 /// Rules a request can meet before its per-request vectors leave the stack for the heap.
@@ -34,6 +35,10 @@ pub struct Check<'a> {
     /// Token buckets and leased allowances: up to this many tokens more may be taken for the
     /// worker's stash, when there are plenty (see [`crate::stash`]). 0 takes exactly `cost`.
     pub batch: u64,
+    /// Token buckets: a refusal while tokens of the bucket sit in some worker's stash is
+    /// `Waiting` instead (for at most [`crate::stash::STASH_RETURNED_NS`]): the caller decides
+    /// again once they are back. For callers that can hold the request and ask again.
+    pub wait_for_stashes: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -233,6 +238,9 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
                 Some((next, cas)),
             )
         }
+        Decision::Deny { .. } if stashes_may_return(check, &current.state, now_ns) => {
+            (Verdict::Waiting, None)
+        }
         Decision::Deny {
             retry_after_ns,
             remaining,
@@ -265,6 +273,18 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
     }
 }
 
+/// True if a refused token bucket has tokens out in worker stashes that may still come back, and
+/// they could make the request fit: deciding now would refuse a request another worker's stash
+/// holds tokens for (the end of a burst spread over workers).
+fn stashes_may_return(check: &Check, state: &crate::state::State, now_ns: u64) -> bool {
+    let Limit::TokenBucket(bucket) = check.limit else {
+        return false;
+    };
+    check.wait_for_stashes
+        && check.cost <= bucket.burst()
+        && now_ns < TokenBucket::stash_out_until(state)
+}
+
 /// Tokens to take for the worker's stash beyond a request that `remaining` would be left after:
 /// a quarter of what is left, at most `check.batch`, so that a bucket near empty is shared one
 /// token at a time (exact) and only a bucket with plenty hands out batches. Returns the state
@@ -286,7 +306,16 @@ fn stash_take(
         .limit
         .decide(before, now_ns, check.cost.saturating_add(extra))
     {
-        Decision::Allow { state, .. } => Some((state, extra)),
+        Decision::Allow { state, .. } => {
+            let state = match check.limit {
+                Limit::TokenBucket(_) => TokenBucket::with_stash_out(
+                    &state,
+                    now_ns.saturating_add(crate::stash::STASH_RETURNED_NS),
+                ),
+                _ => state,
+            };
+            Some((state, extra))
+        }
         _ => None,
     }
 }
@@ -561,6 +590,7 @@ mod tests {
             cost: 1,
             enforced,
             batch: 0,
+            wait_for_stashes: false,
         }
     }
 

@@ -14,6 +14,10 @@ use crate::slot::SlotId;
 /// How long stashed tokens stay usable; later they are returned to the bucket.
 pub const STASH_LIFETIME_NS: u64 = 20_000_000;
 
+/// By when every token a bucket handed to a stash has been spent or returned: the lifetime, then
+/// the worker's tick that returns leftovers (every 10 ms at most), with room to spare.
+pub const STASH_RETURNED_NS: u64 = STASH_LIFETIME_NS + 15_000_000;
+
 /// A key is busy on a worker (worth a batch) when its requests there come closer than this.
 pub const BUSY_GAP_NS: u64 = STASH_LIFETIME_NS;
 
@@ -355,6 +359,8 @@ mod tests {
         limit: Limit,
         table: SlotTable,
         workers: Vec<StashTable>,
+        /// Refusals while stashed tokens may come back are `Waiting` (as in Envoy).
+        wait_for_stashes: bool,
     }
 
     impl World {
@@ -368,12 +374,30 @@ mod tests {
                 limit: Limit::TokenBucket(tb),
                 table,
                 workers: vec![StashTable::new(16); workers],
+                wait_for_stashes: false,
             }
         }
 
         fn request(&mut self, worker: usize, now: u64) -> bool {
+            self.ask(worker, now) == Some(true)
+        }
+
+        /// As the filter in Envoy: a request told to wait is held and decided again on the
+        /// worker's ticks (every 10 ms, each returning expired stashes). The time it was decided.
+        fn request_held(&mut self, worker: usize, mut now: u64) -> (bool, u64) {
+            loop {
+                if let Some(admitted) = self.ask(worker, now) {
+                    return (admitted, now);
+                }
+                now += 10 * MS;
+                self.tick(now);
+            }
+        }
+
+        /// `None`: wait and ask again.
+        fn ask(&mut self, worker: usize, now: u64) -> Option<bool> {
             let slot = self.table.locate(b"k");
-            match self.workers[worker].lookup(0, slot, 1, 8, now) {
+            Some(match self.workers[worker].lookup(0, slot, 1, 8, now) {
                 Lookup::Spent { .. } => true,
                 Lookup::Refused { .. } => false,
                 Lookup::Ask { batch } => {
@@ -384,6 +408,7 @@ mod tests {
                         cost: 1,
                         enforced: true,
                         batch,
+                        wait_for_stashes: self.wait_for_stashes,
                     };
                     let out = admit(&self.store, &[check], now);
                     let c = out.checks[0];
@@ -405,12 +430,13 @@ mod tests {
                             self.workers[worker].refused(0, slot, 1, retry_after_ns, reset_ns, now);
                             false
                         }
+                        Verdict::Waiting if self.wait_for_stashes => return None,
                         // A leased allowance that ran out: no refill in these tests.
                         Verdict::Waiting => false,
                         v => panic!("{v:?}"),
                     }
                 }
-            }
+            })
         }
 
         fn tick(&mut self, now: u64) {
@@ -459,7 +485,54 @@ mod tests {
         assert_eq!(admitted, 100);
     }
 
+    /// One client's requests one after another, each on whichever worker: the run's admissions.
+    fn burst(w: &mut World, workers: &[usize], gap: u64) -> Vec<bool> {
+        let mut now = NOW;
+        workers
+            .iter()
+            .map(|&worker| {
+                let (admitted, at) = w.request_held(worker, now);
+                now = at + gap;
+                admitted
+            })
+            .collect()
+    }
+
+    #[test]
+    fn without_waiting_a_token_in_another_workers_stash_is_refused_to_this_one() {
+        // Worker 0 is busy and stashes; worker 1 drains the rest; its next request finds the
+        // bucket empty while worker 0 still holds a token.
+        let mut w = World::new(1, 20, 2);
+        let workers: Vec<usize> = [0, 0, 0].into_iter().chain([1; 18]).collect();
+        let admitted = burst(&mut w, &workers, MS);
+        assert!(admitted.iter().filter(|a| **a).count() < 20, "{admitted:?}");
+    }
+
+    #[test]
+    fn a_request_waits_for_tokens_in_another_workers_stash_and_gets_them() {
+        let mut w = World::new(1, 20, 2);
+        w.wait_for_stashes = true;
+        let workers: Vec<usize> = [0, 0, 0].into_iter().chain([1; 18]).collect();
+        let admitted = burst(&mut w, &workers, MS);
+        assert_eq!(admitted.iter().filter(|a| **a).count(), 20, "{admitted:?}");
+        assert!(!admitted[20]);
+    }
+
     proptest! {
+        /// A burst from one client, requests one after another over any workers, at any pace
+        /// under the refill: exactly the burst is admitted, the rest refused.
+        #[test]
+        fn a_burst_over_workers_is_admitted_in_full_when_refusals_wait_for_stashes(
+            workers in proptest::collection::vec(0usize..3, 21..60),
+            gap_us in 1u64..3_000,
+        ) {
+            let mut w = World::new(1, 20, 3);
+            w.wait_for_stashes = true;
+            // One token a second: the run must end before one comes back.
+            let admitted = burst(&mut w, &workers, gap_us * 1_000);
+            prop_assert_eq!(admitted.iter().filter(|a| **a).count(), 20, "{:?}", admitted);
+        }
+
         /// Never more than the bucket gives out, over any run: burst plus refill over the span,
         /// plus what sat in stashes at the start (nothing, here).
         #[test]
@@ -501,6 +574,7 @@ mod tests {
                 cost: 1_000 - used,
                 enforced: true,
                 batch: 0,
+                wait_for_stashes: false,
             };
             let out = admit(&w.store, &[check], NOW + 60 * 1_000);
             prop_assert!(out.admitted, "{used} used, the rest should be there");

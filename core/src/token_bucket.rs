@@ -3,7 +3,10 @@
 //! Time is scaled by `requests` so that the emission interval `period / requests` is an exact
 //! integer (`period_ns` in scaled units): no rounding drift, whatever the rate.
 
-use crate::state::{read_u128, write_u128, Decision, State, STATE_BYTES};
+use crate::state::{read_u128, read_u64, write_u128, write_u64, Decision, State};
+
+/// Where a bucket's state keeps until when tokens it handed to worker stashes may come back.
+const STASH_OUT_AT: usize = 16;
 
 /// A token bucket of capacity `burst`, refilled with `requests` tokens per `period_ns`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -111,7 +114,7 @@ impl TokenBucket {
                 remaining,
                 reset_ns,
             } => {
-                let mut next = [0; STATE_BYTES];
+                let mut next = *state;
                 write_u128(&mut next, 0, tat);
                 Decision::Allow {
                     state: next,
@@ -130,6 +133,22 @@ impl TokenBucket {
                 reset_ns,
             },
         }
+    }
+
+    /// Until when (ns) tokens this bucket handed to worker stashes may still come back to it.
+    pub fn stash_out_until(state: &State) -> u64 {
+        read_u64(state, STASH_OUT_AT)
+    }
+
+    /// The state noting that stashed tokens may come back until `until_ns` (the later of two).
+    pub fn with_stash_out(state: &State, until_ns: u64) -> State {
+        let mut next = *state;
+        write_u64(
+            &mut next,
+            STASH_OUT_AT,
+            until_ns.max(Self::stash_out_until(state)),
+        );
+        next
     }
 
     /// The `tat` after giving back `cost` tokens taken by an earlier `Allow` (for all-or-nothing).

@@ -40,6 +40,19 @@ impl HostCaps {
 }
 
 impl Config {
+    /// Settings whose default depends on the host: where a request cannot be held and decided
+    /// again from the timer, token buckets stash nothing unless `worker_batch` is given — a
+    /// request refused while another worker's stash holds tokens could not wait for them, and
+    /// the end of a burst spread over workers would be refused with tokens left.
+    pub fn fit_host(&mut self, host: &HostCaps) {
+        if host.resume_from_timer {
+            return;
+        }
+        for rule in self.rules.iter_mut().filter(|r| r.worker_batch_by_default) {
+            rule.worker_batch = 0;
+        }
+    }
+
     /// Refuse options `host` cannot carry out, with the field named as a parse error names it.
     pub fn check_host(&self, host: &HostCaps) -> Result<(), ConfigError> {
         if !host.resume_from_timer {

@@ -114,7 +114,8 @@ pub(super) struct RawRule {
     #[serde(default)]
     pub scope: Scope,
     /// Token buckets: tokens a worker may take at once from a busy key's shared bucket and spend
-    /// without touching shared data (default 8; 0 turns batches off).
+    /// without touching shared data (default 8 in Envoy; 0 in nginx and for global rules; 0 turns
+    /// batches off).
     pub worker_batch: Option<u64>,
     /// Settings of algorithm "adaptive".
     pub adaptive: Option<super::overload::RawAdaptive>,

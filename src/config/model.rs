@@ -108,6 +108,9 @@ pub struct Rule {
     /// Token buckets (and global rules' leased allowance): most tokens a worker stashes at once
     /// per key (0: none).
     pub worker_batch: u64,
+    /// `worker_batch` is the default, not given: hosts that cannot hold a request stash nothing
+    /// ([`Config::fit_host`]).
+    pub worker_batch_by_default: bool,
     /// Set for overload rules (adaptive, sre_throttle): they keep windows, not slots; `quota`
     /// is unused.
     pub guard: Option<super::overload::Guard>,

@@ -429,6 +429,20 @@ fn errors_name_the_field_and_the_reason() {
 }
 
 #[test]
+fn token_buckets_stash_by_default_only_where_a_request_can_be_held() {
+    let config = r#"{"rules":[{"name":"a","limit":{"requests":1,"per":"1s"}},
+        {"name":"b","limit":{"requests":1,"per":"1s"},"worker_batch":4}]}"#;
+    let batches = |host: &HostCaps| {
+        let mut c = parse(config).unwrap();
+        c.fit_host(host);
+        c.rules.iter().map(|r| r.worker_batch).collect::<Vec<_>>()
+    };
+    assert_eq!(batches(&HostCaps::ENVOY), [8, 4]);
+    // nginx: only a batch given explicitly stays.
+    assert_eq!(batches(&HostCaps::NGINX), [0, 4]);
+}
+
+#[test]
 fn options_a_proxy_cannot_carry_out_are_refused_with_the_proxy_named() {
     let held = parse(
         r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","limit":{"requests":1,"per":"1s"},"burst":2}]}"#,

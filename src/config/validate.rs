@@ -292,6 +292,7 @@ impl RawRule {
             dry_run: self.dry_run || dry_run_all,
             global: None,
             worker_batch,
+            worker_batch_by_default: self.worker_batch.is_none() && worker_batch > 0,
             guard: None,
         })
     }
@@ -327,6 +328,7 @@ impl RawRule {
             dry_run: self.dry_run || dry_run_all,
             global: None,
             worker_batch: 0,
+            worker_batch_by_default: false,
             guard: Some(guard),
         })
     }

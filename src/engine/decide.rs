@@ -29,6 +29,7 @@ impl Engine {
         store: &S,
         inputs: &[CheckInput],
         now: u64,
+        hold_for_stashes: bool,
     ) -> Option<Outcome> {
         let (config, stash) = (&self.config, &mut self.stash);
         let mut results = CheckOutcomes::new();
@@ -78,6 +79,9 @@ impl Engine {
                         cost: input.cost,
                         enforced: input.enforced,
                         batch,
+                        // Only rules that stash can have tokens in other workers' stashes.
+                        wait_for_stashes: hold_for_stashes
+                            && stashed_quota(config, input).is_some(),
                     });
                     Verdict::Skipped
                 }
@@ -205,7 +209,8 @@ impl Engine {
                     self.stats.bump(rule, RuleStat::StoreErrors);
                     continue;
                 }
-                // Dry-run global rules without quota yet: no opinion; or not asked.
+                // Dry-run global rules without quota yet, or a token bucket waiting for stashed
+                // tokens: no opinion yet; or not asked.
                 Verdict::Waiting | Verdict::Fallback | Verdict::Skipped => continue,
             };
             debug!(

@@ -56,7 +56,12 @@ impl Engine {
             let Some(input) = inputs.get_mut(n) else {
                 continue;
             };
-            if !input.enforced {
+            // A token bucket waits for tokens in other workers' stashes: no failure, it waits.
+            let local = matches!(
+                super::quota_of(&self.config, input.which).map(|q| &q.limit),
+                Some(tollgate_core::Limit::TokenBucket(_))
+            );
+            if !input.enforced || local {
                 continue;
             }
             let rule = input.which.rule();

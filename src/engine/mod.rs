@@ -148,6 +148,9 @@ pub struct Engine {
     /// Places client keys in slot groups and flows (the configured `placement_secret`, else the
     /// deployment's random one).
     placement: KeyPlacement,
+    /// The host can hold a request and resume it from the tick: a token bucket's refusal while
+    /// other workers' stashes hold its tokens waits for them (see [`Engine::hold_for_stashes`]).
+    holds_for_stashes: bool,
 }
 
 impl Engine {
@@ -167,7 +170,16 @@ impl Engine {
             slot_keys: rustc_hash::FxHashMap::default(),
             next_slot_scan_ms: 0,
             placement,
+            holds_for_stashes: false,
         }
+    }
+
+    /// Where the host can resume a request from the tick: a request a token bucket would refuse
+    /// while tokens of it sit in other workers' stashes waits (at most ~35 ms) for them to come
+    /// back and is decided again, so the end of a burst spread over workers is not refused with
+    /// tokens left. Elsewhere it is refused (the bound `docs/architecture.md` states).
+    pub fn hold_for_stashes(&mut self, yes: bool) {
+        self.holds_for_stashes = yes;
     }
 
     pub fn config(&self) -> &Config {
@@ -288,8 +300,32 @@ impl Engine {
         now: u64,
         timed_out: bool,
     ) -> Step {
+        let hold = self.holds_for_stashes && !timed_out;
+        self.evaluate_holding(store, inputs, now, timed_out, hold)
+    }
+
+    /// [`Engine::evaluate`] for a request that is not held again whatever it finds: one that made
+    /// its own call (decided in the answer's callback), or whose configuration goes away.
+    pub fn evaluate_at_once<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        inputs: &mut Inputs,
+        now: u64,
+        timed_out: bool,
+    ) -> Step {
+        self.evaluate_holding(store, inputs, now, timed_out, false)
+    }
+
+    fn evaluate_holding<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        inputs: &mut Inputs,
+        now: u64,
+        timed_out: bool,
+        hold: bool,
+    ) -> Step {
         loop {
-            let Some(outcome) = self.decide(store, inputs, now) else {
+            let Some(outcome) = self.decide(store, inputs, now, hold) else {
                 return Step::Admit(Admitted::default());
             };
             self.record_claims(inputs, &outcome, now);

@@ -70,6 +70,7 @@ impl Engine {
                 cost: input.cost,
                 enforced: true,
                 batch: 0,
+                wait_for_stashes: false,
             });
             checked.push(*input);
         }
@@ -153,7 +154,7 @@ impl Engine {
                 self.stats.bump(g.which.rule(), RuleStat::Allowed);
             }
         }
-        let mut step = self.evaluate(store, &mut locals, now, false);
+        let mut step = self.evaluate_at_once(store, &mut locals, now, false);
         // Without a local rule to report, the headers state the global bucket as the service
         // just did: the fewest tokens left of the rules asked.
         if let Step::Admit(a) = &mut step {
@@ -208,9 +209,9 @@ impl Engine {
                     self.to_stand_in(&mut g);
                     locals.push(g);
                 }
-                self.evaluate(store, &mut locals, now, false)
+                self.evaluate_at_once(store, &mut locals, now, false)
             }
-            _ => self.evaluate(store, &mut locals, now, false),
+            _ => self.evaluate_at_once(store, &mut locals, now, false),
         }
     }
 }

@@ -251,6 +251,76 @@ fn busy_keys_stash_tokens_and_give_back_what_they_do_not_spend() {
     assert_eq!(rig.admitted(&req(&[]), NOW + SEC, 200), 95);
 }
 
+/// A request decided by `engine`, one worker of several sharing `store`.
+fn step_on(engine: &mut Engine, store: &MemoryStore, r: &Req, now: u64) -> (Step, Inputs) {
+    let trusted = engine.config().client_ip;
+    let mut inputs = Inputs::new();
+    assert!(engine
+        .gather(&Request::new(r, trusted), &mut inputs)
+        .is_none());
+    let step = engine.evaluate(store, &mut inputs, now, false);
+    (step, inputs)
+}
+
+/// Two workers on one store: A is busy and stashes, B takes what the bucket has left. B's
+/// admissions, and its next request.
+fn drain_beside_a_stash(hold: bool) -> (u64, Step, Inputs, Rig, Engine) {
+    let json = r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1h"},"burst":20}]}"#;
+    let mut a = Rig::new(json);
+    a.engine.hold_for_stashes(hold);
+    let mut b = Engine::new(
+        Config::parse(json.as_bytes()).unwrap(),
+        KeyPlacement::new([7; 16]),
+    );
+    b.hold_for_stashes(hold);
+    let r = req(&[]);
+    assert_eq!(a.admitted(&r, NOW, 2), 2);
+    let stashed = a.engine.stashed();
+    assert!(stashed > 0);
+    let by_b = (0..40)
+        .take_while(|_| matches!(step_on(&mut b, &a.store, &r, NOW + MS).0, Step::Admit(_)))
+        .count() as u64;
+    assert_eq!(by_b + 2 + stashed, 20);
+    let (step, inputs) = step_on(&mut b, &a.store, &r, NOW + 2 * MS);
+    (stashed, step, inputs, a, b)
+}
+
+#[test]
+fn a_request_refused_while_another_worker_stashes_tokens_waits_for_them() {
+    let (_, step, mut waiting, mut a, mut b) = drain_beside_a_stash(true);
+    // B's request waits (not refused) while A holds tokens; A's tick returns them after 20 ms
+    // and B, deciding again, is admitted.
+    assert_eq!(step, Step::Wait);
+    a.engine.return_stashes(&a.store, NOW + 21 * MS);
+    let again = b.evaluate(&a.store, &mut waiting, NOW + 25 * MS, false);
+    assert!(matches!(again, Step::Admit(_)), "{again:?}");
+    // The rest of what A returned, then (every stash back or spent) a refusal at once, with its
+    // time to wait: 20 admitted in all.
+    let rest = (0..40)
+        .map(|_| step_on(&mut b, &a.store, &req(&[]), NOW + 40 * MS).0)
+        .find_map(|step| match step {
+            Step::Admit(_) => None,
+            other => Some(other),
+        });
+    assert_eq!(
+        b.stats.pending(Stat::Rule(0, RuleStat::Allowed)) as u64,
+        20 - 2
+    );
+    assert!(reject(rest.unwrap()).retry_after_secs.is_some());
+    // A request that cannot be held again (its configuration goes away) is decided at once.
+    let (_, _, mut waiting, a, mut b) = drain_beside_a_stash(true);
+    let now = b.evaluate_at_once(&a.store, &mut waiting, NOW + 3 * MS, true);
+    assert!(matches!(now, Step::Reject(_)), "{now:?}");
+}
+
+#[test]
+fn where_the_host_cannot_hold_a_request_it_is_refused_at_once() {
+    // nginx: the bound docs/architecture.md states (at most 20 ms, at the end of a burst).
+    let (stashed, step, ..) = drain_beside_a_stash(false);
+    assert!(stashed > 0);
+    assert!(matches!(step, Step::Reject(_)), "{step:?}");
+}
+
 const GLOBAL: &str = r#"{"rules":[{"name":"g","scope":"global","key":["header:x-user"],
     "limit":{"requests":100,"per":"1m"},"burst":40,"worker_batch":0}],
   "quota_service":{"upstream":"quota","failure_mode":"FAILURE","first_lease":"FIRST","instances_hint":2}}"#;
