@@ -90,7 +90,15 @@ impl Limit {
                 spent: capacity,
                 retry_after_ns,
             },
-            // A leased allowance on its way or failed: nothing a reset would give back.
+            // Quota on its way (claimed): evicting the key would lose the call's grant and send its
+            // waiting requests back to wait again (a flood of new keys in one group would evict
+            // each other's first leases until their requests timed out). Evicted last.
+            Decision::Wait { claim: None } => Standing {
+                limited: false,
+                spent: u64::MAX,
+                retry_after_ns: 0,
+            },
+            // No tokens and no call out, or a failed source: nothing a reset would give back.
             Decision::Wait { .. } | Decision::Fallback { .. } => Standing::default(),
         }
     }

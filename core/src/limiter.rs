@@ -994,6 +994,49 @@ mod tests {
     }
 
     #[test]
+    fn a_key_waiting_for_its_first_lease_is_evicted_last() {
+        use crate::allowance::LeaseAllowance;
+        let store = MemoryStore::new();
+        let lease = LeaseAllowance {
+            lease_size: 2,
+            low_water: 0,
+            claim_ms: 1_000,
+            global_burst: 0,
+            global_interval_ns: 0,
+            global_rate_mtps: 0,
+        };
+        let r = rule_with(&store, "g", Limit::Lease(lease), 1); // one group of four
+        let key = r.table.store_key(0);
+        let now_ms = NOW / MS;
+        // Three keys served (a token left each), then "new" claims its first lease and waits.
+        for (n, k) in ["a", "b", "c"].into_iter().enumerate() {
+            assert_eq!(
+                admit(&store, &[check(&r, k, true)], NOW).checks[0].verdict,
+                Verdict::Waiting
+            );
+            let (bytes, cas) = store.read(key.as_str()).unwrap().unwrap();
+            let mut group = Group::decode(&bytes);
+            group.slots[n].state = lease.with_tokens(&group.slots[n].state, now_ms, 2, 60_000);
+            store.write(key.as_str(), &group.encode(), cas).unwrap();
+            assert!(admit(&store, &[check(&r, k, true)], NOW + MS).admitted);
+        }
+        let waiting = admit(&store, &[check(&r, "new", true)], NOW + 2 * MS);
+        assert!(waiting.checks[0].refill);
+        // Another new key evicts a served key, not the one whose first lease is on its way:
+        // evicting it would lose the call's grant, and its request would wait again.
+        for (n, k) in ["x", "y"].into_iter().enumerate() {
+            let out = admit(&store, &[check(&r, k, true)], NOW + (3 + n as u64) * MS);
+            assert_eq!(out.checks[0].slot, SlotEvent::Evicted);
+            let (bytes, _) = store.read(key.as_str()).unwrap().unwrap();
+            let tag = r.table.locate(b"new").tag;
+            assert!(
+                Group::decode(&bytes).slots.iter().any(|s| s.tag == tag),
+                "{k}"
+            );
+        }
+    }
+
+    #[test]
     fn global_rules_wait_for_a_claimed_refill_without_charging_the_others() {
         use crate::allowance::LeaseAllowance;
         let store = MemoryStore::new();

@@ -157,6 +157,17 @@ impl Engine {
         }
     }
 
+    /// What a check found in its slot group, counted (also for requests not decided yet: a key
+    /// waiting for its first lease takes its slot as any other).
+    pub(super) fn count_slot(&mut self, rule: usize, slot: SlotEvent) {
+        match slot {
+            SlotEvent::Own => {}
+            SlotEvent::TakenOver => self.stats.bump(rule, RuleStat::SlotTakenOver),
+            SlotEvent::Evicted => self.stats.bump(rule, RuleStat::SlotEvicted),
+            SlotEvent::Shared => self.stats.bump(rule, RuleStat::SlotShared),
+        }
+    }
+
     /// Stats, logs and headers of a decided request.
     pub(super) fn conclude(&mut self, inputs: &[CheckInput], outcome: &Outcome) -> Step {
         // The quota to report: the refusing rule, else the one with the least left.
@@ -165,12 +176,7 @@ impl Engine {
         for (n, result) in outcome.checks.iter().enumerate() {
             let (input, which) = (&inputs[n], inputs[n].which);
             let rule = which.rule();
-            match result.slot {
-                SlotEvent::Own => {}
-                SlotEvent::TakenOver => self.stats.bump(rule, RuleStat::SlotTakenOver),
-                SlotEvent::Evicted => self.stats.bump(rule, RuleStat::SlotEvicted),
-                SlotEvent::Shared => self.stats.bump(rule, RuleStat::SlotShared),
-            }
+            self.count_slot(rule, result.slot);
             let (remaining, reset_secs) = match result.verdict {
                 Verdict::Allowed {
                     remaining,

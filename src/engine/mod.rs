@@ -334,6 +334,9 @@ impl Engine {
                 self.log_dry_runs(now);
                 return step;
             }
+            for (input, result) in inputs.iter().zip(&outcome.checks) {
+                self.count_slot(input.which.rule(), result.slot);
+            }
             match self.fall_back(inputs, &outcome, timed_out) {
                 failure::Undecided::Wait => return Step::Wait,
                 failure::Undecided::Reject(r) => return Step::Reject(r),

@@ -305,6 +305,61 @@ fn strict_mode_spends_no_global_quota_on_requests_a_local_rule_refuses() {
 }
 
 #[test]
+fn a_flood_of_new_keys_leaves_existing_keys_global_limits_as_they_were() {
+    // The defaults a new user has (failure_mode allow, first_lease wait): a limited key, a key
+    // with budget, then 5 000 new keys from 48 connections as fast as they go.
+    let quota = Quota::start(&[]);
+    let plugin = json!({
+        "rules": [{"name": "g", "scope": "global", "key": ["header:x-user"],
+                   "limit": {"requests": 5, "per": "1h"}, "max_keys": 20000}],
+        "quota_service": {"upstream": "quota"}
+    });
+    let e = envoy(quota.port, &plugin);
+    let url = e.url("/");
+    assert_eq!(statuses(&url, &[("x-user", "victim")], 6), (5, 1));
+    assert_eq!(statuses(&url, &[("x-user", "friend")], 2), (2, 0));
+    let started = Instant::now();
+    let flood: Vec<(usize, usize)> = parallel(48, |c| {
+        let client = Client::new();
+        let mut got = (0, 0);
+        for i in 0..5_000 / 48 + 1 {
+            let user = format!("flood-{c}-{i}");
+            let reply = client.get(&url, &[("x-user", &user)]);
+            match reply.status {
+                200 => got.0 += 1,
+                status => {
+                    got.1 += 1;
+                    assert_eq!(status, 429, "{user}: {:?}", reply.body);
+                }
+            }
+            if c == 0 && i % 10 == 0 {
+                // Meanwhile: the victim is still refused, the friend still served.
+                assert_eq!(statuses(&url, &[("x-user", "victim")], 1), (0, 1));
+            }
+        }
+        got
+    });
+    let (admitted, refused) = flood.iter().fold((0, 0), |(a, r), (x, y)| (a + x, r + y));
+    eprintln!(
+        "flood: {} new keys in {:?}: {admitted} admitted, {refused} refused, {} quota calls",
+        admitted + refused,
+        started.elapsed(),
+        calls(&e)
+    );
+    // 5 040 keys in 5 000 groups of four: some groups overflow, and a key waiting for its
+    // first lease must not be the one evicted (it was, and its request timed out: 1–3 a run).
+    eprintln!("{} evicted", e.counter("g", "slot_evicted"));
+    assert_eq!(refused, 0, "each new key has its 5");
+    assert_eq!(statuses(&url, &[("x-user", "victim")], 3), (0, 3));
+    assert_eq!(statuses(&url, &[("x-user", "friend")], 4), (3, 1));
+    assert_eq!(
+        e.counter("g", "fallback"),
+        0,
+        "no key fell to its failure mode"
+    );
+}
+
+#[test]
 fn a_new_key_waits_for_its_first_lease_or_spends_a_provisional_allowance() {
     // A quota service that takes 400 ms to answer.
     let slow = {
