@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tollgate_core::lease::ColdStart;
+use tollgate_quota::credentials::{Credentials, ProxyToken};
 use tollgate_quota::metrics::Metrics;
 use tollgate_quota::redis_store::{RedisStore, RedisTarget};
 use tollgate_quota::server::{serve, ServerLimits};
@@ -48,6 +49,16 @@ struct Args {
     /// Require `Authorization: Bearer <token>` on lease calls. Required to listen beyond loopback.
     #[arg(long, env = "TOLLGATE_QUOTA_TOKEN")]
     token: Option<String>,
+    /// A proxy's own token, `NAME=TOKEN` (token of 16 bytes or more); repeat it, or give several
+    /// comma-separated. A call with it acts as instances `NAME/<instance>` only: it cannot speak
+    /// for another proxy's instances (free its slots, take its reservations).
+    #[arg(long, env = "TOLLGATE_QUOTA_PROXY_TOKENS", value_delimiter = ',')]
+    proxy_token: Vec<String>,
+    /// Live instances (those that called within a lease TTL) one credential may act as: a caller
+    /// cannot invent instances without end to collect fair shares. A call for one more is
+    /// answered 403.
+    #[arg(long, env = "TOLLGATE_QUOTA_MAX_INSTANCES", default_value_t = tollgate_quota::credentials::DEFAULT_MAX_INSTANCES)]
+    max_instances: usize,
     /// Longest wait for Redis before answering 503; within it a dropped connection is made
     /// again and the call sent again. Keep it below the proxies' call timeout (200 ms by default).
     #[arg(long, env = "TOLLGATE_QUOTA_STORAGE_TIMEOUT_MS", default_value_t = 100)]
@@ -99,11 +110,22 @@ async fn main() {
 }
 
 async fn run(args: Args) -> Result<(), String> {
-    if args.token.is_none() && !args.listen.ip().is_loopback() {
+    let proxies = args
+        .proxy_token
+        .iter()
+        .map(|s| ProxyToken::parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    let credentials = Credentials::new(
+        args.token.clone(),
+        proxies,
+        args.max_instances,
+        Duration::from_millis(args.lease_ttl_ms),
+    );
+    if !credentials.required() && !args.listen.ip().is_loopback() {
         return Err(format!(
             "refusing to listen on {} without --token: anyone who reaches it could take every \
-             key's quota and free other proxies' slots; set --token (TOLLGATE_QUOTA_TOKEN), or \
-             listen on 127.0.0.1",
+             key's quota and free other proxies' slots; set --token (TOLLGATE_QUOTA_TOKEN) or \
+             --proxy-token, or listen on 127.0.0.1",
             args.listen
         ));
     }
@@ -139,7 +161,7 @@ async fn run(args: Args) -> Result<(), String> {
     };
     let service = Arc::new(Service {
         store,
-        token: args.token,
+        credentials,
         lease_ttl_ms: args.lease_ttl_ms,
         metrics: Metrics::default(),
         body_timeout: Duration::from_millis(args.body_timeout_ms),

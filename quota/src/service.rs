@@ -1,5 +1,6 @@
 //! The HTTP API: `POST /v1/lease`, `POST /v1/slots`, `GET /healthz`, `GET /metrics`.
 
+use crate::credentials::{Caller, Credentials};
 use crate::metrics::{Holder, Metrics, Outcome};
 use crate::store::{Store, StoreError};
 use axum::body::Body;
@@ -18,8 +19,8 @@ use tollgate_core::slot_lease::{SlotRequest, SlotResponse};
 
 pub struct Service {
     pub store: Store,
-    /// Shared secret callers must present as `Authorization: Bearer <token>`.
-    pub token: Option<String>,
+    /// Who may call (`Authorization: Bearer <token>`), and as which instances.
+    pub credentials: Credentials,
     pub lease_ttl_ms: u64,
     pub metrics: Metrics,
     /// A lease call's body must arrive within this long.
@@ -48,19 +49,11 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
         .into_response()
 }
 
-fn authorized(service: &Service, headers: &HeaderMap) -> bool {
-    let Some(token) = &service.token else {
-        return true;
-    };
-    headers
+fn caller(service: &Service, headers: &HeaderMap) -> Option<Caller> {
+    let given = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        .and_then(|v| v.to_str().ok());
+    service.credentials.caller(given)
 }
 
 /// True for `application/json` (with parameters or not): what the filter sends, and what no
@@ -73,9 +66,26 @@ fn is_json(headers: &HeaderMap) -> bool {
         .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
 }
 
-/// Check a call's credentials and type, read its JSON body and check it (`problem`); or the
-/// error to answer (counted in `calls` by outcome).
-async fn read_call<T: serde::de::DeserializeOwned>(
+/// A call's instance, bound to its caller's credential ([`Credentials::bind`]).
+trait Call {
+    fn instance(&mut self) -> &mut String;
+}
+
+impl Call for LeaseRequest {
+    fn instance(&mut self) -> &mut String {
+        &mut self.instance
+    }
+}
+
+impl Call for SlotRequest {
+    fn instance(&mut self) -> &mut String {
+        &mut self.instance
+    }
+}
+
+/// Check a call's credentials and type, read its JSON body and check it (`problem`), and bind
+/// its instance to the caller; or the error to answer (counted in `calls` by outcome).
+async fn read_call<T: serde::de::DeserializeOwned + Call>(
     service: &Service,
     calls: &Family<Outcome, Counter>,
     headers: &HeaderMap,
@@ -83,13 +93,13 @@ async fn read_call<T: serde::de::DeserializeOwned>(
     problem: impl Fn(&T) -> Option<String>,
 ) -> Result<T, Response> {
     let outcome = |o: &'static str| calls.get_or_create(&Outcome { outcome: o }).inc();
-    if !authorized(service, headers) {
+    let Some(caller) = caller(service, headers) else {
         outcome("unauthorized");
         return Err(error(
             StatusCode::UNAUTHORIZED,
             "missing or wrong bearer token",
         ));
-    }
+    };
     if !is_json(headers) {
         outcome("bad_request");
         return Err(error(
@@ -119,13 +129,20 @@ async fn read_call<T: serde::de::DeserializeOwned>(
             ));
         }
     };
-    let request: T = serde_json::from_slice(&body).map_err(|e| {
+    let mut request: T = serde_json::from_slice(&body).map_err(|e| {
         outcome("bad_request");
         error(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
     })?;
     if let Some(p) = problem(&request) {
         outcome("bad_request");
         return Err(error(StatusCode::BAD_REQUEST, p));
+    }
+    match service.credentials.bind(&caller, request.instance()) {
+        Ok(bound) => *request.instance() = bound,
+        Err(e) => {
+            outcome("forbidden");
+            return Err(error(StatusCode::FORBIDDEN, e));
+        }
     }
     Ok(request)
 }

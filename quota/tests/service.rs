@@ -13,6 +13,7 @@ use tollgate_core::lease::ColdStart;
 const CONSERVATIVE: ColdStart = ColdStart::Conservative { epoch_ms: 0 };
 use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
+use tollgate_quota::credentials::{Credentials, ProxyToken, DEFAULT_MAX_INSTANCES};
 use tollgate_quota::metrics::Metrics;
 use tollgate_quota::redis_store::{RedisStore, RedisTarget};
 use tollgate_quota::service::{router, Service};
@@ -38,7 +39,12 @@ fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
 fn service(store: Store, token: Option<&str>) -> Arc<Service> {
     Arc::new(Service {
         store,
-        token: token.map(str::to_string),
+        credentials: Credentials::new(
+            token.map(str::to_string),
+            Vec::new(),
+            DEFAULT_MAX_INSTANCES,
+            Duration::from_secs(10),
+        ),
         lease_ttl_ms: 10_000,
         metrics: Metrics::default(),
         body_timeout: Duration::from_secs(5),
@@ -1376,4 +1382,103 @@ async fn a_bucket_with_thousands_of_holders_is_served_in_one_script_run() {
         .unwrap();
     // tokens, updated, a, b and the live ones: the quiet ones are gone.
     assert_eq!(fields, 2 + 2 + 10_000);
+}
+
+/// A slot call to `svc` with `auth`.
+async fn slot_call(
+    svc: &Arc<Service>,
+    instance: &str,
+    items: Vec<SlotItem>,
+    auth: &str,
+) -> (StatusCode, String) {
+    let body = serde_json::to_string(&SlotRequest {
+        instance: instance.into(),
+        items,
+    })
+    .unwrap();
+    let req = Request::post("/v1/slots")
+        .header("content-type", "application/json")
+        .header("authorization", auth);
+    let resp = router(svc.clone())
+        .oneshot(req.body(Body::from(body)).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn with_proxy_tokens(max_instances: usize) -> Arc<Service> {
+    let p = |s: &str| ProxyToken::parse(s).unwrap();
+    Arc::new(Service {
+        store: Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        credentials: Credentials::new(
+            None,
+            vec![p("edge-a=aaaaaaaaaaaaaaaa"), p("edge-b=bbbbbbbbbbbbbbbb")],
+            max_instances,
+            Duration::from_secs(10),
+        ),
+        lease_ttl_ms: 10_000,
+        metrics: Metrics::default(),
+        body_timeout: Duration::from_secs(5),
+    })
+}
+
+#[tokio::test]
+async fn a_proxy_token_cannot_speak_for_another_proxys_instances() {
+    let svc = with_proxy_tokens(DEFAULT_MAX_INSTANCES);
+    let (a, b) = ("Bearer aaaaaaaaaaaaaaaa", "Bearer bbbbbbbbbbbbbbbb");
+    // Proxy A holds all 10 slots as instance "proxy-1".
+    let (status, text) = slot_call(&svc, "proxy-1", vec![slot("k", 10, 0)], a).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let held = |text: &str| serde_json::from_str::<SlotResponse>(text).unwrap().items[0].held;
+    assert_eq!(held(&text), 10);
+    // B calls as "proxy-1" keeping nothing (the call that freed A's slots while A used them, a
+    // limit of 10 becoming 15), then asks for 5: its calls act as "edge-b/proxy-1".
+    let (status, _) = slot_call(&svc, "proxy-1", vec![slot("k", 0, 0)], b).await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, text) = slot_call(&svc, "proxy-1", vec![slot("k", 5, 0)], b).await;
+    assert_eq!(held(&text), 0, "A's 10 are still A's: {text}");
+    // Nobody names an instance under a proxy's name.
+    let (status, text) = slot_call(&svc, "edge-a/proxy-1", vec![slot("k", 0, 0)], b).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{text}");
+    let (status, _) = slot_call(&svc, "proxy-1", vec![slot("k", 0, 0)], "Bearer wrong").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let m = svc.metrics.render();
+    assert!(m.contains("instance=\"edge-a/proxy-1\""), "{m}");
+}
+
+#[tokio::test]
+async fn a_credential_cannot_invent_instances_to_collect_fair_shares() {
+    let svc = with_proxy_tokens(4);
+    let a = Some("Bearer aaaaaaaaaaaaaaaa");
+    for i in 0..4 {
+        let (status, text) = call(
+            &svc,
+            lease_body(&format!("p{i}"), vec![item("k", 100, 1)]),
+            a,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+    }
+    let (status, text) = call(&svc, lease_body("p4", vec![item("k", 100, 1)]), a).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(
+        text.contains("proxy token edge-a has 4 live instances"),
+        "{text}"
+    );
+    // Its known instances go on; another proxy is not affected.
+    assert_eq!(
+        call(&svc, lease_body("p0", vec![item("k", 100, 1)]), a)
+            .await
+            .0,
+        StatusCode::OK
+    );
+    let b = Some("Bearer bbbbbbbbbbbbbbbb");
+    assert_eq!(
+        call(&svc, lease_body("p4", vec![item("k", 100, 1)]), b)
+            .await
+            .0,
+        StatusCode::OK
+    );
 }

@@ -91,6 +91,40 @@ fn a_limit_shared_by_two_envoys_admits_its_quota_once() {
 }
 
 #[test]
+fn proxies_with_their_own_tokens_share_one_limit() {
+    // Each Envoy has its own proxy token: the service binds each one's instances to its name.
+    // The same key_secret on both (the key hashes would otherwise derive from each one's token,
+    // and the two would not name one key alike).
+    let quota = Quota::start(&[
+        "--proxy-token",
+        "edge-a=aaaaaaaaaaaaaaaa",
+        "--proxy-token",
+        "edge-b=bbbbbbbbbbbbbbbb",
+    ]);
+    let a = envoy(
+        quota.port,
+        &config(
+            shared_rule(),
+            json!({"token": "aaaaaaaaaaaaaaaa", "key_secret": "one-secret-for-all-proxies"}),
+        ),
+    );
+    let b = envoy(
+        quota.port,
+        &config(
+            shared_rule(),
+            json!({"token": "bbbbbbbbbbbbbbbb", "key_secret": "one-secret-for-all-proxies"}),
+        ),
+    );
+    check_shared_limit(&a, &b, "proxy tokens");
+    let metrics = quota.metrics();
+    assert!(
+        metrics.contains("tollgate_quota_tokens_granted_total 1000"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("outcome=\"unauthorized\""), "{metrics}");
+}
+
+#[test]
 fn two_quota_replicas_on_one_redis_serve_one_limit() {
     let redis = Redis::start();
     let url = redis.url();
