@@ -284,6 +284,9 @@ impl GlobalBucket {
 
     /// Add what flowed in since the last update: the refill rate less what was reserved.
     fn refill(&mut self, item: &LeaseItem, now_ms: u64) {
+        // Updated after now: the clock stepped back. The step counts as no time (else nothing
+        // would flow in until the clock caught up).
+        self.updated_ms = self.updated_ms.min(now_ms);
         let rate = item.requests as f64 / item.per_ms as f64;
         let elapsed = now_ms.saturating_sub(self.updated_ms) as f64;
         let reserved: f64 = self
@@ -519,6 +522,19 @@ mod tests {
         let none = b.lease("a", &item(1000), 0, 10_000);
         assert_eq!((none.granted, none.retry_ms), (0, 500));
         assert_eq!(b.lease("a", &item(1000), 1_000, 10_000).granted, 2);
+    }
+
+    #[test]
+    fn a_clock_stepped_back_refills_from_then_not_once_it_caught_up() {
+        // 2 a second, emptied at 1 h; then the clock steps back 10 minutes.
+        let hour = 3_600_000;
+        let mut b = new_bucket();
+        assert_eq!(b.lease("a", &item(1000), hour, 10_000).granted, 120);
+        let back = hour - 600_000;
+        assert_eq!(b.lease("a", &item(1000), back, 10_000).granted, 0);
+        // One second later by the stepped clock: what one second brings (before: nothing for
+        // ten minutes).
+        assert_eq!(b.lease("a", &item(1000), back + 1_000, 10_000).granted, 2);
     }
 
     #[test]

@@ -97,7 +97,10 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     end
   end
 
-  -- Refill: the rate, less what was reserved for holders meanwhile.
+  -- Refill: the rate, less what was reserved for holders meanwhile. A bucket updated after now
+  -- means the clock stepped back: the step counts as no time (else nothing would flow in until
+  -- the clock caught up).
+  if updated > now then updated = now end
   local elapsed = max(now - updated, 0)
   local reserved = 0.0
   for i = 1, n do

@@ -18,12 +18,20 @@ pub enum StoreError {
     Full(usize),
 }
 
-/// The clock the buckets run on: milliseconds since the Unix epoch.
+/// The clock the memory store's buckets run on: milliseconds since the Unix epoch as the process
+/// started, advanced by the monotonic clock since. A step of the system clock does not move it: a
+/// backward step would otherwise stop every bucket's refill (and extend every holding) for its
+/// length, a forward one refill every bucket by it.
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    static START: std::sync::OnceLock<(std::time::Instant, u64)> = std::sync::OnceLock::new();
+    let (at, wall_ms) = START.get_or_init(|| {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        (std::time::Instant::now(), wall)
+    });
+    wall_ms.saturating_add(at.elapsed().as_millis() as u64)
 }
 
 pub enum Store {

@@ -1482,3 +1482,56 @@ async fn a_credential_cannot_invent_instances_to_collect_fair_shares() {
         StatusCode::OK
     );
 }
+
+#[tokio::test]
+async fn a_redis_clock_stepped_back_refills_from_then_in_both_stores() {
+    // 1 a millisecond, burst 10: emptied, then the bucket reads as updated 10 minutes from now
+    // (what Redis's clock stepping back 10 minutes does). 50 ms later it has refilled.
+    let fast = LeaseItem {
+        requests: 1_000,
+        per_ms: 1_000,
+        burst: 10,
+        wanted: 10,
+        ..item("k", 10, 10)
+    };
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), ColdStart::Full)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        store.lease("a", &[fast.clone()], 10_000).await.unwrap()[0].granted,
+        10
+    );
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:b")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let ahead = tollgate_quota::store::now_ms() + 600_000;
+    let _: () = redis::cmd("HSET")
+        .arg(&keys[0])
+        .arg("updated")
+        .arg(ahead.to_string())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    store
+        .lease(
+            "a",
+            &[LeaseItem {
+                wanted: 0,
+                ..fast.clone()
+            }],
+            10_000,
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let granted = store.lease("a", &[fast], 10_000).await.unwrap()[0].granted;
+    assert_eq!(granted, 10, "before: nothing for ten minutes");
+}
