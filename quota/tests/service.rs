@@ -1501,7 +1501,11 @@ async fn a_redis_clock_stepped_back_refills_from_then_in_both_stores() {
             .unwrap(),
     );
     assert_eq!(
-        store.lease("a", &[fast.clone()], 10_000).await.unwrap()[0].granted,
+        store
+            .lease("a", std::slice::from_ref(&fast), 10_000)
+            .await
+            .unwrap()[0]
+            .granted,
         10
     );
     let client = redis::Client::open(redis.url()).unwrap();
