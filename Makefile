@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup build probe quota schema test test-nginx test-compose lint dist bench demo demo-keep clean
+.PHONY: setup build probe quota schema test test-nginx test-compose lint dist bench demo demo-keep clean fuzz
 
 setup:
 	@scripts/setup.sh
@@ -48,6 +48,15 @@ test-nginx: build quota
 	TOLLGATE_WASM=$(abspath $(WASM)) NGINX_BIN=$(abspath $(NGINX_BIN)) \
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
 	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) cargo test --test nginx -- --test-threads 2
+
+# Fuzzing by property tests (not part of `make test`, which runs each with 256 cases): FUZZ_CASES
+# cases each of configurations, requests, quota answers and the service's call bodies.
+# docs/security.md says what each covers and what a run found.
+FUZZ_CASES ?= 50000
+fuzz: setup
+	PROPTEST_CASES=$(FUZZ_CASES) cargo test -p tollgate --lib -- fuzz_ \
+		arbitrary_header_bytes_are_handled keys_are_unambiguous any_lease_answer_is_read_safely
+	PROPTEST_CASES=$(FUZZ_CASES) cargo test -p tollgate-quota --test service -- fuzz_
 
 # The Docker demo for real (not part of `make test`: it needs a Docker Engine and the images the
 # compose file names): scripts/test-compose.sh says what it checks.

@@ -8,6 +8,8 @@
 
 pub mod config;
 pub mod engine;
+#[cfg(test)]
+mod fuzz;
 pub mod header_map;
 pub mod headers;
 pub mod key;

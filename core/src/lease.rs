@@ -63,9 +63,46 @@ fn is_zero(n: &u64) -> bool {
 pub struct LeaseResponse {
     /// One per request item, in the same order.
     pub items: Vec<LeaseGrant>,
+    /// Items the service refused (their grants are all zero): the caller treats each as a failed
+    /// call for that key alone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<ItemError>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+/// Why the service refused one item of a call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ItemError {
+    /// Its index in the call's `items`.
+    pub item: usize,
+    pub error: String,
+}
+
+/// Refuse the items whose `problems` are set: the answer for those (all zero) and the errors,
+/// merged with `served`, the answers to the others in order. `None` if `served` is short.
+pub fn merge_refused<A: Copy>(
+    problems: &[Option<String>],
+    served: &[A],
+    refused: A,
+) -> Option<(Vec<A>, Vec<ItemError>)> {
+    let mut served = served.iter();
+    let mut answers = Vec::with_capacity(problems.len());
+    let mut errors = Vec::new();
+    for (item, problem) in problems.iter().enumerate() {
+        match problem {
+            Some(p) => {
+                answers.push(refused);
+                errors.push(ItemError {
+                    item,
+                    error: format!("items[{item}]: {p}"),
+                });
+            }
+            None => answers.push(*served.next()?),
+        }
+    }
+    Some((answers, errors))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct LeaseGrant {
     /// Tokens now the instance's to spend (taken from the global bucket).
     pub granted: u64,
@@ -141,8 +178,14 @@ impl LeaseItem {
 }
 
 impl LeaseRequest {
+    /// What is wrong with the call as a whole (its instance, its size), if anything.
     pub fn problem(&self) -> Option<String> {
-        call_problem(&self.instance, &self.items, LeaseItem::problem)
+        call_problem(&self.instance, self.items.len())
+    }
+
+    /// What is wrong with each item (`None`: nothing): the service refuses those alone.
+    pub fn item_problems(&self) -> Vec<Option<String>> {
+        self.items.iter().map(LeaseItem::problem).collect()
     }
 }
 
@@ -154,22 +197,15 @@ pub(crate) fn names_problem(rule: &str, limit_id: &str, key: &str) -> Option<Str
     long.then(|| format!("rule, limit_id and key must be 1 to {MAX_NAME} bytes"))
 }
 
-/// What is wrong with a call of `instance` for `items`, if anything (the first bad item named).
-pub(crate) fn call_problem<I>(
-    instance: &str,
-    items: &[I],
-    problem: impl Fn(&I) -> Option<String>,
-) -> Option<String> {
+/// What is wrong with a call of `instance` for `items` items as a whole, if anything.
+pub(crate) fn call_problem(instance: &str, items: usize) -> Option<String> {
     if instance.is_empty() || instance.len() > MAX_NAME {
         return Some(format!("instance must be 1 to {MAX_NAME} bytes"));
     }
-    if items.len() > MAX_ITEMS {
+    if items > MAX_ITEMS {
         return Some(format!("at most {MAX_ITEMS} items per call"));
     }
-    items
-        .iter()
-        .enumerate()
-        .find_map(|(i, item)| problem(item).map(|p| format!("items[{i}]: {p}")))
+    None
 }
 
 /// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in

@@ -6,6 +6,8 @@
 pub mod adaptive;
 pub mod algorithm;
 pub mod allowance;
+#[cfg(feature = "arbitrary-json")]
+pub mod arbitrary_json;
 pub mod concurrency;
 pub mod fair_share;
 pub mod fixed_window;

@@ -54,9 +54,13 @@ fn is_zero(n: &u64) -> bool {
 pub struct SlotResponse {
     /// One per request item, in the same order.
     pub items: Vec<SlotAnswer>,
+    /// Items the service refused (their answers are all zero): the caller treats each as a
+    /// failed call for that key alone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<crate::lease::ItemError>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct SlotAnswer {
     /// Slots the instance holds now, for `ttl_ms` from its call.
     pub held: u64,
@@ -94,8 +98,14 @@ impl SlotItem {
 }
 
 impl SlotRequest {
+    /// What is wrong with the call as a whole (its instance, its size), if anything.
     pub fn problem(&self) -> Option<String> {
-        call_problem(&self.instance, &self.items, SlotItem::problem)
+        call_problem(&self.instance, self.items.len())
+    }
+
+    /// What is wrong with each item (`None`: nothing): the service refuses those alone.
+    pub fn item_problems(&self) -> Vec<Option<String>> {
+        self.items.iter().map(SlotItem::problem).collect()
     }
 }
 

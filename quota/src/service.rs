@@ -14,8 +14,10 @@ use prometheus_client::metrics::family::Family;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tollgate_core::lease::{ErrorBody, LeaseRequest, LeaseResponse};
-use tollgate_core::slot_lease::{SlotRequest, SlotResponse};
+use tollgate_core::lease::{
+    merge_refused, ErrorBody, ItemError, LeaseGrant, LeaseRequest, LeaseResponse,
+};
+use tollgate_core::slot_lease::{SlotAnswer, SlotRequest, SlotResponse};
 
 pub struct Service {
     pub store: Store,
@@ -162,6 +164,21 @@ pub fn bound_limit_id(limit_id: &str, limit: &[u64]) -> String {
     )
 }
 
+/// The items without a problem, in order: the ones the store serves.
+fn serve<'a, I: 'a>(items: Vec<I>, problems: &'a [Option<String>]) -> impl Iterator<Item = I> + 'a {
+    items
+        .into_iter()
+        .zip(problems)
+        .filter_map(|(item, p)| p.is_none().then_some(item))
+}
+
+/// Log a call's refused items (the first one's reason): the caller gets them in its answer.
+fn note_refused(errors: &[ItemError]) {
+    if let Some(first) = errors.first() {
+        tracing::warn!(refused = errors.len(), first = %first.error, "items refused");
+    }
+}
+
 /// The answer to a storage failure.
 fn storage_failed(service: &Service, calls: &Family<Outcome, Counter>, e: StoreError) -> Response {
     calls
@@ -182,18 +199,26 @@ fn storage_failed(service: &Service, calls: &Family<Outcome, Counter>, e: StoreE
 async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let calls = &service.metrics.calls;
-    let mut request = match read_call(&service, calls, &headers, body, LeaseRequest::problem).await
-    {
+    let request = match read_call(&service, calls, &headers, body, LeaseRequest::problem).await {
         Ok(r) => r,
         Err(answer) => return answer,
     };
-    for item in &mut request.items {
-        item.limit_id = bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
-    }
-    let result = service
-        .store
-        .lease(&request.instance, &request.items, service.lease_ttl_ms)
-        .await;
+    let problems = request.item_problems();
+    let served: Vec<_> = serve(request.items, &problems)
+        .map(|mut item| {
+            item.limit_id =
+                bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
+            item
+        })
+        .collect();
+    let result = if served.is_empty() {
+        Ok(Vec::new())
+    } else {
+        service
+            .store
+            .lease(&request.instance, &served, service.lease_ttl_ms)
+            .await
+    };
     service
         .metrics
         .latency
@@ -212,7 +237,12 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                     service.metrics.denials.inc();
                 }
             }
-            Json(LeaseResponse { items: grants }).into_response()
+            let Some((items, errors)) = merge_refused(&problems, &grants, LeaseGrant::default())
+            else {
+                return storage_failed(&service, calls, StoreError::Failed("short answer".into()));
+            };
+            note_refused(&errors);
+            Json(LeaseResponse { items, errors }).into_response()
         }
         Err(e) => storage_failed(&service, calls, e),
     }
@@ -220,22 +250,30 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
 
 async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let calls = &service.metrics.slot_calls;
-    let mut request = match read_call(&service, calls, &headers, body, SlotRequest::problem).await {
+    let request = match read_call(&service, calls, &headers, body, SlotRequest::problem).await {
         Ok(r) => r,
         Err(answer) => return answer,
     };
-    for item in &mut request.items {
-        item.limit_id = bound_limit_id(&item.limit_id, &[item.concurrent]);
-    }
-    match service
-        .store
-        .slots(&request.instance, &request.items, service.lease_ttl_ms)
-        .await
-    {
+    let problems = request.item_problems();
+    let served: Vec<_> = serve(request.items, &problems)
+        .map(|mut item| {
+            item.limit_id = bound_limit_id(&item.limit_id, &[item.concurrent]);
+            item
+        })
+        .collect();
+    let result = if served.is_empty() {
+        Ok(Vec::new())
+    } else {
+        service
+            .store
+            .slots(&request.instance, &served, service.lease_ttl_ms)
+            .await
+    };
+    match result {
         Ok(answers) => {
             calls.get_or_create(&Outcome { outcome: "ok" }).inc();
             let mut held: BTreeMap<&str, i64> = BTreeMap::new();
-            for (item, a) in request.items.iter().zip(&answers) {
+            for (item, a) in served.iter().zip(&answers) {
                 *held.entry(item.rule.as_str()).or_default() +=
                     i64::try_from(a.held).unwrap_or(i64::MAX);
             }
@@ -246,7 +284,12 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                 };
                 service.metrics.set_held(holder, n);
             }
-            Json(SlotResponse { items: answers }).into_response()
+            let Some((items, errors)) = merge_refused(&problems, &answers, SlotAnswer::default())
+            else {
+                return storage_failed(&service, calls, StoreError::Failed("short answer".into()));
+            };
+            note_refused(&errors);
+            Json(SlotResponse { items, errors }).into_response()
         }
         Err(e) => storage_failed(&service, calls, e),
     }

@@ -11,6 +11,8 @@ pub const DEFAULT_MAX_KEYS: u32 = 10_000;
 pub const MAX_MAX_KEYS: u32 = 1_000_000;
 /// Tokens a worker may stash per key when `worker_batch` is not given (token buckets).
 pub const DEFAULT_WORKER_BATCH: u64 = 8;
+/// Upper bound of `quota_service.instances_hint`: more proxies than that share no limit usefully.
+pub const MAX_INSTANCES_HINT: u64 = 1_000_000;
 /// Upper bound of `worker_batch`: what may sit in stashes is part of the accuracy bound.
 pub const MAX_WORKER_BATCH: u64 = 64;
 /// How long a leaky bucket may hold a request when `max_delay` is not given.

@@ -267,6 +267,12 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].max_keys: 2000000 is more than the maximum",
         ),
         (
+            // Found by `make fuzz`: 4 × instances_hint overflowed (a division by zero in wasm).
+            r#"{"rules":[{"name":"g","scope":"global","limit":{"requests":1,"per":"1s"}}],
+                "quota_service":{"upstream":"q","instances_hint":4611686018427387904}}"#,
+            "quota_service.instances_hint: 4611686018427387904 is more than the maximum of 1000000",
+        ),
+        (
             r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}}],"response":{"status":99}}"#,
             "response.status: 99 is not an HTTP status",
         ),

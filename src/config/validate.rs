@@ -7,7 +7,7 @@ use super::json::{
 use super::model::{
     Config, Cost, FirstLease, GlobalRule, KeyPart, Match, Override, OverrideAction, PathMatch,
     Quota, QuotaService, Response, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS,
-    DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
+    DEFAULT_WORKER_BATCH, MAX_INSTANCES_HINT, MAX_MAX_KEYS, MAX_WORKER_BATCH,
 };
 use super::{err, ConfigError};
 use crate::network::{ClientIp, Network};
@@ -349,6 +349,12 @@ impl RawQuotaService {
     fn validate(self, path: &str) -> Result<(QuotaService, Option<u64>), ConfigError> {
         if self.upstream.is_empty() {
             return Err(err(format!("{path}.upstream"), "must not be empty"));
+        }
+        if let Some(n) = self.instances_hint.filter(|n| n.get() > MAX_INSTANCES_HINT) {
+            return Err(err(
+                format!("{path}.instances_hint"),
+                format!("{n} is more than the maximum of {MAX_INSTANCES_HINT}"),
+            ));
         }
         let key_secret = match &self.key_secret {
             Some(secret) if secret.len() < 16 => {

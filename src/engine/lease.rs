@@ -5,8 +5,9 @@ use super::{saturating_i64, CheckInput, Engine};
 use crate::stats::ProcessStat;
 use log::{debug, warn};
 use siphasher::sip128::{Hasher128, SipHasher24};
+use smallvec::SmallVec;
 use std::hash::Hasher;
-use tollgate_core::lease::{LeaseItem, LeaseRequest, LeaseResponse};
+use tollgate_core::lease::{ItemError, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
 use tollgate_core::slot::Group;
 use tollgate_core::slot_lease::{SlotAnswer, SlotAsk, SlotItem, SlotRequest, SlotResponse};
@@ -223,8 +224,12 @@ impl Engine {
         let Some(answer) = answer else {
             return self.fail_refills(store, refills, now_ms);
         };
+        let refused = self.refused_items(store, refills, &answer.errors, now_ms);
         let mut held: Vec<(usize, u64)> = Vec::new();
-        for (refill, a) in refills.iter().zip(&answer.items) {
+        for (n, (refill, a)) in refills.iter().zip(&answer.items).enumerate() {
+            if refused.contains(&n) {
+                continue;
+            }
             let Some(slots) = self.slot_allowance_of(refill.rule).copied() else {
                 continue;
             };
@@ -298,7 +303,11 @@ impl Engine {
         let Some(answer) = answer else {
             return self.fail_refills(store, refills, now_ms);
         };
-        for (refill, answer) in refills.iter().zip(&answer.items) {
+        let refused = self.refused_items(store, refills, &answer.errors, now_ms);
+        for (n, (refill, answer)) in refills.iter().zip(&answer.items).enumerate() {
+            if refused.contains(&n) {
+                continue;
+            }
             let (Some(global), Some(allowance)) = (
                 self.config
                     .rules
@@ -331,10 +340,38 @@ impl Engine {
         }
     }
 
+    /// Items the service refused one by one: each of their keys applies the failure mode, as if
+    /// its own call had failed; the rest of the call is served. Their indexes.
+    fn refused_items<S: CasStore + ?Sized>(
+        &self,
+        store: &S,
+        refills: &[Refill],
+        errors: &[ItemError],
+        now_ms: u64,
+    ) -> SmallVec<[usize; 4]> {
+        let mut refused = SmallVec::new();
+        for e in errors {
+            let Some(refill) = refills.get(e.item) else {
+                continue;
+            };
+            if refused.is_empty() {
+                warn!("quota service refused an item: {}", e.error);
+            }
+            refused.push(e.item);
+            self.fail_keys(store, std::slice::from_ref(refill), now_ms);
+        }
+        refused
+    }
+
     /// A call failed: its keys (leased allowances or slots) apply the failure mode until `retry`.
     fn fail_refills<S: CasStore + ?Sized>(&mut self, store: &S, refills: &[Refill], now_ms: u64) {
         warn!("quota service call failed: global rules apply their failure mode");
         self.stats.add_process(ProcessStat::QuotaFailures, 1);
+        self.fail_keys(store, refills, now_ms);
+    }
+
+    /// The refilled keys apply the failure mode until `retry`.
+    fn fail_keys<S: CasStore + ?Sized>(&self, store: &S, refills: &[Refill], now_ms: u64) {
         let retry_ms = self.retry_ms();
         for refill in refills {
             match self.config.rules.get(refill.rule).map(|r| r.quota.limit) {
@@ -424,7 +461,13 @@ pub fn read_slot_answer(
 ) -> Option<SlotResponse> {
     read_json::<SlotResponse>(status, body)
         .filter(|r| r.items.len() == items)
-        .filter(|r| r.items.iter().all(sane))
+        .filter(|r| {
+            // Refused items answer all zeros: only the others must be sane.
+            r.items
+                .iter()
+                .enumerate()
+                .all(|(n, a)| sane(a) || r.errors.iter().any(|e| e.item == n))
+        })
 }
 
 /// A `200` answer's JSON body, if it reads as a `T`.

@@ -113,7 +113,8 @@ impl Engine {
             globals,
             mut locals,
         } = strict;
-        let Some(answer) = answer else {
+        // An item the service refused fails the request's call (the call is this request's own).
+        let Some(answer) = answer.filter(|a| a.errors.is_empty()) else {
             return self.strict_failed(store, globals, locals, now);
         };
         let mut refusal = None;

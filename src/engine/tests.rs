@@ -339,6 +339,7 @@ fn grant(granted: u64) -> LeaseResponse {
             rate: 0.0,
             retry_ms: 0,
         }],
+        errors: Vec::new(),
     }
 }
 
@@ -431,6 +432,36 @@ fn a_capped_rate_lease_whose_bucket_has_tokens_waits_for_them() {
         .apply_grants(&rig.store, &refills, Some(&grant(5)), NOW + 4 * MS);
     admit(rig.step(&u, NOW + 5 * MS));
     assert_eq!(rig.stat(0, RuleStat::Limited), 0);
+}
+
+#[test]
+fn an_item_the_service_refuses_fails_its_key_alone() {
+    let mut rig = global("deny", "wait");
+    let (u, v) = (req(&[("x-user", b"u")]), req(&[("x-user", b"v")]));
+    assert_eq!(rig.step(&u, NOW), Step::Wait);
+    assert_eq!(rig.step(&v, NOW), Step::Wait);
+    let (refills, call) = rig.lease_call(NOW).unwrap();
+    assert_eq!(call.items.len(), 2);
+    let mut answer = grant(5);
+    answer.items = vec![LeaseGrant::default(), grant(5).items[0]];
+    answer.errors = vec![tollgate_core::lease::ItemError {
+        item: 0,
+        error: "items[0]: key must be 1 to 128 bytes".into(),
+    }];
+    let body = serde_json::to_vec(&answer).unwrap();
+    let answer = read_answer(Some(b"200"), Some(&body), 2).unwrap();
+    rig.engine
+        .apply_grants(&rig.store, &refills, Some(&answer), NOW);
+    // The refused item's key (u's, claimed first) takes the failure mode (deny); v is served.
+    assert_eq!(reject(rig.step(&u, NOW)).retry_after_secs, Some(1));
+    admit(rig.step(&v, NOW));
+    assert_eq!(
+        rig.engine
+            .stats
+            .pending(Stat::Process(ProcessStat::QuotaFailures)),
+        0,
+        "no call failed"
+    );
 }
 
 #[test]
@@ -999,6 +1030,7 @@ mod global_concurrency {
                     free: 10 - held,
                     ttl_ms: 10_000,
                 }],
+                errors: Vec::new(),
             };
             self.engine
                 .apply_slots(&self.store, refills, Some(&answer), now);
@@ -1133,6 +1165,7 @@ fn a_flood_of_new_keys_goes_in_calls_the_service_takes_and_a_limited_key_stays_l
             };
             assert!(request.items.len() <= ITEMS_PER_CALL);
             assert_eq!(request.problem(), None, "the service takes the call");
+            assert!(request.item_problems().iter().all(Option::is_none));
             assert_eq!(refills.len(), request.items.len());
             // The victim's bucket is empty; everyone else gets 5.
             let answer = LeaseResponse {
@@ -1145,6 +1178,7 @@ fn a_flood_of_new_keys_goes_in_calls_the_service_takes_and_a_limited_key_stays_l
                         }
                     })
                     .collect(),
+                errors: Vec::new(),
             };
             sent += refills.len();
             rig.engine
