@@ -745,12 +745,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(req.problem(), None);
+        // A bad item is the item's problem, not the call's.
         let mut bad = req.clone();
         bad.items[0].burst = 0;
+        assert_eq!(bad.problem(), None);
         assert_eq!(
-            bad.problem().as_deref(),
-            Some("items[0]: requests, per_ms and burst must be positive")
+            bad.item_problems(),
+            [Some(
+                "requests, per_ms and burst must be positive".to_owned()
+            )]
         );
+        let (answers, errors) =
+            merge_refused(&bad.item_problems(), &[], LeaseGrant::default()).unwrap();
+        assert_eq!(answers, [LeaseGrant::default()]);
+        assert_eq!(
+            errors[0].error,
+            "items[0]: requests, per_ms and burst must be positive"
+        );
+        let json = serde_json::to_string(&LeaseResponse {
+            items: answers,
+            errors,
+        })
+        .unwrap();
+        assert!(
+            json.contains(r#""errors":[{"item":0,"error":"items[0]: requests"#),
+            "{json}"
+        );
+        // An answer without errors says nothing of them (older filters read it as before).
+        let plain = serde_json::to_string(&LeaseResponse {
+            items: vec![],
+            errors: vec![],
+        })
+        .unwrap();
+        assert_eq!(plain, r#"{"items":[]}"#);
         assert!(serde_json::from_str::<LeaseResponse>(r#"{"items":[{"granted":1}]}"#).is_err());
     }
 }

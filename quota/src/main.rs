@@ -7,7 +7,7 @@ use std::time::Duration;
 use tollgate_core::lease::ColdStart;
 use tollgate_quota::credentials::{Credentials, ProxyToken};
 use tollgate_quota::metrics::Metrics;
-use tollgate_quota::redis_store::{RedisStore, RedisTarget};
+use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, TlsTrust};
 use tollgate_quota::server::{serve, ServerLimits};
 use tollgate_quota::service::{router, Service};
 use tollgate_quota::store::{now_ms, MemoryStore, Store};
@@ -23,22 +23,61 @@ struct Args {
     listen: SocketAddr,
     /// Keep the buckets in Redis (e.g. redis://127.0.0.1:6379), so that several replicas serve one
     /// limit. Without it they live in this process.
-    #[arg(long, env = "TOLLGATE_QUOTA_REDIS", conflicts_with = "redis_cluster")]
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_REDIS",
+        conflicts_with = "redis_cluster",
+        hide_env_values = true
+    )]
     redis: Option<String>,
     /// Keep the buckets in a Redis Cluster: one or more of its nodes, comma-separated
     /// (redis://127.0.0.1:7000,redis://127.0.0.1:7001). Buckets spread over its slots and the
     /// service follows failovers.
-    #[arg(long, env = "TOLLGATE_QUOTA_REDIS_CLUSTER", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_REDIS_CLUSTER",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     redis_cluster: Option<Vec<String>>,
     /// Keep the buckets in the Redis master that Sentinel names `--redis-master`: one or more
     /// sentinels, comma-separated (redis://127.0.0.1:26379,redis://127.0.0.1:26380). After any
     /// storage error the service asks the sentinels again, so it follows failovers.
     #[arg(long, env = "TOLLGATE_QUOTA_REDIS_SENTINEL", value_delimiter = ',',
-          conflicts_with_all = ["redis", "redis_cluster"], requires = "redis_master")]
+          conflicts_with_all = ["redis", "redis_cluster"], requires = "redis_master",
+          hide_env_values = true)]
     redis_sentinel: Option<Vec<String>>,
     /// The master's name in Sentinel's configuration (with `--redis-sentinel`).
     #[arg(long, env = "TOLLGATE_QUOTA_REDIS_MASTER", requires = "redis_sentinel")]
     redis_master: Option<String>,
+    /// The master's password, when it asks for one (with `--redis-sentinel`; the sentinels' own
+    /// password goes in their URLs).
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_REDIS_MASTER_PASSWORD",
+        hide_env_values = true,
+        requires = "redis_sentinel"
+    )]
+    redis_master_password: Option<String>,
+    /// The master's user name (ACL), with `--redis-master-password`.
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_REDIS_MASTER_USER",
+        requires = "redis_master_password"
+    )]
+    redis_master_user: Option<String>,
+    /// Reach the master over TLS (with `--redis-sentinel`; sentinels are reached over TLS when
+    /// their URLs are `rediss://`).
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_REDIS_MASTER_TLS",
+        requires = "redis_sentinel"
+    )]
+    redis_master_tls: bool,
+    /// Certificate authorities (a PEM file) that TLS connections to Redis trust — `rediss://`
+    /// URLs, `--redis-master-tls` — instead of the system's.
+    #[arg(long, env = "TOLLGATE_QUOTA_REDIS_CA")]
+    redis_ca: Option<std::path::PathBuf>,
     /// How buckets (and global concurrency slots) the store does not know start. `auto`: full,
     /// unless proxies' calls show the store lost what they were using (a restart of the memory
     /// store, a Redis that lost data): then conservatively. `conservative`: always as after a
@@ -47,12 +86,17 @@ struct Args {
     #[arg(long, env = "TOLLGATE_QUOTA_COLD_START", value_enum, default_value_t = ColdStartArg::Auto)]
     cold_start: ColdStartArg,
     /// Require `Authorization: Bearer <token>` on lease calls. Required to listen beyond loopback.
-    #[arg(long, env = "TOLLGATE_QUOTA_TOKEN")]
+    #[arg(long, env = "TOLLGATE_QUOTA_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// A proxy's own token, `NAME=TOKEN` (token of 16 bytes or more); repeat it, or give several
     /// comma-separated. A call with it acts as instances `NAME/<instance>` only: it cannot speak
     /// for another proxy's instances (free its slots, take its reservations).
-    #[arg(long, env = "TOLLGATE_QUOTA_PROXY_TOKENS", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_PROXY_TOKENS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     proxy_token: Vec<String>,
     /// Live instances (those that called within a lease TTL) one credential may act as: a caller
     /// cannot invent instances without end to collect fair shares. A call for one more is
@@ -142,6 +186,11 @@ async fn run(args: Args) -> Result<(), String> {
         (None, None, Some(sentinels)) => Some(RedisTarget::Sentinel {
             sentinels: sentinels.clone(),
             master: args.redis_master.clone().unwrap_or_default(),
+            access: MasterAccess {
+                user: args.redis_master_user.clone(),
+                password: args.redis_master_password.clone(),
+                tls: args.redis_master_tls,
+            },
         }),
         (None, None, None) => None,
     };
@@ -151,9 +200,18 @@ async fn run(args: Args) -> Result<(), String> {
         Some(RedisTarget::Sentinel { .. }) => "redis-sentinel",
         None => "memory",
     };
+    let trust = TlsTrust {
+        ca_pem: match &args.redis_ca {
+            Some(path) => Some(
+                std::fs::read(path)
+                    .map_err(|e| format!("cannot read --redis-ca {}: {e}", path.display()))?,
+            ),
+            None => None,
+        },
+    };
     let store = match &target {
         Some(target) => Store::Redis(
-            RedisStore::connect(target, timeout, cold)
+            RedisStore::connect_with(target, timeout, cold, &trust)
                 .await
                 .map_err(|e| format!("cannot use {target}: {e}"))?,
         ),

@@ -35,11 +35,38 @@ pub enum RedisTarget {
     Single(String),
     /// A Redis Cluster, given by one or more of its nodes.
     Cluster(Vec<String>),
-    /// The master of `master` as Redis Sentinel names it, asked of one of `sentinels`.
+    /// The master of `master` as Redis Sentinel names it, asked of one of `sentinels`, reached
+    /// with `access`.
     Sentinel {
         sentinels: Vec<String>,
         master: String,
+        access: MasterAccess,
     },
+}
+
+/// How the service logs in to the master Sentinel names (the sentinels' own credentials and TLS
+/// come from their URLs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MasterAccess {
+    pub user: Option<String>,
+    pub password: Option<String>,
+    /// Connect to the master over TLS.
+    pub tls: bool,
+}
+
+/// What TLS connections to Redis trust: these certificate authorities (PEM), or the system's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsTrust {
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+impl TlsTrust {
+    fn certificates(&self) -> Option<redis::TlsCertificates> {
+        self.ca_pem.as_ref().map(|pem| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem.clone()),
+        })
+    }
 }
 
 impl std::fmt::Display for RedisTarget {
@@ -49,11 +76,67 @@ impl std::fmt::Display for RedisTarget {
         match self {
             Self::Single(url) => f.write_str(&redact(url)),
             Self::Cluster(nodes) => write!(f, "cluster {}", list(nodes)),
-            Self::Sentinel { sentinels, master } => {
+            Self::Sentinel {
+                sentinels, master, ..
+            } => {
                 write!(f, "master {master:?} of sentinels {}", list(sentinels))
             }
         }
     }
+}
+
+/// The client asking `sentinels` for `master`, which it reaches with `access`.
+fn sentinel_client(
+    sentinels: &[String],
+    master: &str,
+    access: &MasterAccess,
+    trust: &TlsTrust,
+) -> Result<SentinelClient, StoreError> {
+    use redis::IntoConnectionInfo;
+    let mut addrs = Vec::new();
+    let mut sentinel_login = None;
+    for url in sentinels {
+        let info = url.as_str().into_connection_info().map_err(failed)?;
+        if sentinel_login.is_none() {
+            let redis = info.redis_settings();
+            sentinel_login = redis
+                .password()
+                .map(|p| (redis.username().map(str::to_owned), p.to_owned()));
+        }
+        addrs.push(info.addr().clone());
+    }
+    let tls_to_sentinels = addrs
+        .iter()
+        .any(|a| matches!(a, redis::ConnectionAddr::TcpTls { .. }));
+    let mut builder =
+        redis::sentinel::SentinelClientBuilder::new(addrs, master, SentinelServerType::Master)
+            .map_err(failed)?;
+    if let Some((user, password)) = sentinel_login {
+        builder = builder.set_client_to_sentinel_password(password);
+        if let Some(user) = user {
+            builder = builder.set_client_to_sentinel_username(user);
+        }
+    }
+    if let Some(password) = &access.password {
+        builder = builder.set_client_to_redis_password(password);
+    }
+    if let Some(user) = &access.user {
+        builder = builder.set_client_to_redis_username(user);
+    }
+    if access.tls {
+        builder = builder.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+    }
+    if let Some(certs) = trust.certificates() {
+        if access.tls {
+            builder = builder.set_client_to_redis_certificates(certs.clone());
+        }
+        if tls_to_sentinels {
+            builder = builder
+                .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure)
+                .set_client_to_sentinel_certificates(certs);
+        }
+    }
+    builder.build().map_err(failed)
 }
 
 /// A Redis URL without its password: `redis://user:secret@host` → `redis://user:***@host`.
@@ -229,17 +312,26 @@ impl RedisStore {
         timeout: Duration,
         cold: ColdStart,
     ) -> Result<Self, StoreError> {
+        Self::connect_with(target, timeout, cold, &TlsTrust::default()).await
+    }
+
+    /// [`RedisStore::connect`], with TLS connections (`rediss://` URLs, a master reached over
+    /// TLS) trusting `trust`.
+    pub async fn connect_with(
+        target: &RedisTarget,
+        timeout: Duration,
+        cold: ColdStart,
+        trust: &TlsTrust,
+    ) -> Result<Self, StoreError> {
         let connect_timeout = timeout.max(Duration::from_millis(500));
         let connecting = async {
             match target {
-                RedisTarget::Sentinel { sentinels, master } => {
-                    let sentinel = SentinelClient::build(
-                        sentinels.clone(),
-                        master.clone(),
-                        None,
-                        SentinelServerType::Master,
-                    )
-                    .map_err(failed)?;
+                RedisTarget::Sentinel {
+                    sentinels,
+                    master,
+                    access,
+                } => {
+                    let sentinel = sentinel_client(sentinels, master, access, trust)?;
                     let link = SentinelLink {
                         sentinel: tokio::sync::Mutex::new(sentinel),
                         master: std::sync::Mutex::new(None),
@@ -249,7 +341,11 @@ impl RedisStore {
                     Ok(Connection::Sentinel(std::sync::Arc::new(link)))
                 }
                 RedisTarget::Single(url) => {
-                    let client = redis::Client::open(url.as_str()).map_err(failed)?;
+                    let client = match trust.certificates() {
+                        Some(certs) => redis::Client::build_with_tls(url.as_str(), certs),
+                        None => redis::Client::open(url.as_str()),
+                    }
+                    .map_err(failed)?;
                     let config = manager_config(connect_timeout, timeout);
                     client
                         .get_connection_manager_with_config(config)
@@ -258,7 +354,11 @@ impl RedisStore {
                         .map_err(failed)
                 }
                 RedisTarget::Cluster(nodes) => {
-                    let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone());
+                    if let Some(certs) = trust.certificates() {
+                        builder = builder.certs(certs);
+                    }
+                    let client = builder
                         .connection_timeout(connect_timeout)
                         .response_timeout(timeout)
                         .retries(1)
@@ -665,9 +765,13 @@ mod tests {
         let target = RedisTarget::Sentinel {
             sentinels: vec!["redis://:a1@s1:26379".into(), "redis://s2:26379".into()],
             master: "mymaster".into(),
+            access: MasterAccess {
+                password: Some("zz9".into()),
+                ..MasterAccess::default()
+            },
         };
         let shown = target.to_string();
-        assert!(!shown.contains("a1"), "{shown}");
+        assert!(!shown.contains("a1") && !shown.contains("zz9"), "{shown}");
         assert!(!RedisTarget::Single("redis://u:zz@h".into())
             .to_string()
             .contains("zz"));

@@ -15,7 +15,7 @@ use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
 use tollgate_quota::credentials::{Credentials, ProxyToken, DEFAULT_MAX_INSTANCES};
 use tollgate_quota::metrics::Metrics;
-use tollgate_quota::redis_store::{RedisStore, RedisTarget};
+use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, TlsTrust};
 use tollgate_quota::service::{router, Service};
 use tollgate_quota::store::{MemoryStore, Store};
 use tower::ServiceExt;
@@ -1120,6 +1120,7 @@ async fn the_redis_store_follows_a_sentinel_failover() {
     let target = RedisTarget::Sentinel {
         sentinels: sentinels.iter().map(Redis::url).collect(),
         master: "tgm".into(),
+        access: MasterAccess::default(),
     };
     let store = Store::Redis(
         RedisStore::connect(&target, Duration::from_millis(200), ColdStart::Full)
@@ -1618,4 +1619,150 @@ proptest::proptest! {
             );
         }
     }
+}
+
+/// A certificate authority and a certificate it signed for 127.0.0.1, in `dir`:
+/// (`ca.pem`, `server.pem`, `server.key`).
+fn tls_files(dir: &std::path::Path) -> [std::path::PathBuf; 3] {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = |name: &str| dir.join(name);
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    ]);
+    std::fs::write(p("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+    ]);
+    [p("ca.pem"), p("server.pem"), p("server.key")]
+}
+
+#[tokio::test]
+async fn redis_over_tls_is_served_when_its_authority_is_trusted() {
+    let dir = std::env::temp_dir().join(format!("tollgate-tls-{}", std::process::id()));
+    let [ca, cert, key] = tls_files(&dir);
+    let tls_port = free_port();
+    let redis = Redis::start_with(&[
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        cert.to_str().unwrap(),
+        "--tls-key-file",
+        key.to_str().unwrap(),
+        "--tls-ca-cert-file",
+        ca.to_str().unwrap(),
+        "--tls-auth-clients",
+        "no",
+    ]);
+    let target = RedisTarget::Single(format!("rediss://127.0.0.1:{tls_port}"));
+    let trust = TlsTrust {
+        ca_pem: Some(std::fs::read(&ca).unwrap()),
+    };
+    let store = Store::Redis(
+        RedisStore::connect_with(&target, Duration::from_millis(500), ColdStart::Full, &trust)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        store.lease("a", &[item("k", 5, 2)], 10_000).await.unwrap()[0].granted,
+        2
+    );
+    // Not trusted (the system's authorities do not know this one): no connection.
+    let untrusted = RedisStore::connect(&target, Duration::from_millis(500), ColdStart::Full).await;
+    assert!(untrusted.is_err());
+    drop(redis);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_password_protected_master_behind_sentinel_is_served() {
+    let master = Redis::start_with(&["--requirepass", "m4ster-secret"]);
+    let dir = std::env::temp_dir().join(format!("tollgate-sentinel-auth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("sentinel.conf");
+    std::fs::write(
+        &file,
+        format!(
+            "sentinel monitor tgauth 127.0.0.1 {} 1\nsentinel auth-pass tgauth m4ster-secret\n",
+            master.port
+        ),
+    )
+    .unwrap();
+    let sentinel = Redis::spawn(free_port(), Some(file.to_str().unwrap()), &["--sentinel"]);
+    let target = |password: Option<&str>| RedisTarget::Sentinel {
+        sentinels: vec![sentinel.url()],
+        master: "tgauth".into(),
+        access: MasterAccess {
+            password: password.map(str::to_owned),
+            ..MasterAccess::default()
+        },
+    };
+    let store = Store::Redis(
+        RedisStore::connect(
+            &target(Some("m4ster-secret")),
+            Duration::from_millis(500),
+            ColdStart::Full,
+        )
+        .await
+        .unwrap(),
+    );
+    assert_eq!(
+        store.lease("a", &[item("k", 5, 2)], 10_000).await.unwrap()[0].granted,
+        2
+    );
+    // Without the password the master refuses (before, that was the only way).
+    let without =
+        RedisStore::connect(&target(None), Duration::from_millis(500), ColdStart::Full).await;
+    assert!(without.is_err());
+    drop(sentinel);
+    let _ = std::fs::remove_dir_all(&dir);
 }
