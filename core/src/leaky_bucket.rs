@@ -9,6 +9,10 @@ use crate::state::{
     div_ceil_u64, read_u128, read_u64, write_u128, write_u64, Decision, State, STATE_BYTES,
 };
 
+/// Workers' clocks differ by less than this; a state updated further in the future means the clock
+/// stepped back.
+const CLOCK_SKEW_NS: u64 = 1_000_000_000;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LeakyBucket {
     requests: u64,
@@ -63,11 +67,24 @@ impl LeakyBucket {
         u128::from(self.period_ns)
     }
 
+    /// The state was last updated after `now_ns` by more than workers' clocks differ: the clock
+    /// stepped back.
+    fn stepped_back(&self, state: &State, now_ns: u64) -> bool {
+        read_u64(state, 16) > now_ns.saturating_add(CLOCK_SKEW_NS)
+    }
+
     /// The excess a request of cost 1 arriving at `now_ns` would bring the key to.
     ///
     /// nginx: excess = max(0, excess − rate × elapsed + 1 request) — the first request after a
     /// full interval of quiet is "in rate" (excess 0), one half an interval later is half early.
     fn next_excess(&self, state: &State, now_ns: u64) -> u128 {
+        if self.stepped_back(state, now_ns) {
+            // A state from beyond the clock: read as a bucket with room for this request, so
+            // that the key drains at its rate from now on (a refusal writes nothing: read as it
+            // stands, the bucket would not drain until the clock caught up).
+            let burst = u128::from(self.burst) * self.unit();
+            return (read_u128(state, 0) + self.unit()).min(burst);
+        }
         let elapsed = now_ns.saturating_sub(read_u64(state, 16));
         let drained = u128::from(self.requests) * u128::from(elapsed);
         (read_u128(state, 0) + self.unit()).saturating_sub(drained)
@@ -103,7 +120,14 @@ impl LeakyBucket {
         }
         let mut next = [0; STATE_BYTES];
         write_u128(&mut next, 0, excess);
-        write_u64(&mut next, 16, now_ns.max(read_u64(state, 16)));
+        // The later of the two (workers' clocks differ by microseconds), unless the clock stepped
+        // back: then now.
+        let last = if self.stepped_back(state, now_ns) {
+            now_ns
+        } else {
+            now_ns.max(read_u64(state, 16))
+        };
+        write_u64(&mut next, 16, last);
         Decision::Allow {
             state: next,
             remaining: whole(capacity - excess, unit),
@@ -177,6 +201,32 @@ mod tests {
             burst(&delay1, 5),
             [Some(0), Some(0), Some(100 * ms), Some(200 * ms), None]
         );
+    }
+
+    #[test]
+    fn a_clock_stepped_back_never_refuses_longer_than_the_bucket_takes_to_drain() {
+        // 1 a second, burst 2, nodelay: filled and refused; then the clock steps back one hour.
+        let b = LeakyBucket::new(1, SEC, 2, u64::MAX, 60 * SEC).unwrap();
+        let mut s = [0; STATE_BYTES];
+        for _ in 0..3 {
+            if let Decision::Allow { state, .. } = b.decide(&s, NOW, 1) {
+                s = state;
+            }
+        }
+        assert!(matches!(b.decide(&s, NOW, 1), Decision::Deny { .. }));
+        let back = NOW - 3_600 * SEC;
+        // Before: refused for the hour. Now: room for one, then the rate from the new clock.
+        let Decision::Allow { state, .. } = b.decide(&s, back, 1) else {
+            panic!("refused after the step")
+        };
+        assert!(matches!(
+            b.decide(&state, back + SEC / 2, 1),
+            Decision::Deny { .. }
+        ));
+        assert!(matches!(
+            b.decide(&state, back + SEC, 1),
+            Decision::Allow { .. }
+        ));
     }
 
     #[test]
