@@ -145,7 +145,25 @@ fn encode(p: &Parts) -> State {
     s
 }
 
+/// Proxies' clocks differ by less than this; a last answer further ahead means the clock stepped
+/// back.
+const CLOCK_SKEW_MS: u64 = 1_000;
+
 impl Parts {
+    /// The state as read at `now_ms`: answered further ahead than clocks differ, the clock stepped
+    /// back. Then the lease is not trusted (it ends now, its unspent tokens are given up:
+    /// stricter, never looser) and no mark holds: the next request claims a refill at once,
+    /// instead of every request waiting (or applying a failure mode) until the clock catches up.
+    fn unstepped(mut self, now_ms: u64) -> Self {
+        if self.base > now_ms.saturating_add(CLOCK_SKEW_MS) {
+            self.base = now_ms;
+            self.until = now_ms;
+            self.mark = 0;
+            self.mark_flags = 0;
+        }
+        self
+    }
+
     fn live(&self, now_ms: u64) -> bool {
         now_ms < self.until
     }
@@ -227,7 +245,7 @@ impl LeaseAllowance {
 
     pub fn decide(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
         let now_ms = now_ns / 1_000_000;
-        let p = parts(state);
+        let p = parts(state).unstepped(now_ms);
         let available = p.available(now_ms, self.claim_ms);
         let marked = p.mark > now_ms;
         if available >= cost {
@@ -439,7 +457,7 @@ impl LeaseAllowance {
     }
 
     pub fn is_idle(state: &State, now_ms: u64) -> bool {
-        let p = parts(state);
+        let p = parts(state).unstepped(now_ms);
         !p.live(now_ms) && p.mark <= now_ms
     }
 
@@ -494,6 +512,31 @@ mod tests {
         match l.decide(s, at_ms * MS, 1) {
             Decision::Allow { state, .. } => state,
             d => panic!("at {at_ms}: {d:?}"),
+        }
+    }
+
+    #[test]
+    fn a_clock_stepped_back_claims_a_refill_at_once_instead_of_waiting_for_the_clock() {
+        let l = lease();
+        let mut s = l.grant(&[0; 32], T0, &grant(2, 0, T0, 10_000));
+        s = allowed(&l, &s, T0 + 1);
+        s = allowed(&l, &s, T0 + 2);
+        // Below the low-water mark the first spend claimed the refill (its mark: T0 + 201);
+        // empty, a request waits for it...
+        assert_eq!(
+            l.decide(&s, (T0 + 3) * MS, 1),
+            Decision::Wait { claim: None }
+        );
+        let claimed = s;
+        // ... and the clock steps back an hour before the answer comes (the call failed).
+        let back = T0 - 3_600_000;
+        match l.decide(&claimed, back * MS, 1) {
+            // Before: Wait { claim: None } for an hour, every request timing out.
+            Decision::Wait { claim: Some(again) } => {
+                assert!(l.claimed(&claimed, &again));
+                assert_eq!(parts(&again).base, back);
+            }
+            d => panic!("{d:?}"),
         }
     }
 

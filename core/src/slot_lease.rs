@@ -364,10 +364,36 @@ impl Parts {
     }
 }
 
+/// Proxies' clocks differ by less than this; a time further ahead than any lease, claim or refusal
+/// puts it means the clock stepped back.
+const CLOCK_SKEW_MS: u64 = 1_000;
+
 impl SlotAllowance {
+    /// The state as read at `now_ms` after a backward step of the clock: a lease that ends
+    /// further ahead than one term is not trusted (it ends now: new requests ask again, the tick
+    /// declares what is in use, and the service, whose term is running by its own clock, renews
+    /// it), and a claim or refusal that ends further ahead than they last ends now. (A failure's
+    /// retry time is kept: the proxy does not know how long `retry` is.)
+    fn unstep(&self, p: &mut Parts, now_ms: u64) {
+        let term = p.half_term_ms.saturating_mul(2);
+        if p.lease_end_ms > now_ms.saturating_add(term).saturating_add(CLOCK_SKEW_MS) {
+            p.lease_end_ms = now_ms;
+        }
+        let lasts = if p.mark & DENIED != 0 {
+            self.denied_ms
+        } else {
+            self.claim_ms
+        };
+        let beyond = p.mark & WHEN > now_ms.saturating_add(lasts).saturating_add(CLOCK_SKEW_MS);
+        if p.mark & FAILED == 0 && beyond {
+            p.mark = 0;
+        }
+    }
+
     pub fn decide(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
         let now_ms = now_ns / 1_000_000;
         let mut p = Parts::decode(state);
+        self.unstep(&mut p, now_ms);
         // A call failed: the failure mode decides until a call succeeds (this request asks again
         // once the retry is due). What the lease has left of its term is the grace of the
         // requests in flight, not room for more.
@@ -428,6 +454,7 @@ impl SlotAllowance {
     /// no more than the call says it keeps.
     pub fn renewal(&self, state: &State, now_ms: u64) -> Option<State> {
         let mut p = Parts::decode(state);
+        self.unstep(&mut p, now_ms);
         if p.calling(now_ms) || p.failed(now_ms) {
             return None;
         }
@@ -733,6 +760,34 @@ mod tests {
             a.decide(&s, (TTL + 3) * MS, 1),
             Decision::Wait { .. }
         ));
+    }
+
+    #[test]
+    fn a_clock_stepped_back_renews_at_once_instead_of_keeping_slots_past_their_term() {
+        let a = allowance();
+        let hour = 3_600_000;
+        let mut s = a.grant(&[0; 32], hour, &answer(3, 10, 7), hour, 0);
+        assert!(admitted(&a, &mut s, hour + 10));
+        // A renewal is out when the clock steps back an hour.
+        let claim = a.renewal(&s, hour + TTL / 2).expect("halfway");
+        let back = TTL / 2 + 100;
+        // Before: the lease (ending an hour ahead) admitted for the hour and the claim blocked
+        // every renewal, while the service gave the slots away after its term. Now: the lease
+        // ends, the claim mark too; the tick declares what is in use at once.
+        let renewal = a.renewal(&claim, back).expect("renewed at once");
+        assert_eq!(
+            wk(a.ask(&renewal, back)),
+            (2, 1),
+            "keeps the one in use, asks headroom"
+        );
+        assert!(matches!(
+            a.decide(&claim, back * MS, 1),
+            Decision::Wait { .. }
+        ));
+        // Its answer is a lease from the new clock on.
+        s = a.grant(&renewal, back + 2, &answer(3, 10, 7), back, 0);
+        assert!(admitted(&a, &mut s, back + 3));
+        assert_eq!(a.renewal(&s, back + 4), None, "not due");
     }
 
     #[test]

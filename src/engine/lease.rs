@@ -164,7 +164,9 @@ impl Engine {
     /// (renewals, more slots for full leases, keys given back) and stop watching idle keys.
     pub fn renew_slots<S: CasStore + ?Sized>(&mut self, store: &S, now: u64) {
         let now_ms = now / 1_000_000;
-        if self.slot_keys.is_empty() || now_ms < self.next_slot_scan_ms {
+        // A next scan further ahead than one period: the clock stepped back; scan now.
+        let stepped = self.next_slot_scan_ms > now_ms.saturating_add(SLOT_SCAN_MS);
+        if self.slot_keys.is_empty() || (now_ms < self.next_slot_scan_ms && !stepped) {
             return;
         }
         self.next_slot_scan_ms = now_ms + SLOT_SCAN_MS;

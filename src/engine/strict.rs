@@ -41,7 +41,15 @@ impl Engine {
     /// False while a request's own call failed less than `retry` ago: such requests are decided
     /// by the failure mode without calling (pass `None` to [`Engine::finish_strict`]).
     pub fn may_call(&self, now: u64) -> bool {
-        now / 1_000_000 >= self.calls_off_until_ms
+        let now_ms = now / 1_000_000;
+        let retry_ms = self
+            .config
+            .quota_service
+            .as_ref()
+            .map_or(1_000, |q| q.retry_ms);
+        // Off further ahead than `retry` puts it: the clock stepped back; calls are on again.
+        now_ms >= self.calls_off_until_ms
+            || self.calls_off_until_ms > now_ms.saturating_add(retry_ms).saturating_add(1_000)
     }
 
     /// Strict mode, before the request's own call: the local rules' refusal, if they refuse now

@@ -697,6 +697,8 @@ fn after_a_failed_call_strict_requests_skip_the_call_for_retry() {
     let failures = Stat::Process(ProcessStat::QuotaFailures);
     assert_eq!(rig.engine.stats.pending(failures), 1);
     assert!(rig.engine.may_call(NOW + 2 * SEC));
+    // A clock stepped back an hour does not keep calls off for the hour.
+    assert!(rig.engine.may_call(NOW - 3_600 * SEC));
 }
 
 fn key_of_token(token: &str) -> (String, String) {
