@@ -164,12 +164,17 @@ pub fn bound_limit_id(limit_id: &str, limit: &[u64]) -> String {
     )
 }
 
-/// The items without a problem, in order: the ones the store serves.
-fn serve<'a, I: 'a>(items: Vec<I>, problems: &'a [Option<String>]) -> impl Iterator<Item = I> + 'a {
+/// The items without a problem, in order, each `bind`ed: the ones the store serves.
+fn serve<I>(items: Vec<I>, problems: &[Option<String>], bind: impl Fn(&mut I)) -> Vec<I> {
     items
         .into_iter()
         .zip(problems)
-        .filter_map(|(item, p)| p.is_none().then_some(item))
+        .filter(|(_, p)| p.is_none())
+        .map(|(mut item, _)| {
+            bind(&mut item);
+            item
+        })
+        .collect()
 }
 
 /// Log a call's refused items (the first one's reason): the caller gets them in its answer.
@@ -204,13 +209,9 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         Err(answer) => return answer,
     };
     let problems = request.item_problems();
-    let served: Vec<_> = serve(request.items, &problems)
-        .map(|mut item| {
-            item.limit_id =
-                bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
-            item
-        })
-        .collect();
+    let served = serve(request.items, &problems, |item| {
+        item.limit_id = bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
+    });
     let result = if served.is_empty() {
         Ok(Vec::new())
     } else {
@@ -255,12 +256,9 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         Err(answer) => return answer,
     };
     let problems = request.item_problems();
-    let served: Vec<_> = serve(request.items, &problems)
-        .map(|mut item| {
-            item.limit_id = bound_limit_id(&item.limit_id, &[item.concurrent]);
-            item
-        })
-        .collect();
+    let served = serve(request.items, &problems, |item| {
+        item.limit_id = bound_limit_id(&item.limit_id, &[item.concurrent]);
+    });
     let result = if served.is_empty() {
         Ok(Vec::new())
     } else {
