@@ -7,7 +7,7 @@ use std::time::Duration;
 use tollgate_core::lease::ColdStart;
 use tollgate_quota::credentials::{Credentials, ProxyToken};
 use tollgate_quota::metrics::Metrics;
-use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, TlsTrust};
+use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, RedisTls};
 use tollgate_quota::server::{serve, ServerLimits};
 use tollgate_quota::service::{router, Service};
 use tollgate_quota::store::{now_ms, MemoryStore, Store};
@@ -78,6 +78,21 @@ struct Args {
     /// URLs, `--redis-master-tls` — instead of the system's.
     #[arg(long, env = "TOLLGATE_QUOTA_REDIS_CA")]
     redis_ca: Option<std::path::PathBuf>,
+    /// A client certificate (PEM file) that TLS connections to Redis present, for a Redis that
+    /// asks for one (`tls-auth-clients yes`); with `--redis-client-key`.
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_REDIS_CLIENT_CERT",
+        requires = "redis_client_key"
+    )]
+    redis_client_cert: Option<std::path::PathBuf>,
+    /// The client certificate's private key (PEM file), with `--redis-client-cert`.
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_REDIS_CLIENT_KEY",
+        requires = "redis_client_cert"
+    )]
+    redis_client_key: Option<std::path::PathBuf>,
     /// How buckets (and global concurrency slots) the store does not know start. `auto`: full,
     /// unless proxies' calls show the store lost what they were using (a restart of the memory
     /// store, a Redis that lost data): then conservatively. `conservative`: always as after a
@@ -200,13 +215,20 @@ async fn run(args: Args) -> Result<(), String> {
         Some(RedisTarget::Sentinel { .. }) => "redis-sentinel",
         None => "memory",
     };
-    let trust = TlsTrust {
+    let read = |flag: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))
+    };
+    let trust = RedisTls {
         ca_pem: match &args.redis_ca {
-            Some(path) => Some(
-                std::fs::read(path)
-                    .map_err(|e| format!("cannot read --redis-ca {}: {e}", path.display()))?,
-            ),
+            Some(path) => Some(read("--redis-ca", path)?),
             None => None,
+        },
+        client_pem: match (&args.redis_client_cert, &args.redis_client_key) {
+            (Some(cert), Some(key)) => Some((
+                read("--redis-client-cert", cert)?,
+                read("--redis-client-key", key)?,
+            )),
+            _ => None,
         },
     };
     let store = match &target {

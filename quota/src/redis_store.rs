@@ -54,17 +54,38 @@ pub struct MasterAccess {
     pub tls: bool,
 }
 
-/// What TLS connections to Redis trust: these certificate authorities (PEM), or the system's.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TlsTrust {
+/// TLS connections to Redis: the certificate authorities they trust (PEM; else the system's),
+/// and the client certificate and key (PEM) they present where Redis asks for one.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct RedisTls {
     pub ca_pem: Option<Vec<u8>>,
+    pub client_pem: Option<(Vec<u8>, Vec<u8>)>,
 }
 
-impl TlsTrust {
+impl std::fmt::Debug for RedisTls {
+    /// Never the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisTls")
+            .field("ca", &self.ca_pem.is_some())
+            .field("client_certificate", &self.client_pem.is_some())
+            .finish()
+    }
+}
+
+impl RedisTls {
     fn certificates(&self) -> Option<redis::TlsCertificates> {
-        self.ca_pem.as_ref().map(|pem| redis::TlsCertificates {
-            client_tls: None,
-            root_cert: Some(pem.clone()),
+        if self.ca_pem.is_none() && self.client_pem.is_none() {
+            return None;
+        }
+        Some(redis::TlsCertificates {
+            client_tls: self
+                .client_pem
+                .as_ref()
+                .map(|(cert, key)| redis::ClientTlsConfig {
+                    client_cert: cert.clone(),
+                    client_key: key.clone(),
+                }),
+            root_cert: self.ca_pem.clone(),
         })
     }
 }
@@ -90,7 +111,7 @@ fn sentinel_client(
     sentinels: &[String],
     master: &str,
     access: &MasterAccess,
-    trust: &TlsTrust,
+    trust: &RedisTls,
 ) -> Result<SentinelClient, StoreError> {
     use redis::IntoConnectionInfo;
     let mut addrs = Vec::new();
@@ -312,7 +333,7 @@ impl RedisStore {
         timeout: Duration,
         cold: ColdStart,
     ) -> Result<Self, StoreError> {
-        Self::connect_with(target, timeout, cold, &TlsTrust::default()).await
+        Self::connect_with(target, timeout, cold, &RedisTls::default()).await
     }
 
     /// [`RedisStore::connect`], with TLS connections (`rediss://` URLs, a master reached over
@@ -321,7 +342,7 @@ impl RedisStore {
         target: &RedisTarget,
         timeout: Duration,
         cold: ColdStart,
-        trust: &TlsTrust,
+        trust: &RedisTls,
     ) -> Result<Self, StoreError> {
         let connect_timeout = timeout.max(Duration::from_millis(500));
         let connecting = async {

@@ -15,7 +15,7 @@ use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
 use tollgate_quota::credentials::{Credentials, ProxyToken, DEFAULT_MAX_INSTANCES};
 use tollgate_quota::metrics::Metrics;
-use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, TlsTrust};
+use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, RedisTls};
 use tollgate_quota::service::{router, Service};
 use tollgate_quota::store::{MemoryStore, Store};
 use tower::ServiceExt;
@@ -1686,6 +1686,114 @@ fn tls_files(dir: &std::path::Path) -> [std::path::PathBuf; 3] {
     [p("ca.pem"), p("server.pem"), p("server.key")]
 }
 
+/// A client certificate the authority in `dir` (made by [`tls_files`]) signed: (pem, key).
+fn client_certificate(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>) {
+    // Extensions make it a version 3 certificate, the only kind rustls reads.
+    std::fs::write(
+        dir.join("client.ext"),
+        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+    )
+    .unwrap();
+    for args in [
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=tollgate-quota",
+            "-keyout",
+            "client.key",
+            "-out",
+            "client.csr",
+        ][..],
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "client.ext",
+            "-out",
+            "client.pem",
+        ][..],
+    ] {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    (
+        std::fs::read(dir.join("client.pem")).unwrap(),
+        std::fs::read(dir.join("client.key")).unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn a_redis_that_asks_for_client_certificates_is_served_with_one() {
+    let dir = std::env::temp_dir().join(format!("tollgate-mtls-{}", std::process::id()));
+    let [ca, cert, key] = tls_files(&dir);
+    let client = client_certificate(&dir);
+    let tls_port = free_port();
+    let _redis = Redis::start_with(&[
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        cert.to_str().unwrap(),
+        "--tls-key-file",
+        key.to_str().unwrap(),
+        "--tls-ca-cert-file",
+        ca.to_str().unwrap(),
+        "--tls-auth-clients",
+        "yes",
+    ]);
+    let target = RedisTarget::Single(format!("rediss://127.0.0.1:{tls_port}"));
+    let ca_pem = Some(std::fs::read(&ca).unwrap());
+    let with = RedisTls {
+        ca_pem: ca_pem.clone(),
+        client_pem: Some(client),
+    };
+    let store = Store::Redis(
+        RedisStore::connect_with(&target, Duration::from_millis(500), ColdStart::Full, &with)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        store.lease("a", &[item("k", 5, 2)], 10_000).await.unwrap()[0].granted,
+        2
+    );
+    let without = RedisTls {
+        ca_pem,
+        client_pem: None,
+    };
+    let refused = RedisStore::connect_with(
+        &target,
+        Duration::from_millis(500),
+        ColdStart::Full,
+        &without,
+    )
+    .await;
+    assert!(refused.is_err());
+    assert!(
+        !format!("{with:?}").contains("PRIVATE"),
+        "the key never reaches a log"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test]
 async fn redis_over_tls_is_served_when_its_authority_is_trusted() {
     let dir = std::env::temp_dir().join(format!("tollgate-tls-{}", std::process::id()));
@@ -1704,8 +1812,9 @@ async fn redis_over_tls_is_served_when_its_authority_is_trusted() {
         "no",
     ]);
     let target = RedisTarget::Single(format!("rediss://127.0.0.1:{tls_port}"));
-    let trust = TlsTrust {
+    let trust = RedisTls {
         ca_pem: Some(std::fs::read(&ca).unwrap()),
+        client_pem: None,
     };
     let store = Store::Redis(
         RedisStore::connect_with(&target, Duration::from_millis(500), ColdStart::Full, &trust)
