@@ -286,6 +286,8 @@ pub struct SlotAllowance {
     pub claim_ms: u64,
     /// After an answer that left no room, ask for more again after this long at the soonest.
     pub denied_ms: u64,
+    /// After a failed call, the failure mode decides for this long (`quota_service.retry`).
+    pub retry_ms: u64,
     /// A full lease whose last answer said more is free within this proxy's share makes its
     /// requests wait for more (as a first lease does) instead of refusing them. Off where a
     /// host cannot resume a waiting request (a stand-in would admit it instead).
@@ -372,8 +374,8 @@ impl SlotAllowance {
     /// The state as read at `now_ms` after a backward step of the clock: a lease that ends
     /// further ahead than one term is not trusted (it ends now: new requests ask again, the tick
     /// declares what is in use, and the service, whose term is running by its own clock, renews
-    /// it), and a claim or refusal that ends further ahead than they last ends now. (A failure's
-    /// retry time is kept: the proxy does not know how long `retry` is.)
+    /// it), and a claim, refusal or failure mark that ends further ahead than it lasts ends now
+    /// (a failure's key then asks again at once, still decided by the failure mode meanwhile).
     fn unstep(&self, p: &mut Parts, now_ms: u64) {
         let term = p.half_term_ms.saturating_mul(2);
         if p.lease_end_ms > now_ms.saturating_add(term).saturating_add(CLOCK_SKEW_MS) {
@@ -381,11 +383,12 @@ impl SlotAllowance {
         }
         let lasts = if p.mark & DENIED != 0 {
             self.denied_ms
+        } else if p.mark & FAILED != 0 {
+            self.retry_ms
         } else {
             self.claim_ms
         };
-        let beyond = p.mark & WHEN > now_ms.saturating_add(lasts).saturating_add(CLOCK_SKEW_MS);
-        if p.mark & FAILED == 0 && beyond {
+        if p.mark & WHEN > now_ms.saturating_add(lasts).saturating_add(CLOCK_SKEW_MS) {
             p.mark = 0;
         }
     }
@@ -688,6 +691,7 @@ mod tests {
             headroom: 1,
             claim_ms: 300,
             denied_ms: 1_000,
+            retry_ms: 1_000,
             waits_for_more: false,
         }
     }
@@ -788,11 +792,21 @@ mod tests {
         s = a.grant(&renewal, back + 2, &answer(3, 10, 7), back, 0);
         assert!(admitted(&a, &mut s, back + 3));
         assert_eq!(a.renewal(&s, back + 4), None, "not due");
+        // A failed call's retry time from beyond the clock ends now too: the key asks again at
+        // once (the failure mode still decides until an answer), not an hour later.
+        let failed = a.fail(&claim, hour + TTL / 2 + 300, a.retry_ms);
+        assert!(matches!(
+            a.decide(&failed, back * MS, 1),
+            Decision::Fallback { claim: Some(_) }
+        ));
     }
 
     #[test]
     fn a_failed_renewal_applies_the_failure_mode_at_once_and_the_lease_is_grace_for_what_runs() {
-        let a = allowance();
+        let a = SlotAllowance {
+            retry_ms: TTL,
+            ..allowance()
+        };
         let mut s = a.grant(&[0; 32], 0, &answer(2, 10, 8), 0, 0);
         assert!(admitted(&a, &mut s, 10));
         s = a.fail(&a.renewal(&s, TTL / 2).expect("due"), TTL / 2 + 300, TTL);

@@ -513,6 +513,7 @@ impl Rule {
             // Past the call's timeout, so that its answer or failure always comes first.
             claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
             denied_ms: 1_000,
+            retry_ms: qs.retry_ms,
             // With a provisional first lease the stand-in would admit a waiting request.
             waits_for_more: qs.first_lease == FirstLease::Wait,
         };
