@@ -351,7 +351,9 @@ fn a_slower_then_faster_upstream_is_followed_within_seconds() {
 #[test]
 fn shedding_stops_once_the_upstream_reports_room() {
     // 10 at once, 50 ms, reporting its CPU; offered 300/s (1.5×). At 4 s it scales out to 20
-    // (400/s): it reports 75% and less. Two seconds later nothing is refused.
+    // (400/s): it reports 75% and less, but now and then a burst of arrivals puts it at 80% for
+    // a moment, and the rule sheds as the upstream then says. Two seconds later almost nothing
+    // is refused: at most 1% (the bug this guards against refused 11–26% there).
     let (_turn, app, envoy) = start_reporting_cpu();
     let r = load_while_changing(&envoy, &app, 10, &[(4, "capacity=20")]);
     let timeline = r["timeline"].as_array().unwrap();
@@ -365,8 +367,12 @@ fn shedding_stops_once_the_upstream_reports_room() {
         "it shed while overloaded"
     );
     let late: u64 = refused[12..].iter().sum();
-    assert_eq!(
-        late, 0,
-        "refused 2 s after the upstream scaled out: {refused:?}"
+    let answered: u64 = timeline[12..]
+        .iter()
+        .map(|b| b["200"].as_u64().unwrap_or(0) + b["503"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(
+        late * 100 <= answered,
+        "refused {late} of {answered} from 2 s after the upstream scaled out: {refused:?}"
     );
 }
