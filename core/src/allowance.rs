@@ -18,7 +18,8 @@
 //! a service that lost the bucket can tell, and start it conservatively.
 
 use crate::state::{
-    read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State, STATE_BYTES,
+    read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State, CLOCK_SKEW_MS,
+    STATE_BYTES,
 };
 
 const EXHAUSTED: u32 = 1 << 31;
@@ -144,10 +145,6 @@ fn encode(p: &Parts) -> State {
     write_u32(&mut s, 28, mark);
     s
 }
-
-/// Proxies' clocks differ by less than this; a last answer further ahead means the clock stepped
-/// back.
-const CLOCK_SKEW_MS: u64 = 1_000;
 
 impl Parts {
     /// The state as read at `now_ms`: answered further ahead than clocks differ, the clock stepped

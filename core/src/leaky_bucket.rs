@@ -6,12 +6,9 @@
 
 use crate::fixed_window::whole;
 use crate::state::{
-    div_ceil_u64, read_u128, read_u64, write_u128, write_u64, Decision, State, STATE_BYTES,
+    div_ceil_u64, read_u128, read_u64, write_u128, write_u64, Decision, State, CLOCK_SKEW_MS,
+    STATE_BYTES,
 };
-
-/// Workers' clocks differ by less than this; a state updated further in the future means the clock
-/// stepped back.
-const CLOCK_SKEW_NS: u64 = 1_000_000_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LeakyBucket {
@@ -70,7 +67,7 @@ impl LeakyBucket {
     /// The state was last updated after `now_ns` by more than workers' clocks differ: the clock
     /// stepped back.
     fn stepped_back(&self, state: &State, now_ns: u64) -> bool {
-        read_u64(state, 16) > now_ns.saturating_add(CLOCK_SKEW_NS)
+        read_u64(state, 16) > now_ns.saturating_add(CLOCK_SKEW_MS * 1_000_000)
     }
 
     /// The excess a request of cost 1 arriving at `now_ns` would bring the key to.

@@ -15,7 +15,9 @@
 
 use crate::fair_share::max_min_fair;
 use crate::lease::{call_problem, names_problem, MAX_COUNT};
-use crate::state::{read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State};
+use crate::state::{
+    read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State, CLOCK_SKEW_MS,
+};
 use serde::{Deserialize, Serialize};
 
 /// `POST /v1/slots`: one instance's holdings of some keys, renewed, grown or given back.
@@ -365,10 +367,6 @@ impl Parts {
         self.mark & DENIED != 0 && now_ms < self.mark & WHEN
     }
 }
-
-/// Proxies' clocks differ by less than this; a time further ahead than any lease, claim or refusal
-/// puts it means the clock stepped back.
-const CLOCK_SKEW_MS: u64 = 1_000;
 
 impl SlotAllowance {
     /// The state as read at `now_ms` after a backward step of the clock: a lease that ends

@@ -3,6 +3,10 @@
 /// Bytes of algorithm state in a slot. All zeros is a fresh key.
 pub const STATE_BYTES: usize = 32;
 
+/// Clocks of workers and proxies differ by less than this (ms): a time stored further ahead of
+/// now than anything puts it means the clock stepped back, and the state is read accordingly.
+pub const CLOCK_SKEW_MS: u64 = 1_000;
+
 /// One slot's algorithm state.
 pub type State = [u8; STATE_BYTES];
 

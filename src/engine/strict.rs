@@ -49,7 +49,10 @@ impl Engine {
             .map_or(1_000, |q| q.retry_ms);
         // Off further ahead than `retry` puts it: the clock stepped back; calls are on again.
         now_ms >= self.calls_off_until_ms
-            || self.calls_off_until_ms > now_ms.saturating_add(retry_ms).saturating_add(1_000)
+            || self.calls_off_until_ms
+                > now_ms
+                    .saturating_add(retry_ms)
+                    .saturating_add(tollgate_core::state::CLOCK_SKEW_MS)
     }
 
     /// Strict mode, before the request's own call: the local rules' refusal, if they refuse now
