@@ -17,7 +17,7 @@ use tollgate_quota::credentials::{Credentials, ProxyToken, DEFAULT_MAX_INSTANCES
 use tollgate_quota::metrics::Metrics;
 use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, RedisTls};
 use tollgate_quota::service::{router, Service};
-use tollgate_quota::store::{MemoryStore, Store};
+use tollgate_quota::store::{MemoryStore, Store, StoreError};
 use tower::ServiceExt;
 
 fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
@@ -1744,62 +1744,10 @@ fn client_certificate(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>) {
     )
 }
 
-#[tokio::test]
-async fn a_redis_that_asks_for_client_certificates_is_served_with_one() {
-    let dir = std::env::temp_dir().join(format!("tollgate-mtls-{}", std::process::id()));
-    let [ca, cert, key] = tls_files(&dir);
-    let client = client_certificate(&dir);
-    let tls_port = free_port();
-    let _redis = Redis::start_with(&[
-        "--tls-port",
-        &tls_port.to_string(),
-        "--tls-cert-file",
-        cert.to_str().unwrap(),
-        "--tls-key-file",
-        key.to_str().unwrap(),
-        "--tls-ca-cert-file",
-        ca.to_str().unwrap(),
-        "--tls-auth-clients",
-        "yes",
-    ]);
-    let target = RedisTarget::Single(format!("rediss://127.0.0.1:{tls_port}"));
-    let ca_pem = Some(std::fs::read(&ca).unwrap());
-    let with = RedisTls {
-        ca_pem: ca_pem.clone(),
-        client_pem: Some(client),
-    };
-    let store = Store::Redis(
-        RedisStore::connect_with(&target, Duration::from_millis(500), ColdStart::Full, &with)
-            .await
-            .unwrap(),
-    );
-    assert_eq!(
-        store.lease("a", &[item("k", 5, 2)], 10_000).await.unwrap()[0].granted,
-        2
-    );
-    let without = RedisTls {
-        ca_pem,
-        client_pem: None,
-    };
-    let refused = RedisStore::connect_with(
-        &target,
-        Duration::from_millis(500),
-        ColdStart::Full,
-        &without,
-    )
-    .await;
-    assert!(refused.is_err());
-    assert!(
-        !format!("{with:?}").contains("PRIVATE"),
-        "the key never reaches a log"
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-#[tokio::test]
-async fn redis_over_tls_is_served_when_its_authority_is_trusted() {
-    let dir = std::env::temp_dir().join(format!("tollgate-tls-{}", std::process::id()));
-    let [ca, cert, key] = tls_files(&dir);
+/// A redis-server serving TLS with the certificate [`tls_files`] made in `dir`, asking clients for
+/// theirs when `auth_clients`: the server, its `rediss://` target and the authority's PEM.
+fn tls_redis(dir: &std::path::Path, auth_clients: bool) -> (Redis, RedisTarget, Vec<u8>) {
+    let [ca, cert, key] = tls_files(dir);
     let tls_port = free_port();
     let redis = Redis::start_with(&[
         "--tls-port",
@@ -1811,25 +1759,56 @@ async fn redis_over_tls_is_served_when_its_authority_is_trusted() {
         "--tls-ca-cert-file",
         ca.to_str().unwrap(),
         "--tls-auth-clients",
-        "no",
+        if auth_clients { "yes" } else { "no" },
     ]);
     let target = RedisTarget::Single(format!("rediss://127.0.0.1:{tls_port}"));
-    let trust = RedisTls {
-        ca_pem: Some(std::fs::read(&ca).unwrap()),
+    (redis, target, std::fs::read(&ca).unwrap())
+}
+
+async fn tls_store(target: &RedisTarget, tls: &RedisTls) -> Result<RedisStore, StoreError> {
+    RedisStore::connect_with(target, Duration::from_millis(500), ColdStart::Full, tls).await
+}
+
+#[tokio::test]
+async fn a_redis_that_asks_for_client_certificates_is_served_with_one() {
+    let dir = std::env::temp_dir().join(format!("tollgate-mtls-{}", std::process::id()));
+    let (_redis, target, ca) = tls_redis(&dir, true);
+    let with = RedisTls {
+        ca_pem: Some(ca.clone()),
+        client_pem: Some(client_certificate(&dir)),
+    };
+    let store = Store::Redis(tls_store(&target, &with).await.unwrap());
+    assert_eq!(
+        store.lease("a", &[item("k", 5, 2)], 10_000).await.unwrap()[0].granted,
+        2
+    );
+    let without = RedisTls {
+        ca_pem: Some(ca),
         client_pem: None,
     };
-    let store = Store::Redis(
-        RedisStore::connect_with(&target, Duration::from_millis(500), ColdStart::Full, &trust)
-            .await
-            .unwrap(),
+    assert!(tls_store(&target, &without).await.is_err());
+    assert!(
+        !format!("{with:?}").contains("PRIVATE"),
+        "the key never reaches a log"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn redis_over_tls_is_served_when_its_authority_is_trusted() {
+    let dir = std::env::temp_dir().join(format!("tollgate-tls-{}", std::process::id()));
+    let (redis, target, ca) = tls_redis(&dir, false);
+    let trust = RedisTls {
+        ca_pem: Some(ca),
+        client_pem: None,
+    };
+    let store = Store::Redis(tls_store(&target, &trust).await.unwrap());
     assert_eq!(
         store.lease("a", &[item("k", 5, 2)], 10_000).await.unwrap()[0].granted,
         2
     );
     // Not trusted (the system's authorities do not know this one): no connection.
-    let untrusted = RedisStore::connect(&target, Duration::from_millis(500), ColdStart::Full).await;
-    assert!(untrusted.is_err());
+    assert!(tls_store(&target, &RedisTls::default()).await.is_err());
     drop(redis);
     let _ = std::fs::remove_dir_all(&dir);
 }
