@@ -1625,21 +1625,24 @@ proptest::proptest! {
 
 /// A certificate authority and a certificate it signed for 127.0.0.1, in `dir`:
 /// (`ca.pem`, `server.pem`, `server.key`).
+/// Run `openssl` with `args` in `dir`; it must succeed.
+fn openssl_in(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn tls_files(dir: &std::path::Path) -> [std::path::PathBuf; 3] {
     std::fs::create_dir_all(dir).unwrap();
     let p = |name: &str| dir.join(name);
-    let openssl = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
+    let openssl = |args: &[&str]| openssl_in(dir, args);
     openssl(&[
         "req",
         "-x509",
@@ -1727,16 +1730,7 @@ fn client_certificate(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>) {
             "client.pem",
         ][..],
     ] {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        openssl_in(dir, args);
     }
     (
         std::fs::read(dir.join("client.pem")).unwrap(),
