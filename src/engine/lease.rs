@@ -13,6 +13,7 @@ use tollgate_core::slot::Group;
 use tollgate_core::slot_lease::{SlotAnswer, SlotAsk, SlotItem, SlotRequest, SlotResponse};
 use tollgate_core::{
     Ask, CasStore, Grant, LeaseAllowance, Limit, Outcome, SlotAllowance, SlotId, State, StoreError,
+    Verdict,
 };
 
 /// How often a worker looks at the global concurrency keys it knows (renewals are due halfway
@@ -53,13 +54,19 @@ impl Engine {
                 if self.slot_allowance_of(input.which.rule()).is_some() {
                     self.watch_slots(input.which.rule(), input.slot, input.key);
                 }
-                self.refills.push(Refill {
+                let refill = Refill {
                     rule: input.which.rule(),
                     slot: input.slot,
                     key: input.key,
                     claimed_ms: now / 1_000_000,
                     ask: Ask::default(),
-                });
+                };
+                // A request admitted from the lease it claims more for: a key already served.
+                if matches!(result.verdict, Verdict::Allowed { .. }) {
+                    self.renewals.push(refill);
+                } else {
+                    self.refills.push(refill);
+                }
             }
         }
     }
@@ -75,16 +82,21 @@ impl Engine {
         now: u64,
     ) -> Vec<Call> {
         let mut calls = Vec::new();
-        if self.refills.is_empty() {
+        if self.refills.is_empty() && self.renewals.is_empty() {
             return calls;
         }
         let now_ms = now / 1_000_000;
-        // Past what a tick may send, refills wait for the next tick: a flood of new keys delays
-        // new keys, never the calls of keys already served.
-        let later = self
-            .refills
-            .split_off(self.refills.len().min(ITEMS_PER_CALL * CALLS_PER_TICK));
-        let refills = std::mem::replace(&mut self.refills, later);
+        // Past what a tick may send, refills wait for the next tick, renewals first: a flood of
+        // new keys delays new keys, never the calls of keys already served.
+        let cap = ITEMS_PER_CALL * CALLS_PER_TICK;
+        let mut refills = std::mem::take(&mut self.renewals);
+        if refills.len() > cap {
+            self.renewals = refills.split_off(cap);
+        }
+        let room = cap - refills.len();
+        let later = self.refills.split_off(self.refills.len().min(room));
+        refills.append(&mut self.refills);
+        self.refills = later;
         let (mut leases, mut slots) = (Vec::new(), Vec::new());
         let mut slot_items = Vec::new();
         for mut r in refills {
@@ -211,7 +223,7 @@ impl Engine {
         for k in idle {
             self.slot_keys.remove(&k);
         }
-        self.refills.extend(claimed);
+        self.renewals.extend(claimed);
     }
 
     /// Write a slot call's answer (`None`: the call failed) into the keys' leases.

@@ -130,6 +130,9 @@ pub struct Engine {
     config: Config,
     stash: StashTable,
     stats: Stats,
+    /// Refills of keys already served (their lease runs low or ends): sent before `refills`.
+    renewals: Vec<Refill>,
+    /// Refills of keys with nothing in hand (new keys, leases that ran dry).
     refills: Vec<Refill>,
     /// What this worker last reported of its stashed tokens (the gauge is process-wide).
     stash_reported: i64,
@@ -162,6 +165,7 @@ impl Engine {
             dry_run_log: dry_run::DryRunLog::new(config.rules.len()),
             config,
             stash: StashTable::default(),
+            renewals: Vec::new(),
             refills: Vec::new(),
             stash_reported: 0,
             calls_off_until_ms: 0,

@@ -1197,6 +1197,35 @@ fn a_flood_of_new_keys_goes_in_calls_the_service_takes_and_a_limited_key_stays_l
     );
 }
 
+#[test]
+fn a_served_keys_renewal_goes_out_before_a_flood_of_new_keys_first_leases() {
+    let mut rig = global("allow", "wait");
+    let user = |name: &str| Req {
+        headers: vec![("x-user", name.as_bytes().to_vec())],
+        peer: "10.0.0.1:4000",
+    };
+    let friend = user("friend");
+    assert_eq!(rig.step(&friend, NOW), Step::Wait);
+    let (refills, _) = rig.lease_call(NOW).unwrap();
+    let friend_key = refills[0].key;
+    rig.engine
+        .apply_grants(&rig.store, &refills, Some(&grant(5)), NOW);
+    // Leases of 5 renewed below 3 left: the third request claims the renewal.
+    admit(rig.step(&friend, NOW + MS));
+    admit(rig.step(&friend, NOW + MS));
+    for i in 0..5_000 {
+        assert_eq!(rig.step(&user(&format!("new-{i}")), NOW + MS), Step::Wait);
+    }
+    admit(rig.step(&friend, NOW + MS));
+    let calls = rig.engine.take_refills(&rig.store, "me", NOW + 2 * MS);
+    let Some(Call::Lease(refills, request)) = calls.first() else {
+        panic!("no lease call")
+    };
+    // Before, it waited behind 2 000 of the flood's first leases a tick (3 ticks).
+    assert_eq!(refills[0].key, friend_key);
+    assert_eq!((request.items[0].used, request.items[0].wanted), (3, 3));
+}
+
 fn from_peer(peer: &'static str) -> Req {
     Req {
         headers: Vec::new(),

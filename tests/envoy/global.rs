@@ -385,7 +385,14 @@ fn a_flood_of_new_keys_leaves_existing_keys_global_limits_as_they_were() {
     eprintln!("{} evicted", e.counter("g", "slot_evicted"));
     assert_eq!(refused, 0, "each new key has its 5");
     assert_eq!(statuses(&url, &[("x-user", "victim")], 3), (0, 3));
-    assert_eq!(statuses(&url, &[("x-user", "friend")], 4), (3, 1));
+    // The friend has 3 of its 5 left, and holds 1 of them here (leases of 1 at 5 per hour).
+    // If its group drew 4 flood keys (about 2% of runs), the friend — least recently used —
+    // was evicted and lost the token it held: stricter by at most a lease, never looser.
+    let (friend, refused_friend) = statuses(&url, &[("x-user", "friend")], 4);
+    assert!(
+        (2..=3).contains(&friend) && friend + refused_friend == 4,
+        "friend: {friend} admitted, {refused_friend} refused"
+    );
     assert_eq!(
         e.counter("g", "fallback"),
         0,
