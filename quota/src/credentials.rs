@@ -97,6 +97,11 @@ impl Credentials {
         self.shared.is_some() || !self.proxies.is_empty()
     }
 
+    /// How many credentials there are: the shared token (or none at all) and each proxy token.
+    pub fn count(&self) -> usize {
+        (self.proxies.len() + usize::from(self.shared.is_some())).max(1)
+    }
+
     /// The caller an `Authorization` header value proves, if any.
     pub fn caller(&self, authorization: Option<&str>) -> Option<Caller> {
         if !self.required() {
@@ -208,6 +213,12 @@ mod tests {
         // Known instances go on; other credentials are not affected.
         assert!(c.bind(&a, "p1").is_ok());
         assert!(c.bind(&Caller::Proxy("edge-b".into()), "p9").is_ok());
+    }
+
+    #[test]
+    fn the_shared_token_and_each_proxy_token_are_a_credential_each() {
+        assert_eq!(two_proxies(8).count(), 3);
+        assert_eq!(Credentials::open(TERM).count(), 1);
     }
 
     #[test]

@@ -144,6 +144,12 @@ struct Args {
     /// In-memory store: most buckets kept at once (idle ones make room).
     #[arg(long, env = "TOLLGATE_QUOTA_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
+    /// In-memory store: most buckets one credential's calls may make (the shared token is one
+    /// credential, each proxy token another); its further new keys are refused one by one, so a
+    /// leaked token cannot fill the store for the others. Default: --max-keys divided by the
+    /// number of credentials.
+    #[arg(long, env = "TOLLGATE_QUOTA_MAX_KEYS_PER_CREDENTIAL")]
+    max_keys_per_credential: Option<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -237,7 +243,12 @@ async fn run(args: Args) -> Result<(), String> {
                 .await
                 .map_err(|e| format!("cannot use {target}: {e}"))?,
         ),
-        None => Store::Memory(MemoryStore::new(args.max_keys, cold)),
+        None => Store::Memory(MemoryStore::with_caps(
+            args.max_keys,
+            args.max_keys_per_credential
+                .unwrap_or(args.max_keys / credentials.count()),
+            cold,
+        )),
     };
     let service = Arc::new(Service {
         store,

@@ -2,7 +2,7 @@
 
 use crate::credentials::{Caller, Credentials};
 use crate::metrics::{Holder, Metrics, Outcome};
-use crate::store::{Store, StoreError};
+use crate::store::{Answers, Store, StoreError};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -177,6 +177,21 @@ fn serve<I>(items: Vec<I>, problems: &[Option<String>], bind: impl Fn(&mut I)) -
         .collect()
 }
 
+/// Fold the store's refusals of single items into the call's `problems` (one answer per item
+/// that had none): the answers of the items it served, in order.
+fn fold_refused<A>(problems: &mut [Option<String>], answers: Answers<A>) -> Vec<A> {
+    let mut refused = answers.refused.into_iter().peekable();
+    let mut served = Vec::new();
+    let open = problems.iter_mut().filter(|p| p.is_none());
+    for (n, (problem, answer)) in open.zip(answers.items).enumerate() {
+        match refused.next_if(|(i, _)| *i == n) {
+            Some((_, e)) => *problem = Some(e),
+            None => served.push(answer),
+        }
+    }
+    served
+}
+
 /// Log a call's refused items (the first one's reason): the caller gets them in its answer.
 fn note_refused(errors: &[ItemError]) {
     if let Some(first) = errors.first() {
@@ -194,9 +209,7 @@ fn storage_failed(service: &Service, calls: &Family<Outcome, Counter>, e: StoreE
     service.metrics.storage_errors.inc();
     tracing::warn!(error = %e, "call failed");
     let status = match e {
-        StoreError::Full(_) | StoreError::Timeout(_) | StoreError::Failed(_) => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
+        StoreError::Timeout(_) | StoreError::Failed(_) => StatusCode::SERVICE_UNAVAILABLE,
     };
     error(status, e.to_string())
 }
@@ -208,12 +221,12 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         Ok(r) => r,
         Err(answer) => return answer,
     };
-    let problems = request.item_problems();
+    let mut problems = request.item_problems();
     let served = serve(request.items, &problems, |item| {
         item.limit_id = bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
     });
     let result = if served.is_empty() {
-        Ok(Vec::new())
+        Ok(Answers::from(Vec::new()))
     } else {
         service
             .store
@@ -225,7 +238,8 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         .latency
         .observe(started.elapsed().as_secs_f64());
     match result {
-        Ok(grants) => {
+        Ok(answers) => {
+            let grants = fold_refused(&mut problems, answers);
             calls.get_or_create(&Outcome { outcome: "ok" }).inc();
             service.metrics.items.inc_by(grants.len() as u64);
             for g in &grants {
@@ -255,12 +269,12 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         Ok(r) => r,
         Err(answer) => return answer,
     };
-    let problems = request.item_problems();
+    let mut problems = request.item_problems();
     let served = serve(request.items, &problems, |item| {
         item.limit_id = bound_limit_id(&item.limit_id, &[item.concurrent]);
     });
     let result = if served.is_empty() {
-        Ok(Vec::new())
+        Ok(Answers::from(Vec::new()))
     } else {
         service
             .store
@@ -268,10 +282,10 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
             .await
     };
     match result {
-        Ok(answers) => {
+        Ok(results) => {
             calls.get_or_create(&Outcome { outcome: "ok" }).inc();
             let mut held: BTreeMap<&str, i64> = BTreeMap::new();
-            for (item, a) in served.iter().zip(&answers) {
+            for (item, a) in served.iter().zip(results.iter()) {
                 *held.entry(item.rule.as_str()).or_default() +=
                     i64::try_from(a.held).unwrap_or(i64::MAX);
             }
@@ -282,6 +296,7 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                 };
                 service.metrics.set_held(holder, n);
             }
+            let answers = fold_refused(&mut problems, results);
             let Some((items, errors)) = merge_refused(&problems, &answers, SlotAnswer::default())
             else {
                 return storage_failed(&service, calls, StoreError::Failed("short answer".into()));

@@ -14,8 +14,6 @@ pub enum StoreError {
     Timeout(Duration),
     #[error("storage failed: {0}")]
     Failed(String),
-    #[error("storage is full ({0} keys)")]
-    Full(usize),
 }
 
 /// The clock the memory store's buckets run on: milliseconds since the Unix epoch as the process
@@ -40,52 +38,192 @@ pub enum Store {
 }
 
 impl Store {
-    /// Serve a batch of items for `instance`, all or nothing, within the storage timeout.
+    /// Serve a batch of items for `instance` within the storage timeout: an answer per item, or
+    /// why that item alone was refused; an error if none could be served.
     pub async fn lease(
         &self,
         instance: &str,
         items: &[LeaseItem],
         ttl_ms: u64,
-    ) -> Result<Vec<LeaseGrant>, StoreError> {
+    ) -> Result<Answers<LeaseGrant>, StoreError> {
         match self {
             Self::Memory(m) => m.lease(instance, items, now_ms(), ttl_ms),
-            Self::Redis(r) => r.lease(instance, items, ttl_ms).await,
+            Self::Redis(r) => Ok(r.lease(instance, items, ttl_ms).await?.into()),
         }
     }
 
-    /// Serve a batch of slot items for `instance`, all or nothing, within the storage timeout.
+    /// Serve a batch of slot items for `instance`, as [`Store::lease`].
     pub async fn slots(
         &self,
         instance: &str,
         items: &[SlotItem],
         ttl_ms: u64,
-    ) -> Result<Vec<SlotAnswer>, StoreError> {
+    ) -> Result<Answers<SlotAnswer>, StoreError> {
         match self {
             Self::Memory(m) => m.slots(instance, items, now_ms(), ttl_ms),
-            Self::Redis(r) => r.slots(instance, items, ttl_ms).await,
+            Self::Redis(r) => Ok(r.slots(instance, items, ttl_ms).await?.into()),
         }
     }
 }
 
-/// Buckets (and global concurrency holdings) in this process, at most `max_keys` of each; idle
-/// ones are swept. A restart forgets them all: `cold` says how new ones start (the epoch is the
-/// process's start), and `lost` records that a call showed this store forgot what instances
-/// were using (their evidence).
-pub struct MemoryStore {
-    buckets: Mutex<HashMap<(String, String), GlobalBucket>>,
-    /// Global concurrency keys' holdings.
-    holdings: Mutex<HashMap<(String, String), Holdings>>,
+/// An item's answer, or why the store refused that item alone (the call's other items are
+/// served).
+type ItemResult<A> = Result<A, String>;
+
+/// A store's answers to a call's items: one per item, in order (all zero for an item it refused),
+/// and the items it refused alone, with why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answers<A> {
+    pub items: Vec<A>,
+    pub refused: Vec<(usize, String)>,
+}
+
+impl<A: Default> Answers<A> {
+    fn from_results(results: impl IntoIterator<Item = ItemResult<A>>) -> Self {
+        let mut refused = Vec::new();
+        let items = results
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.unwrap_or_else(|e| {
+                    refused.push((i, e));
+                    A::default()
+                })
+            })
+            .collect();
+        Self { items, refused }
+    }
+}
+
+impl<A> From<Vec<A>> for Answers<A> {
+    fn from(items: Vec<A>) -> Self {
+        Self {
+            items,
+            refused: Vec::new(),
+        }
+    }
+}
+
+impl<A> std::ops::Deref for Answers<A> {
+    type Target = [A];
+    fn deref(&self) -> &[A] {
+        &self.items
+    }
+}
+
+/// The credential an instance name belongs to: a proxy token's name (instances `NAME/...`), or
+/// "" for the shared token (or a service without one).
+pub fn credential_of(instance: &str) -> &str {
+    instance.split_once('/').map_or("", |(name, _)| name)
+}
+
+/// Entries by `(limit_id, key)`: at most `max_keys`, and at most `per_credential` made by any one
+/// credential, so that a caller filling the store leaves room for the others'. Idle entries make
+/// room; live ones are never dropped (they still limit someone).
+struct KeyTable<T> {
+    entries: HashMap<(String, String), (T, String)>,
+    made: HashMap<String, usize>,
     max_keys: usize,
+    per_credential: usize,
+}
+
+impl<T: Default> KeyTable<T> {
+    fn new(max_keys: usize, per_credential: usize) -> Self {
+        Self {
+            entries: HashMap::new(),
+            made: HashMap::new(),
+            max_keys,
+            per_credential: per_credential.max(1),
+        }
+    }
+
+    fn get(&self, limit_id: &str, key: &str) -> Option<&T> {
+        self.entries
+            .get(&(limit_id.to_owned(), key.to_owned()))
+            .map(|(t, _)| t)
+    }
+
+    /// Drop the entries `idle` says are as good as new.
+    fn sweep(&mut self, mut idle: impl FnMut(&mut T) -> bool) {
+        let made = &mut self.made;
+        self.entries.retain(|_, (t, owner)| {
+            let keep = !idle(t);
+            if !keep {
+                if let Some(n) = made.get_mut(owner.as_str()) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+            keep
+        });
+        made.retain(|_, n| *n > 0);
+    }
+
+    /// The entry for `(limit_id, key)`, made for `credential` if new and there is room (after
+    /// one sweep per call: `swept`).
+    fn entry(
+        &mut self,
+        limit_id: &str,
+        key: &str,
+        credential: &str,
+        swept: &mut bool,
+        mut idle: impl FnMut(&mut T) -> bool,
+        make: impl FnOnce() -> T,
+    ) -> ItemResult<&mut T> {
+        let id = (limit_id.to_owned(), key.to_owned());
+        if !self.entries.contains_key(&id) {
+            let made = |t: &Self| t.made.get(credential).copied().unwrap_or(0);
+            let full = |t: &Self| t.entries.len() >= t.max_keys || made(t) >= t.per_credential;
+            if full(self) && !*swept {
+                *swept = true;
+                self.sweep(&mut idle);
+            }
+            if self.entries.len() >= self.max_keys {
+                return Err(format!("storage is full ({} keys)", self.max_keys));
+            }
+            if made(self) >= self.per_credential {
+                return Err(format!(
+                    "this credential's share of the store is full ({} keys)",
+                    self.per_credential
+                ));
+            }
+            *self.made.entry(credential.to_owned()).or_default() += 1;
+            self.entries
+                .insert(id.clone(), (make(), credential.to_owned()));
+        }
+        match self.entries.get_mut(&id) {
+            Some((t, _)) => Ok(t),
+            None => Err("storage failed".into()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// Buckets (and global concurrency holdings) in this process, at most `max_keys` of each and
+/// `per_credential` of each made by one credential; idle ones are swept. A restart forgets them
+/// all: `cold` says how new ones start (the epoch is the process's start), and `lost` records
+/// that a call showed this store forgot what instances were using (their evidence).
+pub struct MemoryStore {
+    buckets: Mutex<KeyTable<GlobalBucket>>,
+    /// Global concurrency keys' holdings.
+    holdings: Mutex<KeyTable<Holdings>>,
     cold: ColdStart,
     lost: AtomicBool,
 }
 
 impl MemoryStore {
+    /// A store whose callers share its keys with no per-credential cap.
     pub fn new(max_keys: usize, cold: ColdStart) -> Self {
+        Self::with_caps(max_keys, max_keys, cold)
+    }
+
+    /// `per_credential`: the most keys of each kind one credential's calls may make.
+    pub fn with_caps(max_keys: usize, per_credential: usize, cold: ColdStart) -> Self {
         Self {
-            buckets: Mutex::new(HashMap::new()),
-            holdings: Mutex::new(HashMap::new()),
-            max_keys,
+            buckets: Mutex::new(KeyTable::new(max_keys, per_credential)),
+            holdings: Mutex::new(KeyTable::new(max_keys, per_credential)),
             cold,
             lost: AtomicBool::new(false),
         }
@@ -109,7 +247,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), GlobalBucket>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, KeyTable<GlobalBucket>> {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -119,39 +257,31 @@ impl MemoryStore {
         items: &[LeaseItem],
         now_ms: u64,
         ttl_ms: u64,
-    ) -> Result<Vec<LeaseGrant>, StoreError> {
+    ) -> Result<Answers<LeaseGrant>, StoreError> {
         let mut buckets = self.lock();
-        let new_keys = items
-            .iter()
-            .filter(|i| !buckets.contains_key(&(i.limit_id.clone(), i.key.clone())))
-            .count();
-        if buckets.len() + new_keys > self.max_keys {
-            // Make room from buckets that are as good as new, else refuse (never forget state
-            // that still limits someone).
-            buckets.retain(|_, b| !b.is_idle(now_ms));
-            if buckets.len() + new_keys > self.max_keys {
-                return Err(StoreError::Full(self.max_keys));
+        let credential = credential_of(instance);
+        let mut swept = false;
+        Ok(Answers::from_results(items.iter().map(|item| {
+            let bucket = buckets.entry(
+                &item.limit_id,
+                &item.key,
+                credential,
+                &mut swept,
+                |b| b.is_idle(now_ms),
+                || {
+                    let evidence = item.known_ms > 0;
+                    if evidence && self.cold.checks_evidence() {
+                        self.lost();
+                    }
+                    let lost = evidence || self.lost.load(Ordering::Relaxed);
+                    GlobalBucket::new(item, now_ms, ttl_ms, self.cold.for_new(lost))
+                },
+            )?;
+            if self.cold.checks_evidence() && bucket.reconcile(item, now_ms, ttl_ms) {
+                self.lost();
             }
-        }
-        Ok(items
-            .iter()
-            .map(|item| {
-                let bucket = buckets
-                    .entry((item.limit_id.clone(), item.key.clone()))
-                    .or_insert_with(|| {
-                        let evidence = item.known_ms > 0;
-                        if evidence && self.cold.checks_evidence() {
-                            self.lost();
-                        }
-                        let lost = evidence || self.lost.load(Ordering::Relaxed);
-                        GlobalBucket::new(item, now_ms, ttl_ms, self.cold.for_new(lost))
-                    });
-                if self.cold.checks_evidence() && bucket.reconcile(item, now_ms, ttl_ms) {
-                    self.lost();
-                }
-                bucket.lease(instance, item, now_ms, ttl_ms)
-            })
-            .collect())
+            Ok(bucket.lease(instance, item, now_ms, ttl_ms))
+        })))
     }
 
     /// Serve slot items; holdings of keys whose every holder's term ended are forgotten when
@@ -163,11 +293,11 @@ impl MemoryStore {
         items: &[SlotItem],
         now_ms: u64,
         ttl_ms: u64,
-    ) -> Result<Vec<SlotAnswer>, StoreError> {
+    ) -> Result<Answers<SlotAnswer>, StoreError> {
         let mut holdings = self.holdings.lock().unwrap_or_else(|e| e.into_inner());
         if self.cold.checks_evidence()
             && items.iter().any(|i| {
-                let known = holdings.get(&(i.limit_id.clone(), i.key.clone()));
+                let known = holdings.get(&i.limit_id, &i.key);
                 Holdings::contradicts(known, instance, i.known_held, now_ms)
             })
         {
@@ -179,33 +309,27 @@ impl MemoryStore {
             ColdStart::Conservative { epoch_ms } => !young(epoch_ms),
             ColdStart::Auto { epoch_ms } => !(young(epoch_ms) && self.lost.load(Ordering::Relaxed)),
         };
-        let new_keys = items
-            .iter()
-            .filter(|i| !holdings.contains_key(&(i.limit_id.clone(), i.key.clone())))
-            .count();
-        if holdings.len() + new_keys > self.max_keys {
-            holdings.retain(|_, h| {
-                h.prune(now_ms);
-                !h.is_empty()
-            });
-            if holdings.len() + new_keys > self.max_keys {
-                return Err(StoreError::Full(self.max_keys));
-            }
-        }
-        Ok(items
-            .iter()
-            .map(|item| {
-                let g = holdings
-                    .entry((item.limit_id.clone(), item.key.clone()))
-                    .or_default()
-                    .grant(instance, &item.ask(), now_ms, ttl_ms, settled);
-                SlotAnswer {
-                    held: g.held,
-                    share: g.share,
-                    free: g.free,
-                    ttl_ms,
-                }
+        let credential = credential_of(instance);
+        let mut swept = false;
+        Ok(Answers::from_results(items.iter().map(|item| {
+            let held = holdings.entry(
+                &item.limit_id,
+                &item.key,
+                credential,
+                &mut swept,
+                |h| {
+                    h.prune(now_ms);
+                    h.is_empty()
+                },
+                Holdings::default,
+            )?;
+            let g = held.grant(instance, &item.ask(), now_ms, ttl_ms, settled);
+            Ok(SlotAnswer {
+                held: g.held,
+                share: g.share,
+                free: g.free,
+                ttl_ms,
             })
-            .collect())
+        })))
     }
 }

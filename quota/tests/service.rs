@@ -144,15 +144,65 @@ async fn a_full_memory_store_refuses_new_keys_but_keeps_serving_known_ones() {
     let svc = service(Store::Memory(MemoryStore::new(2, ColdStart::Full)), None);
     let two = lease_body("a", vec![item("k1", 5, 1), item("k2", 5, 1)]);
     assert_eq!(call(&svc, two, None).await.0, StatusCode::OK);
-    let (status, text) = call(&svc, lease_body("a", vec![item("k3", 5, 1)]), None).await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(text.contains("storage is full"), "{text}");
-    assert_eq!(
-        call(&svc, lease_body("a", vec![item("k1", 5, 1)]), None)
-            .await
-            .0,
-        StatusCode::OK
+    // A new key is refused alone; the known key of the same call is served.
+    let (status, text) = call(
+        &svc,
+        lease_body("a", vec![item("k3", 5, 1), item("k1", 5, 1)]),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let answer: LeaseResponse = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer.errors.len(), 1, "{text}");
+    assert_eq!(answer.errors[0].item, 0);
+    assert!(answer.errors[0].error.contains("storage is full"), "{text}");
+    assert_eq!((answer.items[0].granted, answer.items[1].granted), (0, 1));
+}
+
+#[tokio::test]
+async fn a_credential_that_fills_its_share_of_the_store_leaves_room_for_the_others() {
+    let p = |s: &str| ProxyToken::parse(s).unwrap();
+    let svc = Arc::new(Service {
+        // 10 keys, at most 5 made by one credential.
+        store: Store::Memory(MemoryStore::with_caps(10, 5, ColdStart::Full)),
+        credentials: Credentials::new(
+            None,
+            vec![p("edge-a=aaaaaaaaaaaaaaaa"), p("edge-b=bbbbbbbbbbbbbbbb")],
+            DEFAULT_MAX_INSTANCES,
+            Duration::from_secs(10),
+        ),
+        lease_ttl_ms: 10_000,
+        metrics: Metrics::default(),
+        body_timeout: Duration::from_secs(5),
+    });
+    let (a, b) = (
+        Some("Bearer aaaaaaaaaaaaaaaa"),
+        Some("Bearer bbbbbbbbbbbbbbbb"),
     );
+    // A leaked token A makes keys without end (long-lived buckets: 1 a day).
+    let flood: Vec<LeaseItem> = (0..8).map(|i| item(&format!("junk-{i}"), 5, 1)).collect();
+    let (status, text) = call(&svc, lease_body("p", flood), a).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let answer: LeaseResponse = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer.errors.len(), 3, "{text}");
+    assert!(
+        answer.errors[0]
+            .error
+            .contains("this credential's share of the store is full (5 keys)"),
+        "{text}"
+    );
+    // B's new keys are still served (before, a full store answered every new key 503), and a
+    // key A made is served to B as to anyone.
+    let (status, text) = call(
+        &svc,
+        lease_body("p", vec![item("b-1", 5, 1), item("junk-0", 5, 1)]),
+        b,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let answer: LeaseResponse = serde_json::from_str(&text).unwrap();
+    assert!(answer.errors.is_empty(), "{text}");
+    assert_eq!(grants(&text)[0].granted, 1);
 }
 
 /// A redis-server of its own on a free port, stopped on drop.
