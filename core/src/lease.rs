@@ -386,6 +386,12 @@ impl GlobalBucket {
         ttl_ms: u64,
     ) -> LeaseGrant {
         let rate_mtps = rate_mtps(item.requests, item.per_ms);
+        // Asked after now, or reserved for more than a term from now: the clock stepped back.
+        // A term from now at most (else the share stays reserved for the step's length).
+        for h in &mut self.holders {
+            h.asked_ms = h.asked_ms.min(now_ms);
+            h.until_ms = h.until_ms.min(now_ms.saturating_add(ttl_ms));
+        }
         self.refill(item, now_ms);
         self.forget(now_ms, ttl_ms);
         self.holders.retain(|h| h.instance != instance);

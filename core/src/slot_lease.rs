@@ -191,6 +191,12 @@ impl Holdings {
         ttl_ms: u64,
         settled: bool,
     ) -> SlotGrant {
+        // Expiring more than a term from now: the clock stepped back. A term from now at most
+        // (else a stopped holder's slots stay held for the step's length).
+        let latest = now_ms.saturating_add(ttl_ms);
+        for h in &mut self.entries {
+            h.expires_ms = h.expires_ms.min(latest);
+        }
         self.prune(now_ms);
         let at = match self
             .entries

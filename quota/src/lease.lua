@@ -41,6 +41,7 @@ end
 local out = {}
 
 local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr)
+  local stepped = {}
   local rate = requests / per
   local rate_mtps = floor(requests * 1000000 / per)
   local tokens, updated
@@ -57,6 +58,12 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
         n = n + 1
         N[n], W[n], D[n] = sub(f, 2), tonumber(w), tonumber(dm)
         A[n], S[n], U[n] = tonumber(a), tonumber(s), tonumber(u)
+        -- Asked after now, or reserved for more than a term from now: the clock stepped back.
+        -- A term from now at most (else the share stays reserved for the step's length).
+        if A[n] > now or U[n] > now + ttl then
+          A[n], U[n] = min(A[n], now), min(U[n], now + ttl)
+          stepped[N[n]] = true
+        end
       end
     end
   end
@@ -213,6 +220,11 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   else
     call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
          format('%d', updated), '@' .. instance, holder_value(at))
+  end
+  for i = 1, n do
+    if stepped[N[i]] and N[i] ~= instance then
+      call('HSET', bkey, '@' .. N[i], holder_value(i))
+    end
   end
   call('PEXPIRE', bkey, max(idle_at - now, 1))
   local o = #out

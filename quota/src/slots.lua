@@ -33,6 +33,12 @@ local function grant(hkey, mkey, limit, wanted, keep, known_held)
     if byte(name, 1) == 64 then -- '@'
       local h, w, e = match(flat[i + 1], '^(%d+):(%d+):(%d+)$')
       h, w, e = tonumber(h), tonumber(w), tonumber(e)
+      -- Expiring more than a term from now: the clock stepped back. A term from now at most
+      -- (else a stopped holder's slots stay held for the step's length).
+      if e ~= nil and e > now + ttl then
+        e = now + ttl
+        call('HSET', hkey, name, h .. ':' .. w .. ':' .. e)
+      end
       if e ~= nil and e > now then
         names[#names + 1] = name
         held[name], wants[name], expires[name] = h, w, e

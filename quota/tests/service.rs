@@ -1617,6 +1617,81 @@ async fn a_redis_clock_stepped_back_refills_from_then_in_both_stores() {
     assert_eq!(granted, 10, "before: nothing for ten minutes");
 }
 
+#[tokio::test]
+async fn a_redis_clock_stepped_back_keeps_holdings_and_reservations_one_term_at_most() {
+    // What Redis's clock stepping back an hour does: a holder's end lies an hour and a term
+    // ahead. The holder then stops calling: its slots (and its share of the refill rate) are
+    // the others' again a term after the next call, not an hour later.
+    let ttl = 300;
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), ColdStart::Full)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(held(&store, "a", slot("k", 10, 0), ttl).await.held, 10);
+    let rated = LeaseItem {
+        requests: 1_000,
+        per_ms: 1_000,
+        burst: 10,
+        wanted: 10,
+        demand: 1_000.0,
+        ..item("r", 10, 10)
+    };
+    let g = store
+        .lease("a", std::slice::from_ref(&rated), ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!((g.granted, g.rate), (10, 1_000.0), "the whole rate is a's");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let hour = tollgate_quota::store::now_ms() + 3_600_000;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for key in keys
+        .iter()
+        .filter(|k| k.ends_with(":s") || k.ends_with(":b"))
+    {
+        let value: String = redis::cmd("HGET")
+            .arg(key)
+            .arg("@a")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        // The last number is the end: slots' "held:wanted:expires", leases' "…:share:until".
+        let (rest, _) = value.rsplit_once(':').unwrap();
+        let _: () = redis::cmd("HSET")
+            .arg(key)
+            .arg("@a")
+            .arg(format!("{rest}:{hour}"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let b_rated = LeaseItem {
+        demand: 0.0,
+        ..rated.clone()
+    };
+    // b's calls now cut a's ends to a term from now…
+    assert_eq!(held(&store, "b", slot("k", 5, 0), ttl).await.held, 0);
+    store
+        .lease("b", std::slice::from_ref(&b_rated), ttl)
+        .await
+        .unwrap();
+    // (Sooner than the slots' hash expires unused, two terms after its last call.)
+    tokio::time::sleep(Duration::from_millis(ttl + 100)).await;
+    // …after which they are b's (before: nothing for an hour).
+    assert_eq!(held(&store, "b", slot("k", 5, 0), ttl).await.held, 5);
+    let g = store.lease("b", &[b_rated], ttl).await.unwrap()[0];
+    assert_eq!(
+        g.granted, 10,
+        "the bucket refilled once a's reservation ended: {g:?}"
+    );
+}
+
 /// Valid call bodies to mutate for the fuzz target.
 const CALL_SEEDS: &[&str] = &[
     r#"{"instance":"p1","items":[{"rule":"r","limit_id":"l","key":"k","requests":10,"per_ms":1000,
