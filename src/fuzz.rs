@@ -235,6 +235,7 @@ proptest! {
                     let answer = read_slot_answer(Some(status), Some(slot_body.as_bytes()), refills.len());
                     engine.apply_slots(&store, &refills, answer.as_ref(), NOW + 6 * MS);
                 }
+                Call::GiveBack(_) => {}
             }
         }
         decide(&mut engine, &store, &r, NOW + 7 * MS);

@@ -162,6 +162,11 @@ impl Plugin {
             let (token, slots, refills) = match call {
                 Call::Lease(refills, request) => (self.call(&request), false, refills),
                 Call::Slots(refills, request) => (self.call_slots(&request), true, refills),
+                // Its answer changes nothing here; if it fails, the tokens are lost (stricter).
+                Call::GiveBack(request) => {
+                    self.call(&request);
+                    continue;
+                }
             };
             let mut engine = self.engine.borrow_mut();
             match (token, slots) {

@@ -53,6 +53,11 @@ pub struct LeaseItem {
     pub known_ms: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub known_remaining: u64,
+    /// Tokens the instance gives back: granted to it earlier for this key and never to be spent
+    /// (a strict request refused after its call). They go back into the bucket, at most what the
+    /// instance was granted and has not given back yet. 0 (or absent): none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub returned: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -145,9 +150,12 @@ impl LeaseItem {
         if self.requests == 0 || self.per_ms == 0 || self.burst == 0 {
             return Some("requests, per_ms and burst must be positive".into());
         }
-        if self.requests > MAX_COUNT || self.burst > MAX_COUNT || self.wanted > MAX_COUNT {
+        if [self.requests, self.burst, self.wanted, self.returned]
+            .iter()
+            .any(|&n| n > MAX_COUNT)
+        {
             return Some(format!(
-                "requests, burst and wanted must be at most {MAX_COUNT}"
+                "requests, burst, wanted and returned must be at most {MAX_COUNT}"
             ));
         }
         if self.per_ms > MAX_PER_MS {
@@ -232,6 +240,9 @@ pub struct Holder {
     /// `until_ms`: the bucket does not refill by that much meanwhile.
     pub share: u64,
     pub until_ms: u64,
+    /// Tokens granted to it and not given back since it became a holder: the most it may give
+    /// back (so giving back never fills the bucket beyond what the instance took from it).
+    pub outstanding: u64,
 }
 
 /// One global bucket: tokens refill at `requests / per_ms` up to `burst`, less the refill rate
@@ -394,6 +405,13 @@ impl GlobalBucket {
         }
         self.refill(item, now_ms);
         self.forget(now_ms, ttl_ms);
+        let outstanding = self
+            .holders
+            .iter()
+            .find(|h| h.instance == instance)
+            .map_or(0, |h| h.outstanding);
+        let returned = item.returned.min(outstanding);
+        self.tokens = (self.tokens + returned as f64).min(item.burst as f64);
         self.holders.retain(|h| h.instance != instance);
         let demand = item.demand_mtps().min(rate_mtps);
         let at = self
@@ -408,6 +426,7 @@ impl GlobalBucket {
                 asked_ms: now_ms,
                 share: 0,
                 until_ms: now_ms,
+                outstanding: outstanding - returned,
             },
         );
         let live = |h: &Holder| h.asked_ms.saturating_add(ttl_ms) > now_ms;
@@ -435,6 +454,7 @@ impl GlobalBucket {
         let available = self.tokens.floor().max(0.0) as u64;
         let granted = item.wanted.min(fair_tokens).min(available);
         self.tokens -= granted as f64;
+        self.holders[at].outstanding = self.holders[at].outstanding.saturating_add(granted);
         if share > 0 {
             self.holders[at].share = share;
             self.holders[at].until_ms = now_ms.saturating_add(ttl_ms);
@@ -535,6 +555,7 @@ mod tests {
             demand: 0.0,
             known_ms: 0,
             known_remaining: 0,
+            returned: 0,
         }
     }
 
@@ -564,6 +585,32 @@ mod tests {
         let none = b.lease("a", &item(1000), 0, 10_000);
         assert_eq!((none.granted, none.retry_ms), (0, 500));
         assert_eq!(b.lease("a", &item(1000), 1_000, 10_000).granted, 2);
+    }
+
+    #[test]
+    fn tokens_given_back_return_at_most_what_the_instance_took() {
+        let back = |returned: u64| LeaseItem {
+            returned,
+            ..item(0)
+        };
+        let mut b = new_bucket();
+        assert_eq!(b.lease("a", &item(100), 0, 10_000).remaining, 20);
+        // b took nothing: it gives back nothing (before, anyone could fill a bucket).
+        assert_eq!(b.lease("b", &back(50), 0, 10_000).remaining, 20);
+        // a took 100 and gives back 30, then 80: only the 70 it still had out go back.
+        assert_eq!(b.lease("a", &back(30), 0, 10_000).remaining, 50);
+        assert_eq!(b.lease("a", &back(80), 0, 10_000).remaining, 120);
+        assert_eq!(b.lease("a", &back(1), 0, 10_000).remaining, 120);
+        // Given back and asked for in one item: the tokens come back first.
+        assert_eq!(b.lease("a", &item(120), 0, 10_000).granted, 120);
+        let again = LeaseItem {
+            returned: 20,
+            ..item(20)
+        };
+        assert_eq!(b.lease("a", &again, 0, 10_000).granted, 20);
+        // Never beyond the burst: a bucket full again by refill takes nothing more.
+        let full = b.lease("a", &back(20), 60_000, 10_000);
+        assert_eq!(full.remaining, 120);
     }
 
     #[test]

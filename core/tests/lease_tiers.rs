@@ -34,6 +34,7 @@ fn item(ask: &Ask) -> LeaseItem {
         demand: ask.demand_mtps as f64 / 1_000.0,
         known_ms: ask.known_ms,
         known_remaining: ask.known_remaining,
+        returned: 0,
     }
 }
 

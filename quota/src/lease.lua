@@ -2,10 +2,10 @@
 -- atomically: the same step as GlobalBucket::new and GlobalBucket::lease in core/src/lease.rs,
 -- with the same arithmetic in the same order, so both stores grant alike.
 -- ARGV: instance, ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items,
---   then nine per item: the bucket hash (`tokens` in millionths, `updated`, and per holder
---   `@<instance>` -> "wanted:demand:asked:share:until"), the epoch marker of the item's slot,
---   requests, per_ms, burst, wanted, demand (milli-tokens per second), known_ms, known_remaining
---   (the caller's evidence of the bucket; 0: none).
+--   then ten per item: the bucket hash (`tokens` in millionths, `updated`, and per holder
+--   `@<instance>` -> "wanted:demand:asked:share:until:outstanding"), the epoch marker of the
+--   item's slot, requests, per_ms, burst, wanted, demand (milli-tokens per second), known_ms,
+--   known_remaining (the caller's evidence of the bucket; 0: none), returned.
 -- The marker holds the slot's epoch (ms), with an "L" once a call showed that the slot lost
 --   buckets in use: then (cold "2") buckets it does not know start as with cold "1".
 -- KEYS: the same key names, declared (one Redis, or one slot of a cluster); none when the
@@ -30,17 +30,18 @@ local function read_marker(v)
   return tonumber(e), l == 'L'
 end
 
--- Holders of the current item: name, wanted, demand, asked, share, until; n of them.
-local N, W, D, A, S, U = {}, {}, {}, {}, {}, {}
+-- Holders of the current item: name, wanted, demand, asked, share, until, outstanding; n of them.
+local N, W, D, A, S, U, O = {}, {}, {}, {}, {}, {}, {}
 local wants, demands = {}, {}
 
 local function holder_value(i)
-  return format('%d:%d:%d:%d:%d', W[i], D[i], A[i], S[i], U[i])
+  return format('%d:%d:%d:%d:%d:%d', W[i], D[i], A[i], S[i], U[i], O[i])
 end
 
 local out = {}
 
-local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr)
+local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr,
+                     returned)
   local stepped = {}
   local rate = requests / per
   local rate_mtps = floor(requests * 1000000 / per)
@@ -53,11 +54,12 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     elseif f == 'updated' then
       updated = tonumber(b[i + 1])
     elseif byte(f, 1) == 64 then
-      local w, dm, a, s, u = match(b[i + 1], '^(%d+):(%d+):(%d+):(%d+):(%d+)$')
+      -- (No outstanding field: written by a service of before; none.)
+      local w, dm, a, s, u, o = match(b[i + 1], '^(%d+):(%d+):(%d+):(%d+):(%d+):?(%d*)$')
       if w then
         n = n + 1
         N[n], W[n], D[n] = sub(f, 2), tonumber(w), tonumber(dm)
-        A[n], S[n], U[n] = tonumber(a), tonumber(s), tonumber(u)
+        A[n], S[n], U[n], O[n] = tonumber(a), tonumber(s), tonumber(u), tonumber(o) or 0
         -- Asked after now, or reserved for more than a term from now: the clock stepped back.
         -- A term from now at most (else the share stays reserved for the step's length).
         if A[n] > now or U[n] > now + ttl then
@@ -85,7 +87,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     if cold == '1' or (cold == '2' and (lost or known > 0)) then
       tokens, updated = 0, min(epoch, now)
       n = 1
-      N[1], W[1], D[1], A[1], S[1], U[1] = '', 0, 0, epoch, rate_mtps + 1, epoch + ttl
+      N[1], W[1], D[1], A[1], S[1], U[1], O[1] = '', 0, 0, epoch, rate_mtps + 1, epoch + ttl, 0
     else
       tokens, updated = burst, now
     end
@@ -95,12 +97,12 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
       local order = {}
       for i = 1, n do order[i] = i end
       table.sort(order, function(x, y) return before(N[x], N[y]) end)
-      local n2, w2, d2, a2, s2, u2 = {}, {}, {}, {}, {}, {}
+      local n2, w2, d2, a2, s2, u2, o2 = {}, {}, {}, {}, {}, {}, {}
       for i = 1, n do
         local k = order[i]
-        n2[i], w2[i], d2[i], a2[i], s2[i], u2[i] = N[k], W[k], D[k], A[k], S[k], U[k]
+        n2[i], w2[i], d2[i], a2[i], s2[i], u2[i], o2[i] = N[k], W[k], D[k], A[k], S[k], U[k], O[k]
       end
-      N, W, D, A, S, U = n2, w2, d2, a2, s2, u2
+      N, W, D, A, S, U, O = n2, w2, d2, a2, s2, u2, o2
     end
   end
 
@@ -123,16 +125,25 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     if n == 0 or N[1] ~= '' then
       for i = n, 1, -1 do
         N[i + 1], W[i + 1], D[i + 1], A[i + 1], S[i + 1], U[i + 1] = N[i], W[i], D[i], A[i], S[i], U[i]
+        O[i + 1] = O[i]
       end
       n = n + 1
     end
-    N[1], W[1], D[1], A[1], S[1], U[1] = '', 0, 0, now, rate_mtps + 1, now + ttl
+    N[1], W[1], D[1], A[1], S[1], U[1], O[1] = '', 0, 0, now, rate_mtps + 1, now + ttl, 0
     reconciled = true
     local epoch, lost = read_marker(call('GET', mkey))
     if not lost then call('SET', mkey, format('%d', epoch or now) .. 'L') end
   end
 
   -- Forget the quiet and unreserved, and this instance's previous standing; place this one.
+  -- Tokens given back: at most what this instance took and has not given back.
+  local outstanding = 0
+  for i = 1, n do
+    if N[i] == instance and (A[i] + ttl > now or U[i] > now) then outstanding = O[i] end
+  end
+  local back = min(returned, outstanding)
+  tokens = min(tokens + back, burst)
+  outstanding = outstanding - back
   local kept = 0
   local gone = nil
   demand = min(demand, rate_mtps)
@@ -141,6 +152,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     if name ~= instance and (A[i] + ttl > now or U[i] > now) then
       kept = kept + 1
       N[kept], W[kept], D[kept], A[kept], S[kept], U[kept] = name, W[i], D[i], A[i], S[i], U[i]
+      O[kept] = O[i]
     elseif name ~= instance and not fresh then
       gone = gone or {}
       gone[#gone + 1] = '@' .. name
@@ -149,11 +161,12 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   local at = kept + 1
   while at > 1 and before(instance, N[at - 1]) do
     local j = at - 1
-    N[at], W[at], D[at], A[at], S[at], U[at] = N[j], W[j], D[j], A[j], S[j], U[j]
+    N[at], W[at], D[at], A[at], S[at], U[at], O[at] = N[j], W[j], D[j], A[j], S[j], U[j], O[j]
     at = j
   end
   n = kept + 1
   N[at], W[at], D[at], A[at], S[at], U[at] = instance, wanted, demand, now, 0, now
+  O[at] = outstanding
 
   for i = 1, n do
     local live = A[i] + ttl > now
@@ -173,6 +186,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   local available = max(floor(tokens), 0)
   local granted = min(wanted, fair_tokens, available)
   tokens = tokens - granted
+  O[at] = O[at] + granted
   if share > 0 then
     S[at], U[at] = share, now + ttl
   end
@@ -237,15 +251,15 @@ end
 local items = tonumber(ARGV[4])
 local buckets, markers = {}, {}
 for i = 0, items - 1 do
-  local a = 5 + i * 9
+  local a = 5 + i * 10
   local b = call('HGETALL', ARGV[a])
   buckets[i] = b
   if #b == 0 then markers[i] = call('GET', ARGV[a + 1]) end
 end
 for i = 0, items - 1 do
-  local a = 5 + i * 9
+  local a = 5 + i * 10
   lease(ARGV[a], ARGV[a + 1], buckets[i], markers[i], tonumber(ARGV[a + 2]),
         tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]),
-        tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8]))
+        tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8]), tonumber(ARGV[a + 9]))
 end
 return out

@@ -35,6 +35,7 @@ pub struct Metrics {
     pub slots_held: Family<Holder, Gauge>,
     pub items: Counter,
     pub granted: Counter,
+    pub given_back: Counter,
     pub reserved: Counter,
     pub denials: Counter,
     pub storage_errors: Counter,
@@ -75,6 +76,7 @@ impl Default for Metrics {
         );
         let items = Counter::default();
         let granted = Counter::default();
+        let given_back = Counter::default();
         let reserved = Counter::default();
         let denials = Counter::default();
         let storage_errors = Counter::default();
@@ -89,6 +91,11 @@ impl Default for Metrics {
         registry.register("lease_calls", "Lease calls by outcome", calls.clone());
         registry.register("lease_items", "Items in lease calls served", items.clone());
         registry.register("tokens_granted", "Tokens granted", granted.clone());
+        registry.register(
+            "tokens_given_back",
+            "Tokens proxies gave back unspent (as they said; at most what each had out went back)",
+            given_back.clone(),
+        );
         registry.register(
             "tokens_reserved",
             "Refill reserved by rate leases, in tokens (rate × lease TTL; a renewal ends the \
@@ -114,6 +121,7 @@ impl Default for Metrics {
             slots_held,
             items,
             granted,
+            given_back,
             reserved,
             denials,
             storage_errors,

@@ -256,7 +256,8 @@ impl Scripted for LeaseItem {
             .arg(self.wanted)
             .arg(self.demand_mtps())
             .arg(self.known_ms)
-            .arg(self.known_remaining);
+            .arg(self.known_remaining)
+            .arg(self.returned);
     }
 }
 

@@ -239,19 +239,25 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         .observe(started.elapsed().as_secs_f64());
     match result {
         Ok(answers) => {
-            let grants = fold_refused(&mut problems, answers);
             calls.get_or_create(&Outcome { outcome: "ok" }).inc();
-            service.metrics.items.inc_by(grants.len() as u64);
-            for g in &grants {
-                service.metrics.granted.inc_by(g.granted);
-                service
-                    .metrics
-                    .reserved
+            let m = &service.metrics;
+            for (n, (item, g)) in served.iter().zip(answers.iter()).enumerate() {
+                if answers.refused.iter().any(|(i, _)| *i == n) {
+                    continue;
+                }
+                m.items.inc();
+                m.granted.inc_by(g.granted);
+                m.given_back.inc_by(item.returned);
+                m.reserved
                     .inc_by((g.rate * g.ttl_ms as f64 / 1_000.0).ceil() as u64);
-                if g.granted == 0 && g.rate == 0.0 {
-                    service.metrics.denials.inc();
+                // An item that asked for nothing (tokens given back, a lease let go) was not
+                // denied.
+                let asked = item.wanted > 0 || item.demand_mtps() > 0;
+                if asked && g.granted == 0 && g.rate == 0.0 {
+                    m.denials.inc();
                 }
             }
+            let grants = fold_refused(&mut problems, answers);
             let Some((items, errors)) = merge_refused(&problems, &grants, LeaseGrant::default())
             else {
                 return storage_failed(&service, calls, StoreError::Failed("short answer".into()));

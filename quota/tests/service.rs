@@ -33,6 +33,7 @@ fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
         demand: 0.0,
         known_ms: 0,
         known_remaining: 0,
+        returned: 0,
     }
 }
 
@@ -313,19 +314,26 @@ async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
     let memory = Store::Memory(MemoryStore::new(100, ColdStart::Full));
     // The same sequence of demands through both kinds of store gives the same grants: tokens,
     // and rate shares (a refill of 1 per second, fairly shared by demand).
+    // Tokens given back (the last number): at most what the instance took and has not given
+    // back yet.
     let steps = [
-        ("c", 10, 0.2),
-        ("b", 50, 0.5),
-        ("a", 1000, 5.0),
-        ("a", 1000, 5.0),
-        ("b", 50, 0.5),
-        ("d", 7, 1.0),
-        ("c", 0, 0.2),
+        ("c", 10, 0.2, 0),
+        ("b", 50, 0.5, 0),
+        ("a", 1000, 5.0, 0),
+        ("a", 1000, 5.0, 0),
+        ("b", 50, 0.5, 0),
+        ("d", 7, 1.0, 0),
+        ("c", 0, 0.2, 0),
+        ("e", 0, 0.0, 40),
+        ("b", 0, 0.0, 30),
+        ("b", 0, 0.0, 30),
+        ("c", 5, 0.0, 4),
     ];
-    for (who, wanted, demand) in steps {
+    for (who, wanted, demand, returned) in steps {
         let items = [LeaseItem {
             requests: 86_400,
             demand,
+            returned,
             ..item("same", 120, wanted)
         }];
         let m = memory.lease(who, &items, 10_000).await.unwrap()[0];
@@ -333,7 +341,7 @@ async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
         assert_eq!(
             (m.granted, m.remaining, m.rate),
             (r.granted, r.remaining, r.rate),
-            "{who} wants {wanted} and {demand}/s"
+            "{who} wants {wanted} and {demand}/s, gives back {returned}"
         );
         // The two clocks are a few ms apart: the bucket's refill time may differ by as much.
         assert!(m.reset_ms.abs_diff(r.reset_ms) < 1_000, "{m:?} {r:?}");

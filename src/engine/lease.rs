@@ -28,10 +28,16 @@ pub const ITEMS_PER_CALL: usize = 250;
 /// Calls one tick (or one request) sends at most; further refills wait for the next.
 pub const CALLS_PER_TICK: usize = 8;
 
-/// A call to the quota service a tick sends: the refills it is for, and its body.
+/// Keys whose unspent strict grants a worker keeps to give back at once; beyond, the tokens
+/// are lost (stricter, never looser).
+const MAX_GIVE_BACKS: usize = ITEMS_PER_CALL;
+
+/// A call to the quota service a tick sends: the refills it is for, and its body; or tokens
+/// given back, whose answer changes nothing here.
 pub enum Call {
     Lease(Vec<Refill>, LeaseRequest),
     Slots(Vec<Refill>, SlotRequest),
+    GiveBack(LeaseRequest),
 }
 
 /// A key's allowance to refill from the quota service.
@@ -82,7 +88,7 @@ impl Engine {
         now: u64,
     ) -> Vec<Call> {
         let mut calls = Vec::new();
-        if self.refills.is_empty() && self.renewals.is_empty() {
+        if self.refills.is_empty() && self.renewals.is_empty() && self.give_backs.is_empty() {
             return calls;
         }
         let now_ms = now / 1_000_000;
@@ -130,6 +136,22 @@ impl Engine {
             };
             calls.push(Call::Lease(chunk, request));
         }
+        if !self.give_backs.is_empty() {
+            let items = std::mem::take(&mut self.give_backs)
+                .into_iter()
+                .filter_map(|((rule, key), tokens)| {
+                    let item = self.lease_item(rule, key, &Ask::default())?;
+                    Some(LeaseItem {
+                        returned: tokens,
+                        ..item
+                    })
+                })
+                .collect();
+            calls.push(Call::GiveBack(LeaseRequest {
+                instance: instance.to_owned(),
+                items,
+            }));
+        }
         while !slots.is_empty() {
             let rest = slots.split_off(slots.len().min(ITEMS_PER_CALL));
             let chunk = std::mem::replace(&mut slots, rest);
@@ -141,6 +163,19 @@ impl Engine {
             calls.push(Call::Slots(chunk, request));
         }
         calls
+    }
+
+    /// Give back `tokens` of `rule`'s key `key` with the next tick's calls.
+    pub(super) fn give_back(&mut self, rule: usize, key: u128, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let room = self.give_backs.len() < MAX_GIVE_BACKS;
+        if let Some(n) = self.give_backs.get_mut(&(rule, key)) {
+            *n = n.saturating_add(tokens);
+        } else if room {
+            self.give_backs.insert((rule, key), tokens);
+        }
     }
 
     /// The slot allowance of a global concurrency rule.
@@ -284,6 +319,7 @@ impl Engine {
             demand: ask.demand_mtps as f64 / 1_000.0,
             known_ms: ask.known_ms,
             known_remaining: ask.known_remaining,
+            returned: 0,
         })
     }
 

@@ -134,6 +134,9 @@ pub struct Engine {
     renewals: Vec<Refill>,
     /// Refills of keys with nothing in hand (new keys, leases that ran dry).
     refills: Vec<Refill>,
+    /// Tokens strict requests were granted and will not spend, by rule and key: given back on
+    /// the next tick.
+    give_backs: rustc_hash::FxHashMap<(usize, u128), u64>,
     /// What this worker last reported of its stashed tokens (the gauge is process-wide).
     stash_reported: i64,
     /// After a request's own call failed, until when (ms) this worker's requests apply the
@@ -167,6 +170,7 @@ impl Engine {
             stash: StashTable::default(),
             renewals: Vec::new(),
             refills: Vec::new(),
+            give_backs: rustc_hash::FxHashMap::default(),
             stash_reported: 0,
             calls_off_until_ms: 0,
             draws: 0,

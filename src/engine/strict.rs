@@ -124,8 +124,12 @@ impl Engine {
             globals,
             mut locals,
         } = strict;
-        // An item the service refused fails the request's call (the call is this request's own).
+        // An item the service refused fails the request's call (the call is this request's own);
+        // what the others were granted goes back.
         let Some(answer) = answer.filter(|a| a.errors.is_empty()) else {
+            if let Some(answer) = answer {
+                self.give_back_unspent(&globals, answer, false);
+            }
             return self.strict_failed(store, globals, locals, now);
         };
         let mut refusal = None;
@@ -159,6 +163,7 @@ impl Engine {
         }
         if let Some(r) = refusal {
             self.log_dry_runs(now);
+            self.give_back_unspent(&globals, answer, false);
             return Step::Reject(r);
         }
         for (g, grant) in globals.iter().zip(&answer.items) {
@@ -167,6 +172,10 @@ impl Engine {
             }
         }
         let mut step = self.evaluate_at_once(store, &mut locals, now, false);
+        // A local rule refused it after all (another request took the last token since the
+        // pre-check): its grants go back too.
+        let admitted = !matches!(step, Step::Reject(_));
+        self.give_back_unspent(&globals, answer, admitted);
         // Without a local rule to report, the headers state the global bucket as the service
         // just did: the fewest tokens left of the rules asked.
         if let Step::Admit(a) = &mut step {
@@ -183,6 +192,24 @@ impl Engine {
             }
         }
         step
+    }
+
+    /// Strict mode: give back what the request's call was granted and the request will not
+    /// spend — all of it if it was refused, else what falls short of a check's cost (a partial
+    /// grant, or a dry-run rule's). Lease-mode requests that ask for themselves (nginx) give
+    /// nothing back: the service would take the call for the key's lease renewal.
+    fn give_back_unspent(&mut self, globals: &Inputs, answer: &LeaseResponse, admitted: bool) {
+        if !self.config.quota_service.as_ref().is_some_and(|q| q.strict) {
+            return;
+        }
+        for (g, grant) in globals.iter().zip(&answer.items) {
+            let spent = if admitted && grant.granted >= g.cost {
+                g.cost
+            } else {
+                0
+            };
+            self.give_back(g.which.rule(), g.key, grant.granted.saturating_sub(spent));
+        }
     }
 
     /// The call failed: the failure mode decides the global rules.

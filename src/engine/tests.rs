@@ -81,7 +81,7 @@ impl Rig {
             .into_iter()
             .find_map(|c| match c {
                 Call::Lease(r, request) => Some((r, request)),
-                Call::Slots(..) => None,
+                Call::Slots(..) | Call::GiveBack(_) => None,
             })
     }
 
@@ -503,6 +503,56 @@ fn a_wait_without_quota_in_time_is_refused_and_provisional_quota_spends_at_once(
     let mut rig = global("deny", "provisional");
     // The stand-in: 40 / 2 instances.
     assert_eq!(rig.admitted(&req(&[("x-user", b"u")]), NOW, 30), 20);
+}
+
+#[test]
+fn strict_grants_a_request_will_not_spend_go_back_on_the_next_tick() {
+    let strict = GLOBAL
+        .replace(
+            r#""upstream":"quota""#,
+            r#""upstream":"quota","mode":"strict""#,
+        )
+        .replace(
+            r#""worker_batch":0}]"#,
+            r#""worker_batch":0},{"name":"l","limit":{"requests":1,"per":"1h"},"burst":1,"worker_batch":0}]"#,
+        )
+        .replace("FAILURE", "allow")
+        .replace("FIRST", "wait");
+    let mut rig = Rig::new(&strict);
+    let u = req(&[("x-user", b"u")]);
+    let inputs = rig.inputs(&u);
+    let s = rig.engine.split(inputs);
+    // Two requests pass the pre-check; the first takes the local rule's one token, so the
+    // second is refused after its call granted it a global token.
+    assert_eq!(rig.engine.local_refusal(&rig.store, &s.locals, NOW), None);
+    admit(
+        rig.engine
+            .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW),
+    );
+    reject(
+        rig.engine
+            .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW),
+    );
+    // A request costing 3 granted 2 (a partial grant) is refused by the global rule: its 2 go
+    // back as well.
+    let mut costly = s.clone();
+    costly.globals[0].cost = 3;
+    reject(
+        rig.engine
+            .finish_strict(&rig.store, costly, Some(&grant(2)), NOW),
+    );
+    let calls = rig.engine.take_refills(&rig.store, "me", NOW + MS);
+    let [Call::GiveBack(request)] = calls.as_slice() else {
+        panic!("one give-back call")
+    };
+    let item = &request.items[0];
+    assert_eq!((item.returned, item.wanted, item.used), (3, 0, 0));
+    assert_eq!(item.key, format!("{:032x}", s.globals[0].key));
+    // Given back once.
+    assert!(rig
+        .engine
+        .take_refills(&rig.store, "me", NOW + 2 * MS)
+        .is_empty());
 }
 
 #[test]
@@ -1020,7 +1070,7 @@ mod global_concurrency {
                 .into_iter()
                 .find_map(|c| match c {
                     Call::Slots(r, request) => Some((r, request)),
-                    Call::Lease(..) => None,
+                    Call::Lease(..) | Call::GiveBack(_) => None,
                 })
         }
 

@@ -339,6 +339,54 @@ fn strict_mode_spends_no_global_quota_on_requests_a_local_rule_refuses() {
 }
 
 #[test]
+fn strict_mode_gives_back_what_a_refused_request_was_granted() {
+    // A per-user global limit and a per-team one; the team's is spent, so its requests are
+    // refused after the call granted the user's token.
+    let quota = Quota::start(&[]);
+    let mut plugin = config(
+        json!({"name": "user", "scope": "global", "key": ["header:x-user"],
+               "limit": {"requests": 5, "per": "1h"}}),
+        json!({"mode": "strict"}),
+    );
+    plugin["rules"].as_array_mut().unwrap().push(
+        json!({"name": "team", "scope": "global", "key": ["header:x-team"],
+               "limit": {"requests": 1, "per": "1h"}}),
+    );
+    let e = envoy(quota.port, &plugin);
+    let url = e.url("/");
+    let c = Client::new();
+    let status = |team: &str| c.get(&url, &[("x-user", "u"), ("x-team", team)]).status;
+    assert_eq!(status("t0"), 200);
+    for _ in 0..10 {
+        assert_eq!(status("t0"), 429);
+    }
+    // What the refused requests were granted (a user token each, unless the user's bucket was
+    // empty until earlier give-backs came in) goes back on the workers' next ticks: in the end
+    // only the admitted request's 2 tokens stay out.
+    let metric = |name: &str| {
+        quota
+            .metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let out = || {
+        metric("tollgate_quota_tokens_granted_total ")
+            - metric("tollgate_quota_tokens_given_back_total ")
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while out() != 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(out(), 2);
+    assert!(metric("tollgate_quota_tokens_given_back_total ") >= 4);
+    // The user still has 4 of its 5 (before: none — the refusals had spent them).
+    let fresh_teams: Vec<u16> = (1..=5).map(|t| status(&format!("t{t}"))).collect();
+    assert_eq!(fresh_teams, [200, 200, 200, 200, 429]);
+}
+
+#[test]
 fn a_flood_of_new_keys_leaves_existing_keys_global_limits_as_they_were() {
     // The defaults a new user has (failure_mode allow, first_lease wait): a limited key, a key
     // with budget, then 5 000 new keys from 48 connections as fast as they go.
