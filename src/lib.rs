@@ -10,6 +10,8 @@ pub mod config;
 pub mod engine;
 #[cfg(test)]
 mod fuzz;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzz_harness;
 pub mod header_map;
 pub mod headers;
 pub mod key;

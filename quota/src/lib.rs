@@ -1,9 +1,10 @@
 //! tollgate-quota: the quota service that leases global limits to proxies in batches.
 //!
 //! `store` keeps the global buckets (in memory, or in Redis for several replicas), `service` is the
-//! HTTP API, `server` serves it within limits, `metrics` its Prometheus counters, `credentials` who may call it as which proxy.
+//! HTTP API, `server` serves it within limits, `metrics` its Prometheus counters, `credentials` who may call it as which proxy, `fuzz_harness` what its fuzz targets run.
 
 pub mod credentials;
+pub mod fuzz_harness;
 pub mod metrics;
 pub mod redis_store;
 pub mod server;
