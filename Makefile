@@ -49,14 +49,13 @@ test-nginx: build quota
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
 	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) cargo test --test nginx -- --test-threads 2
 
-# Fuzzing by property tests (not part of `make test`, which runs each with 256 cases): FUZZ_CASES
-# cases each of configurations, requests, quota answers and the service's call bodies.
-# docs/security.md says what each covers and what a run found.
+# Fuzzing (not part of `make test`, which runs the property tests with 256 cases each): the
+# property tests with FUZZ_CASES cases each, then each `cargo fuzz` target for FUZZ_SECONDS
+# (scripts/fuzz.sh). docs/security.md says what each covers and what a run found.
 FUZZ_CASES ?= 50000
+FUZZ_SECONDS ?= 60
 fuzz: setup
-	PROPTEST_CASES=$(FUZZ_CASES) cargo test -p tollgate --lib -- fuzz_ \
-		arbitrary_header_bytes_are_handled keys_are_unambiguous any_lease_answer_is_read_safely
-	PROPTEST_CASES=$(FUZZ_CASES) cargo test -p tollgate-quota --test service -- fuzz_
+	@FUZZ_CASES=$(FUZZ_CASES) FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh
 
 # The Docker demo for real (not part of `make test`: it needs a Docker Engine and the images the
 # compose file names): scripts/test-compose.sh says what it checks.

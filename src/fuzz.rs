@@ -4,10 +4,10 @@
 
 use crate::config::Config;
 use crate::fuzz_harness::{
-    config_seeds, run_configuration, run_quota_answers, Bytes, HEADER_NAMES,
+    config_seeds, run_configuration, run_quota_answers, with_small_tables, Bytes, HEADER_NAMES,
 };
 use proptest::prelude::*;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tollgate_core::arbitrary_json::{mutated, schema_names, value};
 
 /// The configuration's field names, from its schema.
@@ -56,14 +56,7 @@ fn request() -> impl Strategy<Value = Bytes> {
 /// A configuration document: a valid one with a few changes.
 fn config_document() -> impl Strategy<Value = Value> {
     mutated(config_seeds(), config_names()).prop_map(|mut doc| {
-        // Small tables: creating 10 000 slots per rule and case would be all the run does.
-        if let Some(Value::Array(rules)) = doc.get_mut("rules") {
-            for rule in rules {
-                if let Value::Object(m) = rule {
-                    m.entry("max_keys").or_insert(json!(16));
-                }
-            }
-        }
+        with_small_tables(&mut doc);
         doc
     })
 }
