@@ -207,6 +207,53 @@ fn strict_global_mode_counts_every_request_at_the_quota_service() {
 }
 
 #[test]
+fn strict_mode_gives_back_what_a_refused_request_was_granted() {
+    nginx_or_skip!();
+    let quota = Quota::start(&[]);
+    let mut plugin = global(
+        json!({"name": "user", "scope": "global", "key": ["header:x-user"],
+               "limit": {"requests": 5, "per": "1h"}}),
+        json!({"upstream": format!("127.0.0.1:{}", quota.port), "mode": "strict"}),
+    );
+    plugin["rules"].as_array_mut().unwrap().push(
+        json!({"name": "team", "scope": "global", "key": ["header:x-team"],
+               "limit": {"requests": 1, "per": "1h"}}),
+    );
+    let nginx = Nginx::start(&plugin);
+    let c = Client::new();
+    let status = |team: &str| {
+        c.get(&nginx.url("/"), &[("x-user", "u"), ("x-team", team)])
+            .status
+    };
+    assert_eq!(status("t0"), 200);
+    for _ in 0..10 {
+        assert_eq!(status("t0"), 429);
+    }
+    // What the refused requests were granted goes back on the workers' ticks: in the end only
+    // the admitted request's 2 tokens stay out.
+    let metric = |name: &str| {
+        quota
+            .metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let out = || {
+        metric("tollgate_quota_tokens_granted_total ")
+            - metric("tollgate_quota_tokens_given_back_total ")
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while out() != 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(out(), 2, "{}", nginx.log());
+    let fresh_teams: Vec<u16> = (1..=5).map(|t| status(&format!("t{t}"))).collect();
+    assert_eq!(fresh_teams, [200, 200, 200, 200, 429]);
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
 fn lease_mode_waits_for_a_first_lease_by_a_call_of_the_requests_own() {
     nginx_or_skip!();
     let quota = Quota::start(&[]);
