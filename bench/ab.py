@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run  # noqa: E402
+import harness  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seconds", type=int, default=2)
-    ap.add_argument("--limit", type=int, default=run.HUGE, help="requests per minute (default: never reached)")
+    ap.add_argument("--limit", type=int, default=harness.HUGE, help="requests per minute (default: never reached)")
     ap.add_argument("--probe", action="store_true", help="compare time inside the callbacks (probe builds)")
     ap.add_argument("variants", nargs="+", help="label=module.wasm[@plugin.json]")
     args = ap.parse_args()
@@ -32,16 +32,16 @@ def main():
     for v in args.variants:
         label, spec = v.split("=", 1)
         path, _, plugin = spec.partition("@")
-        cfg = json.loads(Path(plugin).read_text()) if plugin else run.tollgate_plugin(args.limit)
+        cfg = json.loads(Path(plugin).read_text()) if plugin else harness.tollgate_plugin(args.limit)
         variants.append((label, Path(path).resolve(), cfg))
     cpu = {label: [] for label, _, _ in variants}
     allocs = {label: [] for label, _, _ in variants}
     for r in range(args.rounds):
         order = variants if r % 2 == 0 else list(reversed(variants))
         for label, path, cfg in order:
-            server = run.EnvoyServer([run.wasm_filter(path, cfg)])
+            server = harness.EnvoyServer([harness.wasm_filter(path, cfg)])
             try:
-                m = run.measure(server, args.seconds)
+                m = harness.measure(server, args.seconds)
                 if args.probe:
                     us, n = inside(server)
                     cpu[label].append(us)

@@ -15,7 +15,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run  # noqa: E402
+import tempfile  # noqa: E402
+
+import harness  # noqa: E402
 
 PLUGIN = {"rules": [{"name": "per-key", "key": ["header:x-key"], "max_keys": 1000,
                      "limit": {"requests": 5, "per": "1h"}}]}
@@ -37,10 +39,10 @@ def status(url, key):
 
 def main():
     variants = [a.split("=", 1) for a in sys.argv[1:]] or [("tollgate", "dist/tollgate.wasm")]
-    script = Path(run.tempfile.mkdtemp()) / "flood.lua"
+    script = Path(tempfile.mkdtemp()) / "flood.lua"
     script.write_text(LUA)
     for label, module in variants:
-        server = run.EnvoyServer([run.wasm_filter(Path(module).resolve(), PLUGIN)], concurrency=2, pin=False)
+        server = harness.EnvoyServer([harness.wasm_filter(Path(module).resolve(), PLUGIN)], concurrency=2, pin=False)
         try:
             limited = [status(server.url, "limited") for _ in range(6)]
             rss0 = server.rss_kib()

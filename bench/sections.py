@@ -3,15 +3,17 @@ memory against distinct keys, the quota service's throughput, and where tollgate
 Each function returns plain rows for results.json and the report."""
 import asyncio
 import json
+import os
 import math
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
 
-import run
-from run import (HUGE, QUOTA, TOLLGATE, TOLLGATE_PROBE, HOST_PROBE, EnvoyServer, Proc, free_port,
+import harness
+from harness import (HUGE, QUOTA, TOLLGATE, TOLLGATE_PROBE, HOST_PROBE, EnvoyServer, Proc, free_port,
                  parse_wrk, quota_cluster, tollgate_plugin, wait_http, wasm_filter, wrk, wrk_args)
 
 
@@ -25,7 +27,7 @@ def wrk_together(urls, seconds, connections=64):
     for p, script in procs:
         text, _ = p.communicate(timeout=seconds + 30)
         if script:
-            run.os.unlink(script.name)
+            os.unlink(script.name)
         out.append(parse_wrk(text))
     return out
 
@@ -155,7 +157,7 @@ def accuracy(quota_port, quota_redis_ports, seconds=3):
 def native_keyed(max_keys):
     """Envoy's local_ratelimit with one bucket per `x-key` value, up to `max_keys` buckets."""
     action = {"request_headers": {"header_name": "x-key", "descriptor_key": "key"}}
-    return run.native_local_ratelimit(HUGE, action, "key", max_keys)
+    return harness.native_local_ratelimit(HUGE, action, "key", max_keys)
 
 
 def memory(counts=(1_000, 10_000, 100_000, 1_000_000)):
@@ -206,21 +208,21 @@ class RedisCluster:
             p = free_port()
             if p < 55000 and p not in self.ports:
                 self.ports.append(p)
-        self.procs = [Proc(run.PROXY_CPU + [
+        self.procs = [Proc(harness.PROXY_CPU + [
             "redis-server", "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
             "--cluster-node-timeout", "1000", "--cluster-config-file", f"nodes-{p}.conf",
             "--repl-diskless-sync-delay", "0", "--save", "", "--appendonly", "no", "--dir", self.dir])
             for p in self.ports]
         for p in self.ports:
-            run.wait_port(p)
+            harness.wait_port(p)
         subprocess.run(["redis-cli", "--cluster", "create"] + [f"127.0.0.1:{p}" for p in self.ports]
                        + ["--cluster-replicas", "1", "--cluster-yes"], capture_output=True, check=True)
-        deadline = run.time.time() + 30
+        deadline = time.time() + 30
         for p in self.ports:
             while "cluster_state:ok" not in subprocess.run(["redis-cli", "-p", str(p), "cluster", "info"],
                                                            capture_output=True, text=True).stdout:
-                assert run.time.time() < deadline, "cluster not ok"
-                run.time.sleep(0.05)
+                assert time.time() < deadline, "cluster not ok"
+                time.sleep(0.05)
         self.urls = ",".join(f"redis://127.0.0.1:{p}" for p in self.ports)
 
     def pids(self):
@@ -235,15 +237,15 @@ def batch_latency(port, calls=20, items=1000):
     """Milliseconds each of `calls` lease calls of `items` new keys takes (p50, slowest)."""
     took = []
     for c in range(calls):
-        body = run.json.dumps({"instance": "bench", "items": [
+        body = json.dumps({"instance": "bench", "items": [
             {"rule": "bench", "limit_id": "00000000000000bb", "key": f"{c:08x}{i:024x}", "requests": 100,
              "per_ms": 1000, "burst": 100, "wanted": 25, "used": 0, "demand": 50.0} for i in range(items)]})
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/lease", data=body.encode(),
                                      headers={"content-type": "application/json"})
-        start = run.time.perf_counter()
+        start = time.perf_counter()
         try:
             urllib.request.urlopen(req, timeout=10).read()
-            took.append((run.time.perf_counter() - start) * 1000)
+            took.append((time.perf_counter() - start) * 1000)
         except urllib.error.HTTPError:
             took.append(float("inf"))
     took.sort()
@@ -253,9 +255,9 @@ def batch_latency(port, calls=20, items=1000):
 def quota_throughput(seconds=5):
     rows = []
     redis_port = free_port()
-    redis = Proc(run.PROXY_CPU + ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+    redis = Proc(harness.PROXY_CPU + ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
                                   "--save", "", "--appendonly", "no"])
-    run.wait_port(redis_port)
+    harness.wait_port(redis_port)
     cluster = RedisCluster()
     try:
         for name, extra, store_pids in (
@@ -263,16 +265,16 @@ def quota_throughput(seconds=5):
                 ("Redis", ["--redis", f"redis://127.0.0.1:{redis_port}"], [redis.p.pid]),
                 ("Redis Cluster (3 masters, 3 replicas)", ["--redis-cluster", cluster.urls], cluster.pids())):
             port = free_port()
-            service = Proc(run.PROXY_CPU + [str(QUOTA), "--listen", f"127.0.0.1:{port}", "--cold-start", "full"]
-                           + extra, env={**run.os.environ, "RUST_LOG": "error"})
+            service = Proc(harness.PROXY_CPU + [str(QUOTA), "--listen", f"127.0.0.1:{port}", "--cold-start", "full"]
+                           + extra, env={**os.environ, "RUST_LOG": "error"})
             try:
                 wait_http(f"http://127.0.0.1:{port}/healthz")
                 url = f"http://127.0.0.1:{port}/v1/lease"
                 wrk(url, 1, lua=LEASE_LUA)
                 pids = [service.p.pid] + store_pids
-                before = run.cpu_ticks(pids)
+                before = harness.cpu_ticks(pids)
                 r = parse_wrk(wrk(url, seconds, lua=LEASE_LUA))
-                cpu = (run.cpu_ticks(pids) - before) / run.CLK_TCK * 1e6 / max(r["requests"], 1)
+                cpu = (harness.cpu_ticks(pids) - before) / harness.CLK_TCK * 1e6 / max(r["requests"], 1)
                 batch_p50, batch_max, batch_errors = batch_latency(port)
             finally:
                 service.stop()
@@ -293,7 +295,7 @@ def global_load(seconds=5, rounds=5):
     each round) so that the p99 ratio is taken between runs made side by side."""
     port = free_port()
     service = Proc([str(QUOTA), "--listen", f"127.0.0.1:{port}", "--cold-start", "full"],
-                   env={**run.os.environ, "RUST_LOG": "error"})
+                   env={**os.environ, "RUST_LOG": "error"})
     wait_http(f"http://127.0.0.1:{port}/healthz")
     runs = {}
     try:
@@ -385,24 +387,24 @@ def process_split(seconds=4, rounds=3):
         return None
     setups = [
         ("Envoy, no filter", []),
-        ("Envoy + raw-ABI do-nothing, 2 callbacks", [wasm_filter(run.RAW_NOOP, {})]),
-        ("Envoy + raw-ABI do-nothing, every callback", [wasm_filter(run.RAW_NOOP_ALL, {})]),
-        ("Envoy + SDK do-nothing filter", [wasm_filter(run.NOOP, {})]),
+        ("Envoy + raw-ABI do-nothing, 2 callbacks", [wasm_filter(harness.RAW_NOOP, {})]),
+        ("Envoy + raw-ABI do-nothing, every callback", [wasm_filter(harness.RAW_NOOP_ALL, {})]),
+        ("Envoy + SDK do-nothing filter", [wasm_filter(harness.NOOP, {})]),
         ("tollgate token bucket per client IP", [wasm_filter(TOLLGATE, tollgate_plugin(HUGE))]),
     ]
     found = {}
     for _ in range(rounds):
         for name, filters in setups:
             server = EnvoyServer(filters)
-            data = run.tempfile.mktemp(prefix="tollgate-perf-")
+            data = tempfile.mktemp(prefix="tollgate-perf-")
             try:
-                cpu_us = run.measure(server, seconds, record=data)["cpu_us"]
+                cpu_us = harness.measure(server, seconds, record=data)["cpu_us"]
                 shares = dso_shares(data)
                 found.setdefault(name, []).append({k: v * cpu_us for k, v in shares.items()} | {"cpu_us": cpu_us})
             finally:
                 server.stop()
-                if run.os.path.exists(data):
-                    run.os.unlink(data)
+                if os.path.exists(data):
+                    os.unlink(data)
     rows = []
     for name, _ in setups:
         ms = found[name]
@@ -430,7 +432,7 @@ def profile(seconds=4, rounds=3):
         for _ in range(rounds):
             server = EnvoyServer([wasm_filter(TOLLGATE_PROBE, plugin)])
             try:
-                run.measure(server, seconds)
+                harness.measure(server, seconds)
                 for cb in CALLBACKS:
                     calls = server.stat(f"wasmcustom.tollgate.probe.{cb}.calls")
                     if calls:
@@ -457,7 +459,7 @@ def profile(seconds=4, rounds=3):
 
 # ---------------------------------------------------------------- overload protection
 
-TESTBED = run.REPO / "target/release/tollgate-testbed"
+TESTBED = harness.REPO / "target/release/tollgate-testbed"
 CAPACITY_RPS = 200  # the upstream: 10 at once × 50 ms
 
 
@@ -518,7 +520,7 @@ def overload(seconds=7, warmup=3, rounds=3, factors=(2, 3, 5)):
                 if cpu_header:
                     args += ["--cpu-header", cpu_header]
                 app = Proc(args)
-                run.wait_port(port)
+                harness.wait_port(port)
                 envoy = EnvoyServer(filters, [upstream_cluster(port)], concurrency=2, pin=False, upstream="app")
                 try:
                     base = testbed_load(envoy.url, 40, 2, 0.5)["all"]["p50_ms"]
@@ -553,7 +555,7 @@ def capacity_change(rate=300, seconds=22, slow_at=6, fast_at=14, bucket_ms=500):
     for name, filters in setups.items():
         port = free_port()
         app = Proc([str(TESTBED), "upstream", "--port", str(port), "--capacity", "10", "--service-ms", "50"])
-        run.wait_port(port)
+        harness.wait_port(port)
         envoy = EnvoyServer(filters, [upstream_cluster(port)], concurrency=2, pin=False, upstream="app")
         load = subprocess.Popen([str(TESTBED), "load", "--url", envoy.url, "--rate", str(rate),
                                  "--seconds", str(seconds), "--bucket-ms", str(bucket_ms)],

@@ -6,7 +6,6 @@
 pub mod credentials;
 pub mod fuzz_harness;
 pub mod metrics;
-pub mod redis_store;
 pub mod server;
 pub mod service;
 pub mod store;

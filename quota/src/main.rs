@@ -7,9 +7,9 @@ use std::time::Duration;
 use tollgate_core::lease::ColdStart;
 use tollgate_quota::credentials::{Credentials, ProxyToken};
 use tollgate_quota::metrics::Metrics;
-use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, RedisTls};
 use tollgate_quota::server::{serve, ServerLimits};
 use tollgate_quota::service::{router, Service};
+use tollgate_quota::store::redis::{MasterAccess, RedisStore, RedisTarget, RedisTls};
 use tollgate_quota::store::{now_ms, MemoryStore, Store};
 
 #[derive(Parser)]

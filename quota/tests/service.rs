@@ -15,8 +15,8 @@ use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
 use tollgate_quota::credentials::{Credentials, ProxyToken, DEFAULT_MAX_INSTANCES};
 use tollgate_quota::metrics::Metrics;
-use tollgate_quota::redis_store::{MasterAccess, RedisStore, RedisTarget, RedisTls};
 use tollgate_quota::service::{router, Service};
+use tollgate_quota::store::redis::{MasterAccess, RedisStore, RedisTarget, RedisTls};
 use tollgate_quota::store::{MemoryStore, Store, StoreError};
 use tower::ServiceExt;
 

@@ -3,19 +3,19 @@
 mod host;
 mod json;
 mod model;
-mod overload;
 mod period;
 #[cfg(not(target_arch = "wasm32"))]
 mod schema;
+mod syntax;
 #[cfg(test)]
 mod tests;
 mod validate;
 
 pub use host::HostCaps;
-pub use model::*;
-pub use overload::{
+pub use model::overload::{
     CpuHeader, Guard, GuardKind, Priorities, PriorityClass, StatusSet, DEFAULT_LEVEL,
 };
+pub use model::*;
 pub use period::{format_duration, Period};
 use std::fmt;
 

@@ -1,116 +1,11 @@
-//! Where the global buckets live: in this process, or in Redis (see [`crate::redis_store`]).
+//! Buckets and global concurrency holdings in this process.
 
-use crate::redis_store::RedisStore;
+use super::{Answers, ItemResult, StoreError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
 use tollgate_core::lease::{ColdStart, GlobalBucket, LeaseGrant, LeaseItem};
 use tollgate_core::slot_lease::{Holdings, SlotAnswer, SlotItem};
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("storage timed out after {0:?}")]
-    Timeout(Duration),
-    #[error("storage failed: {0}")]
-    Failed(String),
-}
-
-/// The clock the memory store's buckets run on: milliseconds since the Unix epoch as the process
-/// started, advanced by the monotonic clock since. A step of the system clock does not move it: a
-/// backward step would otherwise stop every bucket's refill (and extend every holding) for its
-/// length, a forward one refill every bucket by it.
-pub fn now_ms() -> u64 {
-    static START: std::sync::OnceLock<(std::time::Instant, u64)> = std::sync::OnceLock::new();
-    let (at, wall_ms) = START.get_or_init(|| {
-        let wall = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        (std::time::Instant::now(), wall)
-    });
-    wall_ms.saturating_add(at.elapsed().as_millis() as u64)
-}
-
-pub enum Store {
-    Memory(MemoryStore),
-    Redis(RedisStore),
-}
-
-impl Store {
-    /// Serve a batch of items for `instance` within the storage timeout: an answer per item, or
-    /// why that item alone was refused; an error if none could be served.
-    pub async fn lease(
-        &self,
-        instance: &str,
-        items: &[LeaseItem],
-        ttl_ms: u64,
-    ) -> Result<Answers<LeaseGrant>, StoreError> {
-        match self {
-            Self::Memory(m) => m.lease(instance, items, now_ms(), ttl_ms),
-            Self::Redis(r) => Ok(r.lease(instance, items, ttl_ms).await?.into()),
-        }
-    }
-
-    /// Serve a batch of slot items for `instance`, as [`Store::lease`].
-    pub async fn slots(
-        &self,
-        instance: &str,
-        items: &[SlotItem],
-        ttl_ms: u64,
-    ) -> Result<Answers<SlotAnswer>, StoreError> {
-        match self {
-            Self::Memory(m) => m.slots(instance, items, now_ms(), ttl_ms),
-            Self::Redis(r) => Ok(r.slots(instance, items, ttl_ms).await?.into()),
-        }
-    }
-}
-
-/// An item's answer, or why the store refused that item alone (the call's other items are
-/// served).
-type ItemResult<A> = Result<A, String>;
-
-/// A store's answers to a call's items: one per item, in order (all zero for an item it refused),
-/// and the items it refused alone, with why.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Answers<A> {
-    pub items: Vec<A>,
-    pub refused: Vec<(usize, String)>,
-}
-
-impl<A: Default> Answers<A> {
-    fn from_results(results: impl IntoIterator<Item = ItemResult<A>>) -> Self {
-        let mut refused = Vec::new();
-        let items = results
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| {
-                r.unwrap_or_else(|e| {
-                    refused.push((i, e));
-                    A::default()
-                })
-            })
-            .collect();
-        Self { items, refused }
-    }
-}
-
-impl<A> From<Vec<A>> for Answers<A> {
-    fn from(items: Vec<A>) -> Self {
-        Self {
-            items,
-            refused: Vec::new(),
-        }
-    }
-}
-
-impl<A> std::ops::Deref for Answers<A> {
-    type Target = [A];
-    fn deref(&self) -> &[A] {
-        &self.items
-    }
-}
-
 /// The credential an instance name belongs to: a proxy token's name (instances `NAME/...`), or
 /// "" for the shared token (or a service without one).
 pub fn credential_of(instance: &str) -> &str {

@@ -1,242 +1,17 @@
-//! Overload protection in the configuration: adaptive and success-rate-throttle rules (their JSON
-//! shape, model and validation) and the top-level priority classes.
+//! Validation of overload protection: adaptive and success-rate-throttle rules, and the
+//! top-level priority classes.
 
-use super::json::{RawMatch, RawRule};
-use super::model::{KeyPart, Match};
-use super::period::Period;
-use super::validate::is_token;
-use super::{err, ConfigError};
-use serde::de::{self, Deserializer};
-use serde::Deserialize;
+use crate::config::json::{RawAdaptive, RawPriority, RawRule, RawThrottle, Scope, StatusPattern};
+use crate::config::model::overload::{
+    CpuHeader, Guard, GuardKind, Priorities, PriorityClass, StatusSet, DEFAULT_GUARD_KEYS,
+    DEFAULT_LEVEL, MAX_GUARD_KEYS,
+};
+use crate::config::model::KeyPart;
+use crate::config::syntax::is_token;
+use crate::config::{err, ConfigError};
 use tollgate_core::adaptive::{Adaptive, Cpu, Signal, LEVELS, MILLI};
 use tollgate_core::throttle::{SreThrottle, K_SCALE};
 use tollgate_core::SlotTable;
-
-/// Windows per adaptive or throttle rule when `max_keys` is not given.
-pub const DEFAULT_GUARD_KEYS: u32 = 100;
-/// Upper bound of `max_keys` for these rules (each key's window is a shared-data value).
-pub const MAX_GUARD_KEYS: u32 = 10_000;
-/// The level of requests no priority class matches.
-pub const DEFAULT_LEVEL: u8 = 1;
-
-/// An overload rule's settings: `"algorithm": "adaptive"` with an optional `"adaptive"` object.
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Adaptive"))]
-pub(super) struct RawAdaptive {
-    /// The sliding window of completions (default 1s).
-    pub window: Option<Period>,
-    /// Buckets in the window (default 10, 2 to 16).
-    pub buckets: Option<u32>,
-    /// How long the signal stays on after a refusal (default 1s).
-    pub cool_down: Option<Period>,
-    /// How long the least response time is remembered (one to two of these; default 10s).
-    pub min_rt_period: Option<Period>,
-    /// Overloaded when the window's mean response time exceeds the least one × this (default 2).
-    pub latency_factor: Option<f64>,
-    /// The upstream's CPU as it reports it in a response header.
-    pub cpu: Option<RawCpu>,
-    /// Parts of a flow key: flows of one priority level get equal parts of its share.
-    #[serde(default)]
-    pub fair_key: Vec<KeyPart>,
-}
-
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "CpuSignal"))]
-pub(super) struct RawCpu {
-    /// A response header: ORCA's `endpoint-load-metrics` (`TEXT cpu_utilization=0.83`), or any
-    /// header holding a number.
-    pub header: String,
-    /// The number that means 100% (default 1; e.g. 100 for a percentage).
-    pub scale: Option<f64>,
-    /// Overloaded above this utilisation (default 0.8).
-    pub threshold: Option<f64>,
-    /// The weight of history in the moving average (default 0.95).
-    pub decay: Option<f64>,
-}
-
-/// `"algorithm": "sre_throttle"` with an optional `"sre_throttle"` object.
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "SreThrottle"))]
-pub(super) struct RawThrottle {
-    /// Refusals start once fewer than 1/k of the requests are accepted (default 2, at least 1).
-    pub k: Option<f64>,
-    /// The sliding window the counts cover (default 10s).
-    pub window: Option<Period>,
-    /// Upstream statuses that are not accepts (default ["5xx", 429]).
-    pub failure_statuses: Option<Vec<StatusPattern>>,
-}
-
-/// A status (`503`) or a class (`"5xx"`).
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[cfg_attr(not(target_arch = "wasm32"), schemars(untagged))]
-pub(super) enum StatusPattern {
-    Code(u16),
-    Class(String),
-}
-
-impl<'de> Deserialize<'de> for StatusPattern {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl de::Visitor<'_> for V {
-            type Value = StatusPattern;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an HTTP status (100 to 599) or a class such as \"5xx\"")
-            }
-            fn visit_u64<E: de::Error>(self, n: u64) -> Result<StatusPattern, E> {
-                match u16::try_from(n) {
-                    Ok(code) if (100..=599).contains(&code) => Ok(StatusPattern::Code(code)),
-                    _ => Err(E::custom(format!("{n} is not an HTTP status (100 to 599)"))),
-                }
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<StatusPattern, E> {
-                let ok = s.len() == 3
-                    && matches!(s.as_bytes()[0], b'1'..=b'5')
-                    && s[1..].eq_ignore_ascii_case("xx");
-                if ok {
-                    Ok(StatusPattern::Class(s.to_ascii_lowercase()))
-                } else {
-                    Err(E::custom(format!(
-                        "{s:?} is not a status class (\"1xx\" to \"5xx\")"
-                    )))
-                }
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// One top-level priority class: requests it matches get its level.
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "PriorityClass"))]
-pub(super) struct RawPriority {
-    pub name: String,
-    /// Conditions that must all hold; none = every request.
-    #[serde(rename = "match", default)]
-    pub matcher: RawMatch,
-    /// 0 (lowest) to 3 (highest); requests no class matches are level 1.
-    pub level: u8,
-    /// The part of an overload rule's capacity that requests of this level and above may fill
-    /// while it refuses (default: 1 for the highest level, 0.1 less per level below it).
-    pub share: Option<f64>,
-}
-
-/// An overload rule: what it estimates, the windows of its keys, and its flow key.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Guard {
-    pub kind: GuardKind,
-    /// Names the windows in shared data: one per key (keys beyond `max_keys` share by hash).
-    pub table: SlotTable,
-    /// Empty: no fairness between flows.
-    pub fair_key: Vec<KeyPart>,
-}
-
-impl Guard {
-    /// The rule as the configuration would write it.
-    pub fn describe(&self) -> String {
-        let ms = |ns: u64| super::period::format_duration(ns);
-        match &self.kind {
-            GuardKind::Adaptive { estimator, cpu } => {
-                let signal = estimator.signal();
-                let mut text = format!(
-                    "adaptive, window {} in {} buckets, latency factor {}, cool-down {}",
-                    ms(estimator.window_ns()),
-                    estimator.buckets(),
-                    signal.latency_factor as f64 / MILLI as f64,
-                    ms(estimator.cool_down_ns())
-                );
-                if let (Some(h), Some(c)) = (cpu, signal.cpu) {
-                    text += &format!(
-                        ", cpu from {} above {}",
-                        h.name,
-                        c.threshold as f64 / MILLI as f64
-                    );
-                }
-                if !self.fair_key.is_empty() {
-                    text += ", fair per flow";
-                }
-                text
-            }
-            GuardKind::Throttle { throttle, .. } => format!(
-                "sre_throttle, k {}, window {}",
-                throttle.k_milli() as f64 / K_SCALE as f64,
-                ms(throttle.period_ns())
-            ),
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum GuardKind {
-    Adaptive {
-        estimator: Adaptive,
-        cpu: Option<CpuHeader>,
-    },
-    Throttle {
-        throttle: SreThrottle,
-        failures: StatusSet,
-    },
-}
-
-/// Where an upstream reports its CPU.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CpuHeader {
-    /// Lower-case.
-    pub name: String,
-    /// The reported number that means 100%.
-    pub scale: f64,
-}
-
-/// A set of HTTP statuses (100 to 599).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StatusSet([u64; 10]);
-
-impl StatusSet {
-    pub fn contains(&self, status: u32) -> bool {
-        let Ok(i) = usize::try_from(status) else {
-            return false;
-        };
-        i < 640 && self.0[i / 64] & (1 << (i % 64)) != 0
-    }
-
-    fn insert(&mut self, status: usize) {
-        if status < 640 {
-            self.0[status / 64] |= 1 << (status % 64);
-        }
-    }
-}
-
-/// The priority classes and each level's share of an overload rule's capacity.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Priorities {
-    pub classes: Vec<PriorityClass>,
-    /// Thousandths, by level.
-    pub shares: [u64; LEVELS],
-}
-
-impl Default for Priorities {
-    fn default() -> Self {
-        Self {
-            classes: Vec::new(),
-            shares: [MILLI; LEVELS],
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct PriorityClass {
-    pub name: String,
-    pub matcher: Match,
-    pub level: u8,
-}
-
 /// A fraction in thousandths, checked to lie in `range` (inclusive).
 fn milli(
     value: Option<f64>,
@@ -264,7 +39,7 @@ impl RawRule {
             ("warmup", self.warmup.is_some()),
             ("cost", self.cost.is_some()),
             ("overrides", !self.overrides.is_empty()),
-            ("scope", self.scope != super::json::Scope::Local),
+            ("scope", self.scope != Scope::Local),
             ("worker_batch", self.worker_batch.is_some()),
             ("adaptive", self.adaptive.is_some() && !adaptive),
             ("sre_throttle", self.sre_throttle.is_some() && adaptive),
@@ -413,7 +188,7 @@ fn throttle_kind(raw: &RawThrottle, path: &str) -> Result<GuardKind, ConfigError
     let window_ns = raw.window.map_or(10_000_000_000, |p| p.ns);
     let throttle =
         SreThrottle::new(k * K_SCALE / MILLI, window_ns).ok_or_else(|| err(&at, "invalid"))?;
-    let mut failures = StatusSet([0; 10]);
+    let mut failures = StatusSet::EMPTY;
     let default = [StatusPattern::Class("5xx".into()), StatusPattern::Code(429)];
     for p in raw.failure_statuses.as_deref().unwrap_or(&default) {
         match p {

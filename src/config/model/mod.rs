@@ -1,7 +1,9 @@
 //! The validated configuration the filter runs with: rules, their quotas and slot tables.
 
+pub mod overload;
+
 use super::period::format_duration;
-use serde::Deserialize;
+pub use super::syntax::{FailureMode, FirstLease, HeaderFormat, KeyPart, LogLevel, MissingKey};
 use tollgate_core::slot::KeyPlacement;
 use tollgate_core::{Limit, SlotTable};
 
@@ -30,7 +32,7 @@ pub struct Config {
     /// The filter's own log level: messages below it are never formatted.
     pub log_level: LogLevel,
     /// Levels of requests for overload rules.
-    pub priorities: super::overload::Priorities,
+    pub priorities: overload::Priorities,
     /// From `placement_secret`; `None`: the deployment's random one.
     pub placement: Option<KeyPlacement>,
 }
@@ -55,28 +57,6 @@ pub struct QuotaService {
     /// The key of the keyed hash that names client keys at the service (from `key_secret`);
     /// none: the plain key hash, the same in every deployment.
     pub key_secret: Option<[u8; 16]>,
-}
-
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FailureMode {
-    /// Global rules do not apply while the service fails.
-    #[default]
-    Allow,
-    /// Global rules refuse.
-    Deny,
-    /// Global rules are enforced locally at `limit / instances_hint`.
-    Local,
-}
-
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FirstLease {
-    #[default]
-    Wait,
-    Provisional,
 }
 
 /// What a global rule sends the quota service, and its local stand-in.
@@ -115,7 +95,7 @@ pub struct Rule {
     pub worker_batch_by_default: bool,
     /// Set for overload rules (adaptive, sre_throttle): they keep windows, not slots; `quota`
     /// is unused.
-    pub guard: Option<super::overload::Guard>,
+    pub guard: Option<overload::Guard>,
 }
 
 /// A limit with the slots that hold its state and how headers state it.
@@ -206,50 +186,6 @@ pub enum PathMatch {
     Prefix(String),
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum KeyPart {
-    ClientIp,
-    /// Lower-case name.
-    Header(String),
-    Query(String),
-    Path,
-    Method,
-    Host,
-}
-
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MissingKey {
-    #[default]
-    Skip,
-    Limit,
-}
-
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeaderFormat {
-    #[default]
-    Draft,
-    Legacy,
-    Both,
-    None,
-}
-
-/// The filter's log level (the host filters again by its own).
-#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LogLevel {
-    Error,
-    Warn,
-    #[default]
-    Info,
-    /// Adds one line per decision.
-    Debug,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
     pub status: u32,
@@ -283,7 +219,7 @@ impl Config {
         }
         for (i, rule) in self.rules.iter().enumerate() {
             let cpu = rule.guard.as_ref().and_then(|g| match &g.kind {
-                super::overload::GuardKind::Adaptive { estimator, .. } => estimator.signal().cpu,
+                overload::GuardKind::Adaptive { estimator, .. } => estimator.signal().cpu,
                 _ => None,
             });
             if let Some(cpu) = cpu.filter(|c| c.threshold >= tollgate_core::adaptive::MILLI) {

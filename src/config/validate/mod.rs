@@ -1,5 +1,7 @@
 //! Validation: the JSON shape into the model, with errors that name the field and the reason.
 
+mod overload;
+
 use super::json::{
     Algorithm, Delay, QuotaMode, RawClientIp, RawConfig, RawCost, RawLimit, RawMatch,
     RawQuotaService, RawResponse, RawRule, Scope,
@@ -9,6 +11,7 @@ use super::model::{
     Quota, QuotaService, Response, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS,
     DEFAULT_WORKER_BATCH, MAX_INSTANCES_HINT, MAX_MAX_KEYS, MAX_WORKER_BATCH,
 };
+use super::syntax::is_token;
 use super::{err, ConfigError};
 use crate::network::{ClientIp, Network};
 use std::collections::HashSet;
@@ -57,7 +60,7 @@ impl RawConfig {
             rules.push(rule);
         }
         let response = self.response.validate("response")?;
-        let priorities = super::overload::priorities(self.priorities)?;
+        let priorities = overload::priorities(self.priorities)?;
         let placement = match self.placement_secret {
             Some(secret) if secret.len() < 16 => {
                 return Err(err("placement_secret", "must be at least 16 bytes"));
@@ -731,14 +734,6 @@ impl RawResponse {
             headers,
         })
     }
-}
-
-/// An HTTP field name: one or more token characters (RFC 9110 `tchar`).
-pub(super) fn is_token(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// A header's place in the configuration: `PATH.NAME`, or `PATH["NAME"]` when the name is not one.

@@ -1,0 +1,84 @@
+//! The Lua scripts a call runs, and what each kind of item tells them.
+
+use redis::aio::ConnectionManager;
+use tollgate_core::lease::LeaseItem;
+use tollgate_core::slot_lease::SlotItem;
+pub(super) const LEASE_LUA: &str = include_str!("lease.lua");
+pub(super) const SLOTS_LUA: &str = include_str!("slots.lua");
+/// Helpers both scripts use, prepended to each.
+const FAIR_LUA: &str = include_str!("fair.lua");
+/// On a cluster the script may touch keys of several slots of the master it runs on (Redis 7).
+const CLUSTER_FLAGS: &str = "#!lua flags=allow-cross-slot-keys\n";
+
+/// A script as sent with `SCRIPT LOAD`, and its SHA-1 for `EVALSHA`.
+pub(super) struct Script {
+    pub(super) text: String,
+    pub(super) sha: String,
+}
+
+impl Script {
+    pub(super) fn new(body: &str, cluster: bool) -> Self {
+        let flags = if cluster { CLUSTER_FLAGS } else { "" };
+        let text = format!("{flags}{FAIR_LUA}{body}");
+        let sha = redis::Script::new(&text).get_hash().to_owned();
+        Self { text, sha }
+    }
+}
+
+/// Items a script serves: where their keys are and what the script is told of each.
+pub(super) trait Scripted {
+    /// The item's hash, after its hash tag.
+    const SUFFIX: &'static str;
+    /// Numbers the script answers per item.
+    const ANSWER: usize;
+    /// The hash tag of the item's keys.
+    fn tag(&self) -> String;
+    fn push_args(&self, cmd: &mut redis::Cmd);
+}
+
+impl Scripted for LeaseItem {
+    const SUFFIX: &'static str = ":b";
+    const ANSWER: usize = 5;
+    fn tag(&self) -> String {
+        format!("tg:{}:{}", self.limit_id, self.key)
+    }
+    fn push_args(&self, cmd: &mut redis::Cmd) {
+        cmd.arg(self.requests)
+            .arg(self.per_ms)
+            .arg(self.burst)
+            .arg(self.wanted)
+            .arg(self.demand_mtps())
+            .arg(self.known_ms)
+            .arg(self.known_remaining)
+            .arg(self.returned);
+    }
+}
+
+impl Scripted for SlotItem {
+    const SUFFIX: &'static str = ":s";
+    const ANSWER: usize = 3;
+    fn tag(&self) -> String {
+        format!("tg:{}:{}", self.limit_id, self.key)
+    }
+    fn push_args(&self, cmd: &mut redis::Cmd) {
+        cmd.arg(self.concurrent)
+            .arg(self.wanted)
+            .arg(self.keep)
+            .arg(self.known_held);
+    }
+}
+
+/// Run the script by its hash, loading it first where the server does not know it.
+pub(super) async fn eval_or_load(
+    c: &mut ConnectionManager,
+    evalsha: &redis::Cmd,
+    load: &redis::Cmd,
+) -> redis::RedisResult<Vec<u64>> {
+    match evalsha.query_async::<Vec<u64>>(c).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            load.query_async::<()>(c).await?;
+            evalsha.query_async(c).await
+        }
+        other => other,
+    }
+}
