@@ -12,7 +12,7 @@ use crate::{abi, quota_client};
 use log::{debug, info, warn};
 use std::cell::RefCell;
 use tollgate_core::slot::KeyPlacement;
-use tollgate_core::{CasStore, StoreError};
+use tollgate_core::CasStore;
 
 /// How often a worker looks for held requests that are due: the spacing's resolution.
 const TICK_MS: u32 = 5;
@@ -396,20 +396,20 @@ fn define(name: &str, kind: Kind) -> Option<Metric> {
 
 /// Add `delta` to a process-wide total in shared data; the new total (never below 0).
 fn add_to_total(key: &str, delta: i64) -> Option<u64> {
-    for _ in 0..tollgate_core::limiter::MAX_CAS_ATTEMPTS {
-        let (bytes, cas) = SharedData.read(key).ok()??;
+    let attempts = tollgate_core::limiter::MAX_CAS_ATTEMPTS;
+    // The total's key is made at load: without it there is nothing to add to.
+    let added = tollgate_core::store::update(&SharedData, key, attempts, |bytes| {
+        let Some(bytes) = bytes else {
+            return (None, None);
+        };
         let current = bytes
             .get(..8)
             .and_then(|b| <[u8; 8]>::try_from(b).ok())
             .map_or(0, i64::from_le_bytes);
         let next = current.saturating_add(delta);
-        match SharedData.write(key, &next.to_le_bytes(), cas) {
-            Ok(()) => return Some(u64::try_from(next).unwrap_or(0)),
-            Err(StoreError::CasMismatch) => continue,
-            Err(_) => return None,
-        }
-    }
-    None
+        (Some(next.to_le_bytes()), Some(next))
+    });
+    added.ok().flatten().map(|n| u64::try_from(n).unwrap_or(0))
 }
 
 /// This process's name at the quota service: made once per process (shared by its workers).

@@ -5,9 +5,9 @@
 //! re-decides, and a refusal found then gives back what earlier rules already took.
 
 use crate::algorithm::{Limit, Standing};
-use crate::slot::{Group, Slot, SlotId, SlotTable, StoreKey, WAYS};
+use crate::slot::{update_slot, Group, Slot, SlotId, SlotTable, StoreKey, WAYS};
 use crate::state::Decision;
-use crate::store::{CasStore, StoreError};
+use crate::store::{CasStore, StoreError, UpdateError};
 use crate::token_bucket::TokenBucket;
 use smallvec::SmallVec;
 
@@ -518,26 +518,20 @@ fn give_back<S: CasStore + ?Sized>(
     now_ns: u64,
     attempts: u32,
 ) -> Result<(), StoreError> {
-    for _ in 0..attempts {
-        let Some((bytes, cas)) = store.read(key)? else {
-            return Ok(());
-        };
-        let mut group = Group::decode(&bytes);
-        let found = match target {
-            Target::Index(i) => Some(i),
-            Target::IndexOwnedBy(i, owner) => (group.slots[i].tag == owner).then_some(i),
-            Target::OwnedBy(owner) => group.slots.iter().position(|s| s.tag == owner),
-        };
-        let Some(slot) = found.map(|i| &mut group.slots[i]) else {
-            return Ok(());
-        };
+    let find = |group: &Group| match target {
+        Target::Index(i) => Some(i),
+        Target::IndexOwnedBy(i, owner) => (group.slots[i].tag == owner).then_some(i),
+        Target::OwnedBy(owner) => group.slots.iter().position(|s| s.tag == owner),
+    };
+    let refunded = update_slot(store, key, attempts, find, |slot| {
         slot.state = limit.refund(&slot.state, now_ns, cost);
-        match store.write(key, &group.encode(), cas) {
-            Err(StoreError::CasMismatch) => continue,
-            other => return other,
-        }
+        (true, ())
+    });
+    match refunded {
+        Ok(_) => Ok(()),
+        Err(UpdateError::Contended) => Err(StoreError::CasMismatch),
+        Err(UpdateError::Unavailable(e)) => Err(StoreError::Unavailable(e)),
     }
-    Err(StoreError::CasMismatch)
 }
 
 fn finish(

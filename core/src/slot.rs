@@ -7,7 +7,7 @@
 //! Envoy have no atomic create-if-absent).
 
 use crate::state::{State, STATE_BYTES};
-use crate::store::{CasStore, StoreError};
+use crate::store::{update, CasStore, StoreError, UpdateError};
 use smallvec::SmallVec;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
@@ -118,6 +118,32 @@ impl Group {
         }
         out
     }
+}
+
+/// [`update`] of one slot of the group at `key`: `find` picks it (`None`: it is gone — another
+/// key took it over — and nothing is written), `change` changes it and says whether to write it.
+/// `Ok(None)`: no such slot (or no group at `key`).
+pub fn update_slot<S, T>(
+    store: &S,
+    key: &str,
+    attempts: u32,
+    find: impl Fn(&Group) -> Option<usize>,
+    mut change: impl FnMut(&mut Slot) -> (bool, T),
+) -> Result<Option<T>, UpdateError>
+where
+    S: CasStore + ?Sized,
+{
+    update(store, key, attempts, |bytes| {
+        let Some(bytes) = bytes else {
+            return (None, None);
+        };
+        let mut group = Group::decode(bytes);
+        let Some(i) = find(&group) else {
+            return (None, None);
+        };
+        let (write, result) = change(&mut group.slots[i]);
+        (write.then(|| group.encode()), Some(result))
+    })
 }
 
 fn le_u64(bytes: &[u8]) -> u64 {

@@ -21,6 +21,48 @@ pub trait CasStore {
     fn write(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError>;
 }
 
+/// Why [`update`] gave up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpdateError {
+    /// The store refused or failed.
+    Unavailable(String),
+    /// Every attempt lost its race to another writer.
+    Contended,
+}
+
+/// The one read-modify-write: read `key`, let `next` compute from its value (`None`: no such key)
+/// the bytes to write (`None`: leave it as it is) and a result, and write them with the read's
+/// CAS; on a lost race, again from a fresh read, at most `attempts` times.
+pub fn update<S, V, T>(
+    store: &S,
+    key: &str,
+    attempts: u32,
+    mut next: impl FnMut(Option<&[u8]>) -> (Option<V>, T),
+) -> Result<T, UpdateError>
+where
+    S: CasStore + ?Sized,
+    V: AsRef<[u8]>,
+{
+    for _ in 0..attempts {
+        let (bytes, cas) = match store.read(key) {
+            Ok(Some((bytes, cas))) => (Some(bytes), cas),
+            Ok(None) => (None, 0),
+            Err(StoreError::Unavailable(e)) => return Err(UpdateError::Unavailable(e)),
+            Err(StoreError::CasMismatch) => continue,
+        };
+        let (value, result) = next(bytes.as_deref());
+        let Some(value) = value else {
+            return Ok(result);
+        };
+        match store.write(key, value.as_ref(), cas) {
+            Ok(()) => return Ok(result),
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Unavailable(e)) => return Err(UpdateError::Unavailable(e)),
+        }
+    }
+    Err(UpdateError::Contended)
+}
+
 /// A process-local store with the strict semantics of nginx-like hosts: a write with `cas == 0`
 /// to an existing key fails, as does any write with a stale `cas`.
 #[derive(Default)]
@@ -74,6 +116,26 @@ impl CasStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_update_reads_again_after_a_lost_race_and_gives_up_after_its_attempts() {
+        let store = MemoryStore::new();
+        // Absent: the function sees nothing and writes the first value.
+        let first = update(&store, "k", 4, |v| (Some(*b"1"), v.is_none()));
+        assert_eq!(first, Ok(true));
+        // A writer that sneaks in before each write makes every attempt lose.
+        let mut tries = 0;
+        let lost = update(&store, "k", 3, |v| {
+            tries += 1;
+            let (_, cas) = store.read("k").unwrap().unwrap();
+            store.write("k", b"x", cas).unwrap();
+            (Some(v.map(<[u8]>::to_vec).unwrap_or_default()), ())
+        });
+        assert_eq!((lost, tries), (Err(UpdateError::Contended), 3));
+        // Nothing to write: the value stays as it is.
+        assert_eq!(update(&store, "k", 1, |_| (None::<[u8; 0]>, 7)), Ok(7));
+        assert_eq!(store.read("k").unwrap().unwrap().0, b"x");
+    }
 
     #[test]
     fn cas_is_checked_on_every_write() {

@@ -10,8 +10,9 @@ use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::adaptive::{self, Adaptive, Admission, Window, FLOWS, MILLI};
 use tollgate_core::limiter::MAX_CAS_ATTEMPTS;
+use tollgate_core::store::UpdateError;
 use tollgate_core::throttle::{draw, Counts, SreThrottle};
-use tollgate_core::{CasStore, StoreError};
+use tollgate_core::CasStore;
 
 /// What a request holds of one overload rule while it is in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,33 +53,20 @@ enum Written<T> {
     Failed(RuleStat),
 }
 
-/// Read the value at `key`, compute the next one and write it with the read's CAS, again on a
-/// lost race. `next` returns the bytes to write (none: nothing to write) and a result.
+/// [`tollgate_core::store::update`] of a window, its failure as the stat it counts in.
 fn update<S, T, const N: usize>(
     store: &S,
     key: &str,
-    mut next: impl FnMut(Option<&[u8]>) -> (Option<[u8; N]>, T),
+    next: impl FnMut(Option<&[u8]>) -> (Option<[u8; N]>, T),
 ) -> Written<T>
 where
     S: CasStore + ?Sized,
 {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (bytes, cas) = match store.read(key) {
-            Ok(Some((bytes, cas))) => (Some(bytes), cas),
-            Ok(None) => (None, 0),
-            Err(_) => return Written::Failed(RuleStat::StoreErrors),
-        };
-        let (value, result) = next(bytes.as_deref());
-        let Some(value) = value else {
-            return Written::Done(result);
-        };
-        match store.write(key, &value, cas) {
-            Ok(()) => return Written::Done(result),
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Unavailable(_)) => return Written::Failed(RuleStat::StoreErrors),
-        }
+    match tollgate_core::store::update(store, key, MAX_CAS_ATTEMPTS, next) {
+        Ok(result) => Written::Done(result),
+        Err(UpdateError::Contended) => Written::Failed(RuleStat::Contended),
+        Err(UpdateError::Unavailable(_)) => Written::Failed(RuleStat::StoreErrors),
     }
-    Written::Failed(RuleStat::Contended)
 }
 
 /// The utilisation in a CPU report, in thousandths: ORCA's text or JSON form

@@ -9,11 +9,10 @@ use smallvec::SmallVec;
 use std::hash::Hasher;
 use tollgate_core::lease::{ItemError, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
-use tollgate_core::slot::Group;
+use tollgate_core::slot::{update_slot, Group};
 use tollgate_core::slot_lease::{SlotAnswer, SlotAsk, SlotItem, SlotRequest, SlotResponse};
 use tollgate_core::{
-    Ask, CasStore, Grant, LeaseAllowance, Limit, Outcome, SlotAllowance, SlotId, State, StoreError,
-    Verdict,
+    Ask, CasStore, Grant, LeaseAllowance, Limit, Outcome, SlotAllowance, SlotId, State, Verdict,
 };
 
 /// How often a worker looks at the global concurrency keys it knows (renewals are due halfway
@@ -38,6 +37,13 @@ pub enum Call {
     Lease(Vec<Refill>, LeaseRequest),
     Slots(Vec<Refill>, SlotRequest),
     GiveBack(LeaseRequest),
+}
+
+/// What the tick's look at a global concurrency key found.
+enum Renewal {
+    Claimed,
+    Idle,
+    NotDue,
 }
 
 /// A key's allowance to refill from the quota service.
@@ -226,33 +232,32 @@ impl Engine {
             };
             let table = &self.config.rules[rule].quota.table;
             let store_key = table.store_key(slot.group);
-            let Ok(Some((bytes, cas))) = store.read(store_key.as_str()) else {
-                continue;
-            };
-            let mut group = Group::decode(&bytes);
-            let Some(s) = group.slots.iter_mut().find(|s| s.tag == slot.tag) else {
-                idle.push((rule, slot));
-                continue;
-            };
-            match allowance.renewal(&s.state, now_ms) {
-                Some(next) => {
-                    s.state = next;
-                    // A lost race leaves the claim to the next look.
-                    if store
-                        .write(store_key.as_str(), &group.encode(), cas)
-                        .is_ok()
-                    {
-                        claimed.push(Refill {
-                            rule,
-                            slot,
-                            key,
-                            claimed_ms: now_ms,
-                            ask: Ask::default(),
-                        });
+            // One attempt: a lost race leaves the claim to the next look.
+            let looked = update_slot(
+                store,
+                store_key.as_str(),
+                1,
+                |group| group.slots.iter().position(|s| s.tag == slot.tag),
+                |s| match allowance.renewal(&s.state, now_ms) {
+                    Some(next) => {
+                        s.state = next;
+                        (true, Renewal::Claimed)
                     }
-                }
-                None if SlotAllowance::is_idle(&s.state, now_ms) => idle.push((rule, slot)),
-                None => {}
+                    None if SlotAllowance::is_idle(&s.state, now_ms) => (false, Renewal::Idle),
+                    None => (false, Renewal::NotDue),
+                },
+            );
+            match looked {
+                Ok(Some(Renewal::Claimed)) => claimed.push(Refill {
+                    rule,
+                    slot,
+                    key,
+                    claimed_ms: now_ms,
+                    ask: Ask::default(),
+                }),
+                // Idle, or its slot went to another key.
+                Ok(Some(Renewal::Idle) | None) => idle.push((rule, slot)),
+                Ok(Some(Renewal::NotDue)) | Err(_) => {}
             }
         }
         for k in idle {
@@ -465,21 +470,20 @@ impl Engine {
             return;
         };
         let key = rule.quota.table.store_key(refill.slot.group);
-        for _ in 0..MAX_RELEASE_ATTEMPTS {
-            let Ok(Some((bytes, cas))) = store.read(key.as_str()) else {
-                return;
-            };
-            let mut group = Group::decode(&bytes);
-            let Some(slot) = group.slots.iter_mut().find(|s| s.tag == refill.slot.tag) else {
-                // The slot went to another key meanwhile: its grant is lost (stricter, never
-                // looser).
-                debug!("rule {}: refilled key no longer has a slot", rule.name);
-                return;
-            };
-            slot.state = f(&slot.state);
-            if store.write(key.as_str(), &group.encode(), cas) != Err(StoreError::CasMismatch) {
-                return;
-            }
+        let tag = refill.slot.tag;
+        let written = update_slot(
+            store,
+            key.as_str(),
+            MAX_RELEASE_ATTEMPTS,
+            |group| group.slots.iter().position(|s| s.tag == tag),
+            |slot| {
+                slot.state = f(&slot.state);
+                (true, ())
+            },
+        );
+        if written == Ok(None) {
+            // The slot went to another key meanwhile: its grant is lost (stricter, never looser).
+            debug!("rule {}: refilled key no longer has a slot", rule.name);
         }
     }
 }
