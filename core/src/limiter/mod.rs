@@ -1,0 +1,456 @@
+//! All-or-nothing admission of one request against every rule that applies to it.
+//!
+//! Phase one reads each rule's slot and decides; if an enforced rule refuses, nothing is written
+//! (a 429 storm costs reads only). Phase two writes each decision with CAS; a lost race re-reads and
+//! re-decides, and a refusal found then gives back what earlier rules already took.
+
+use crate::algorithm::Limit;
+use crate::slot::{update_slot, Group, Slot, SlotId, SlotTable, StoreKey};
+use crate::state::Decision;
+use crate::store::{CasStore, StoreError, UpdateError};
+use smallvec::SmallVec;
+
+mod batch;
+mod eviction;
+#[cfg(test)]
+mod tests;
+
+use batch::{stash_take, stashes_may_return};
+use eviction::choose;
+
+/// Rules a request can meet before its per-request vectors leave the stack for the heap.
+pub const INLINE_RULES: usize = 4;
+
+/// One outcome per check, in order.
+pub type CheckOutcomes = SmallVec<[CheckOutcome; INLINE_RULES]>;
+
+/// Writes tried per group before the request is treated as refused by contention.
+pub const MAX_CAS_ATTEMPTS: u32 = 16;
+
+/// Writes tried to release held quota: a release must not be lost, or the count would drift.
+pub const MAX_RELEASE_ATTEMPTS: u32 = 1_000;
+
+/// One rule's part in a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Check<'a> {
+    pub limit: &'a Limit,
+    pub table: &'a SlotTable,
+    pub slot: SlotId,
+    pub cost: u64,
+    /// False for dry-run rules: they count and report, never refuse.
+    pub enforced: bool,
+    /// Token buckets and leased allowances: up to this many tokens more may be taken for the
+    /// worker's stash, when there are plenty (see [`crate::stash`]). 0 takes exactly `cost`.
+    pub batch: u64,
+    /// Token buckets: a refusal while tokens of the bucket sit in some worker's stash is
+    /// `Waiting` instead (for at most [`crate::stash::STASH_RETURNED_NS`]): the caller decides
+    /// again once they are back. For callers that can hold the request and ask again.
+    pub wait_for_stashes: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Allowed {
+        remaining: u64,
+        reset_ns: u64,
+        /// Hold the request this long before passing it on (leaky bucket).
+        delay_ns: u64,
+    },
+    /// The rule refuses (or, for a dry-run rule, would refuse).
+    Limited {
+        retry_after_ns: u64,
+        remaining: u64,
+        reset_ns: u64,
+    },
+    /// Every CAS attempt lost a race: refused, never looser.
+    Contended,
+    /// The store failed: the rule does not apply to this request.
+    Unavailable,
+    /// Quota is on its way (global rules): try again shortly.
+    Waiting,
+    /// The source of quota failed (global rules): the rule's failure mode decides.
+    Fallback,
+    /// Not asked: the request was already refused by another rule (from a worker's stash).
+    Skipped,
+}
+
+/// What the request found in its slot group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotEvent {
+    /// A slot of its own, or a free one.
+    Own,
+    /// A slot whose key was idle (as good as fresh): it is this key's now, losing nothing.
+    TakenOver,
+    /// Every slot of the group held an active key: the one closest to fresh was evicted for this
+    /// key (see [`choose`]).
+    Evicted,
+    /// Every slot's key is being limited (or, concurrency, has requests in flight): this key
+    /// shares one of them (stricter for both, never looser).
+    Shared,
+}
+
+/// Quota an admitted request holds until it ends (concurrency rules): give it back with [`release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub group: u32,
+    pub index: usize,
+    pub cost: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckOutcome {
+    pub verdict: Verdict,
+    pub slot: SlotEvent,
+    /// Set when the request was admitted and this rule's quota stays held until it ends.
+    pub hold: Option<Hold>,
+    /// This request claimed a refill of the rule's allowance for its key: the caller sends it.
+    pub refill: bool,
+    /// Tokens taken beyond the request's cost, for the worker's stash (admitted requests only).
+    pub stashed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// False with no `rejected_by` when an enforced check is `Waiting` or `Fallback`.
+    pub admitted: bool,
+    /// Index of the enforced check that refused the request (the longest wait if several did).
+    pub rejected_by: Option<usize>,
+    /// One per check, in order.
+    pub checks: CheckOutcomes,
+}
+
+/// A decision made from one read, with what to write if the request goes ahead.
+struct Plan {
+    key: StoreKey,
+    outcome: CheckOutcome,
+    /// The slot used and the owner tag it carries after the write.
+    index: usize,
+    owner: u64,
+    /// The slot's state as read.
+    before: crate::state::State,
+    write: Option<(Group, u32)>,
+}
+
+fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u64) -> Plan {
+    let (group, cas) = match store.read(key.as_str()) {
+        Ok(Some((bytes, cas))) => (Group::decode(&bytes), cas),
+        Ok(None) => (Group::decode(&[]), 0),
+        Err(_) => {
+            return Plan {
+                key,
+                outcome: CheckOutcome {
+                    verdict: Verdict::Unavailable,
+                    slot: SlotEvent::Own,
+                    hold: None,
+                    refill: false,
+                    stashed: 0,
+                },
+                index: 0,
+                owner: 0,
+                before: [0; crate::state::STATE_BYTES],
+                write: None,
+            }
+        }
+    };
+    let (index, slot, current) = choose(check.limit, &group, check.slot.tag, now_ns);
+    let owner = current.tag;
+    let mut stashed = 0;
+    let claim_write = |state| {
+        let mut next = group;
+        next.slots[index] = Slot {
+            tag: owner,
+            last_ns: current.last_ns,
+            state,
+        };
+        (next, cas)
+    };
+    let (verdict, write) = match check.limit.decide(&current.state, now_ns, check.cost) {
+        Decision::Allow {
+            mut state,
+            remaining,
+            reset_ns,
+            delay_ns,
+        } => {
+            if let Some((more, taken)) = stash_take(check, &current.state, remaining, now_ns) {
+                (state, stashed) = (more, taken);
+            }
+            let mut next = group;
+            // Only the owner's own admissions make its slot recently used.
+            let last_ns = match slot {
+                SlotEvent::Shared => current.last_ns,
+                _ => now_ns,
+            };
+            next.slots[index] = Slot {
+                tag: owner,
+                last_ns,
+                state,
+            };
+            (
+                Verdict::Allowed {
+                    remaining,
+                    reset_ns,
+                    delay_ns,
+                },
+                Some((next, cas)),
+            )
+        }
+        Decision::Deny { .. } if stashes_may_return(check, &current.state, now_ns) => {
+            (Verdict::Waiting, None)
+        }
+        Decision::Deny {
+            retry_after_ns,
+            remaining,
+            reset_ns,
+        } => (
+            Verdict::Limited {
+                retry_after_ns,
+                remaining,
+                reset_ns,
+            },
+            None,
+        ),
+        // A claim of a refill is written whatever the verdict: this request asks the service.
+        Decision::Wait { claim } => (Verdict::Waiting, claim.map(claim_write)),
+        Decision::Fallback { claim } => (Verdict::Fallback, claim.map(claim_write)),
+    };
+    Plan {
+        key,
+        outcome: CheckOutcome {
+            verdict,
+            slot,
+            hold: None,
+            refill: false,
+            stashed,
+        },
+        index,
+        owner,
+        before: current.state,
+        write,
+    }
+}
+
+/// Decide one request against `checks` at `now_ns`, charging every rule or none.
+pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
+    let mut plans: SmallVec<[Plan; INLINE_RULES]> = checks
+        .iter()
+        .map(|c| plan(store, c, c.table.store_key(c.slot.group), now_ns))
+        .collect();
+
+    if let Some(i) = worst_refusal(checks, &plans) {
+        return finish(false, Some(i), plans);
+    }
+    // Claims of refills go out whatever happens to the request (one attempt: if it loses a race,
+    // someone else changed the slot and a later request claims).
+    for (check, p) in checks.iter().zip(plans.iter_mut()) {
+        if matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback) {
+            if let Some((group, cas)) = p.write.take() {
+                p.outcome.refill = store.write(p.key.as_str(), &group.encode(), cas).is_ok()
+                    && check
+                        .limit
+                        .claims_refill(&p.before, &group.slots[p.index].state);
+            }
+        }
+    }
+    let undecided = checks.iter().zip(&plans).any(|(c, p)| {
+        c.enforced && matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback)
+    });
+    if undecided {
+        return finish(false, None, plans);
+    }
+
+    let mut committed: SmallVec<[usize; INLINE_RULES]> = SmallVec::new();
+    for i in 0..checks.len() {
+        let check = &checks[i];
+        let mut attempts = 0;
+        while let (Verdict::Allowed { .. }, Some((group, cas))) =
+            (plans[i].outcome.verdict, plans[i].write)
+        {
+            attempts += 1;
+            match store.write(plans[i].key.as_str(), &group.encode(), cas) {
+                Ok(()) => {
+                    let p = &mut plans[i];
+                    p.outcome.refill = check
+                        .limit
+                        .claims_refill(&p.before, &group.slots[p.index].state);
+                    committed.push(i);
+                    break;
+                }
+                Err(StoreError::Unavailable(_)) => {
+                    plans[i].outcome.verdict = Verdict::Unavailable;
+                    break;
+                }
+                Err(StoreError::CasMismatch) if attempts >= MAX_CAS_ATTEMPTS => {
+                    plans[i].outcome.verdict = Verdict::Contended;
+                    plans[i].write = None;
+                }
+                Err(StoreError::CasMismatch) => {
+                    let key = std::mem::take(&mut plans[i].key);
+                    plans[i] = plan(store, check, key, now_ns);
+                }
+            }
+        }
+        let refused = matches!(
+            plans[i].outcome.verdict,
+            Verdict::Limited { .. } | Verdict::Contended
+        );
+        // A lost race re-decided as "no quota yet" (another request spent a leased allowance's
+        // last token meanwhile) leaves the request undecided, exactly as if it had been read so.
+        let undecided = matches!(
+            plans[i].outcome.verdict,
+            Verdict::Waiting | Verdict::Fallback
+        );
+        if (refused || undecided) && check.enforced {
+            for &j in &committed {
+                let p = &plans[j];
+                // A refund that keeps losing races leaves that rule stricter, never looser.
+                let _ = give_back(
+                    store,
+                    checks[j].limit,
+                    checks[j].cost.saturating_add(p.outcome.stashed),
+                    p.key.as_str(),
+                    Target::IndexOwnedBy(p.index, p.owner),
+                    now_ns,
+                    MAX_CAS_ATTEMPTS,
+                );
+                plans[j].outcome.stashed = 0;
+            }
+            if refused {
+                return finish(false, Some(i), plans);
+            }
+            let p = &mut plans[i];
+            if let Some((group, cas)) = p.write.take() {
+                p.outcome.refill = store.write(p.key.as_str(), &group.encode(), cas).is_ok()
+                    && check
+                        .limit
+                        .claims_refill(&p.before, &group.slots[p.index].state);
+            }
+            return finish(false, None, plans);
+        }
+    }
+    for &i in &committed {
+        if checks[i].limit.is_held() {
+            plans[i].outcome.hold = Some(Hold {
+                group: checks[i].slot.group,
+                index: plans[i].index,
+                cost: checks[i].cost,
+            });
+        }
+    }
+    finish(true, None, plans)
+}
+
+/// Give back what an admitted request held (the end of a request under a concurrency rule).
+/// `Err` only if the store failed or every attempt lost a race: the count is then too high.
+pub fn release<S: CasStore + ?Sized>(
+    store: &S,
+    limit: &Limit,
+    table: &SlotTable,
+    hold: &Hold,
+    now_ns: u64,
+) -> Result<(), StoreError> {
+    give_back(
+        store,
+        limit,
+        hold.cost,
+        table.store_key(hold.group).as_str(),
+        Target::Index(hold.index),
+        now_ns,
+        MAX_RELEASE_ATTEMPTS,
+    )
+}
+
+/// Give back `tokens` a worker stashed for the key tagged `slot.tag` and did not spend, unless
+/// its slot has changed hands since. `Err` only if the store failed or every attempt lost a race.
+pub fn return_stash<S: CasStore + ?Sized>(
+    store: &S,
+    limit: &Limit,
+    table: &SlotTable,
+    slot: SlotId,
+    tokens: u64,
+    now_ns: u64,
+) -> Result<(), StoreError> {
+    give_back(
+        store,
+        limit,
+        tokens,
+        table.store_key(slot.group).as_str(),
+        Target::OwnedBy(slot.tag),
+        now_ns,
+        MAX_CAS_ATTEMPTS,
+    )
+}
+
+/// The enforced refusal with the longest wait, if any.
+/// What [`admit`] would decide from one read of each check, writing nothing (no claims either):
+/// a refusal here is one `admit` would make now.
+pub fn preview<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
+    let plans: SmallVec<[Plan; INLINE_RULES]> = checks
+        .iter()
+        .map(|c| plan(store, c, c.table.store_key(c.slot.group), now_ns))
+        .collect();
+    let refused = worst_refusal(checks, &plans);
+    finish(refused.is_none(), refused, plans)
+}
+
+fn worst_refusal(checks: &[Check], plans: &[Plan]) -> Option<usize> {
+    plans
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| checks[*i].enforced)
+        .filter_map(|(i, p)| match p.outcome.verdict {
+            Verdict::Limited { retry_after_ns, .. } => Some((i, retry_after_ns)),
+            _ => None,
+        })
+        .max_by_key(|(_, wait)| *wait)
+        .map(|(i, _)| i)
+}
+
+/// The slot of a group that tokens go back to.
+#[derive(Clone, Copy)]
+enum Target {
+    /// This slot, whoever holds it now (a concurrency hold: the count is the slot's, not a key's).
+    Index(usize),
+    /// This slot, unless it has changed hands since.
+    IndexOwnedBy(usize, u64),
+    /// The slot this owner tag holds, wherever it is in the group, if any.
+    OwnedBy(u64),
+}
+
+/// Return `cost` tokens of `limit` to the `target` slot of the group at `key`; nothing if the
+/// slot is no longer the owner's.
+fn give_back<S: CasStore + ?Sized>(
+    store: &S,
+    limit: &Limit,
+    cost: u64,
+    key: &str,
+    target: Target,
+    now_ns: u64,
+    attempts: u32,
+) -> Result<(), StoreError> {
+    let find = |group: &Group| match target {
+        Target::Index(i) => Some(i),
+        Target::IndexOwnedBy(i, owner) => (group.slots[i].tag == owner).then_some(i),
+        Target::OwnedBy(owner) => group.slots.iter().position(|s| s.tag == owner),
+    };
+    let refunded = update_slot(store, key, attempts, find, |slot| {
+        slot.state = limit.refund(&slot.state, now_ns, cost);
+        (true, ())
+    });
+    match refunded {
+        Ok(_) => Ok(()),
+        Err(UpdateError::Contended) => Err(StoreError::CasMismatch),
+        Err(UpdateError::Unavailable(e)) => Err(StoreError::Unavailable(e)),
+    }
+}
+
+fn finish(
+    admitted: bool,
+    rejected_by: Option<usize>,
+    plans: SmallVec<[Plan; INLINE_RULES]>,
+) -> Outcome {
+    Outcome {
+        admitted,
+        rejected_by,
+        checks: plans.into_iter().map(|p| p.outcome).collect(),
+    }
+}
