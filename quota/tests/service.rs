@@ -11,6 +11,7 @@ use tollgate_core::lease::ColdStart;
 
 /// Redis stores take the cold-start mode; each slot's marker has its own epoch.
 const CONSERVATIVE: ColdStart = ColdStart::Conservative { epoch_ms: 0 };
+use testkit::{eventually, free_port, resume_process, stop_process, Redis};
 use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
 use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
 use tollgate_quota::credentials::{Credentials, ProxyToken, DEFAULT_MAX_INSTANCES};
@@ -206,98 +207,8 @@ async fn a_credential_that_fills_its_share_of_the_store_leaves_room_for_the_othe
     assert_eq!(grants(&text)[0].granted, 1);
 }
 
-/// A redis-server of its own on a free port, stopped on drop.
-struct Redis {
-    child: Child,
-    port: u16,
-    /// Its working directory, its own: a replica writes the master's snapshot there, and a Redis
-    /// started where one lies would load it.
-    dir: std::path::PathBuf,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Redis {
-    fn start() -> Self {
-        Self::start_with(&[])
-    }
-
-    /// A redis-server with `extra` arguments after the port and binding (a leading config file
-    /// path goes first: `redis-server FILE --sentinel` runs a sentinel).
-    fn start_with(extra: &[&str]) -> Self {
-        Self::spawn(free_port(), None, extra)
-    }
-
-    fn spawn(port: u16, config: Option<&str>, extra: &[&str]) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
-        Self::spawn_in(port, dir, config, extra)
-    }
-
-    fn spawn_in(port: u16, dir: std::path::PathBuf, config: Option<&str>, extra: &[&str]) -> Self {
-        std::fs::create_dir_all(&dir).unwrap();
-        let child = Command::new(std::env::var("REDIS_SERVER").unwrap_or("redis-server".into()))
-            .args(config)
-            .arg("--dir")
-            .arg(&dir)
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args(["--appendonly", "no"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server (make test installs it)");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Self { child, port, dir }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Stop it as an operator would (SIGTERM: an append-only file is written out) and start it
-    /// again on the same port and directory with `extra`.
-    fn restart(&mut self, extra: &[&str]) {
-        Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        let _ = self.child.wait();
-        let port = self.port;
-        let dir = std::mem::take(&mut self.dir);
-        std::mem::forget(std::mem::replace(
-            self,
-            Self::spawn_in(port, dir, None, extra),
-        ));
-    }
-}
-
 fn single(redis: &Redis) -> RedisTarget {
     RedisTarget::Single(redis.url())
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 #[tokio::test]
@@ -402,8 +313,7 @@ async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
             .unwrap(),
     );
     assert!(store.lease("a", &[item("k", 5, 1)], 1_000).await.is_ok());
-    let _ = redis.child.kill();
-    let _ = redis.child.wait();
+    redis.kill();
     for _ in 0..3 {
         let started = Instant::now();
         let result = store.lease("a", &[item("k", 5, 1)], 1_000).await;
@@ -421,40 +331,16 @@ async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
             .await
             .unwrap(),
     );
-    unsafe_stop(slow.child.id());
+    stop_process(slow.pid());
     let started = Instant::now();
     let result = store.lease("a", &[item("k", 5, 1)], 1_000).await;
     let took = started.elapsed();
-    unsafe_cont(slow.child.id());
+    resume_process(slow.pid());
     assert!(result.is_err());
     assert!(
         took < Duration::from_millis(200),
         "a hung Redis held the call {took:?}"
     );
-}
-
-/// Stops `pid` and returns once it is stopped (`kill` returns before the signal takes effect).
-fn unsafe_stop(pid: u32) {
-    Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
-        .status()
-        .unwrap();
-    let stat = format!("/proc/{pid}/stat");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !std::fs::read_to_string(&stat).is_ok_and(|s| {
-        s.rsplit_once(") ")
-            .is_some_and(|(_, rest)| rest.starts_with('T'))
-    }) {
-        assert!(Instant::now() < deadline, "{pid} did not stop");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-fn unsafe_cont(pid: u32) {
-    Command::new("kill")
-        .args(["-CONT", &pid.to_string()])
-        .status()
-        .unwrap();
 }
 
 #[test]
@@ -477,15 +363,16 @@ fn the_binary_serves_and_stops_gracefully_on_sigterm() {
         .args(["-TERM", &svc.child.id().to_string()])
         .status()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        if let Some(status) = svc.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "still running after SIGTERM");
-        std::thread::sleep(Duration::from_millis(10));
+    let mut status = None;
+    let exited = || {
+        status = svc.child.try_wait().unwrap();
+        status.is_some()
     };
-    assert!(status.success(), "{status}");
+    assert!(
+        eventually(Duration::from_secs(5), exited),
+        "still running after SIGTERM"
+    );
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
 }
 
 /// `n` items of new keys, each with a rate lease asked for.
@@ -888,7 +775,7 @@ async fn a_dropped_redis_connection_is_reconnected_within_the_storage_timeout() 
     spend(70).await;
     // A restart with the append-only file: nothing lost, no failed call.
     drop(conn);
-    redis.restart(&aof);
+    redis.restart_with(&aof);
     spend(60).await;
 }
 
@@ -926,11 +813,11 @@ impl Binary {
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let listening = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        assert!(
+            eventually(Duration::from_secs(10), listening),
+            "did not start"
+        );
         Self { child, port }
     }
 
@@ -1172,7 +1059,7 @@ async fn the_redis_store_follows_a_sentinel_failover() {
                 ),
             )
             .unwrap();
-            Redis::spawn(free_port(), Some(file.to_str().unwrap()), &["--sentinel"])
+            Redis::sentinel(file.to_str().unwrap())
         })
         .collect();
     let target = RedisTarget::Sentinel {
@@ -1203,7 +1090,7 @@ async fn the_redis_store_follows_a_sentinel_failover() {
         assert!(Instant::now() < deadline, "the replica never caught up");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    unsafe_stop(master.child.id());
+    stop_process(master.pid());
     let killed = Instant::now();
     let mut failures = 0;
     let granted = loop {
@@ -1395,11 +1282,11 @@ fn without_a_token_it_refuses_to_listen_beyond_loopback() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let listening = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+    assert!(
+        eventually(Duration::from_secs(10), listening),
+        "did not start"
+    );
     child.kill().unwrap();
     child.wait().unwrap();
 }
@@ -1947,7 +1834,7 @@ async fn a_password_protected_master_behind_sentinel_is_served() {
         ),
     )
     .unwrap();
-    let sentinel = Redis::spawn(free_port(), Some(file.to_str().unwrap()), &["--sentinel"]);
+    let sentinel = Redis::sentinel(file.to_str().unwrap());
     let target = |password: Option<&str>| RedisTarget::Sentinel {
         sentinels: vec![sentinel.url()],
         master: "tgauth".into(),

@@ -303,13 +303,10 @@ fn ctrl_c_stops_the_demo_and_all_it_started() {
         .args(["-INT", &child.id().to_string()])
         .status()
         .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while child.try_wait().unwrap().is_none() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the demo ignored Ctrl-C"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let exited = || child.try_wait().unwrap().is_some();
+    assert!(
+        crate::harness::eventually(std::time::Duration::from_secs(10), exited),
+        "the demo ignored Ctrl-C"
+    );
     assert_demo_ports_free();
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub use crate::common::*;
+pub use testkit::*;
 
 pub fn envoy_bin() -> PathBuf {
     built_artifact("ENVOY_BIN", ".venv/bin/envoy")

@@ -4,8 +4,6 @@
 // Test code: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-#[path = "../common/mod.rs"]
-mod common;
 mod harness;
 
 mod algorithms;

@@ -98,17 +98,16 @@ fn a_reload_keeps_unchanged_rules_and_starts_changed_ones_fresh() {
     let v2 = json!({"rules": [rule("kept", 5), rule("changed", 6), rule("probe", 1000)]});
     envoy.reconfigure(&v2, &opts);
     // New connections reach the new listener once it is serving: the probe rule shows it.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while Client::new()
-        .get(&envoy.url("/probe"), &[])
-        .header("ratelimit-policy")
-        .is_none()
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the new configuration never served"
-        );
-    }
+    let serving = || {
+        Client::new()
+            .get(&envoy.url("/probe"), &[])
+            .header("ratelimit-policy")
+            .is_some()
+    };
+    assert!(
+        crate::harness::eventually(std::time::Duration::from_secs(10), serving),
+        "the new configuration never served"
+    );
     assert_eq!(
         statuses(&envoy.url("/kept"), &[], 4),
         (2, 2),

@@ -1,7 +1,6 @@
 //! A real nginx with Kong's ngx_wasm_module (named by `NGINX_BIN`) running the built module, with
 //! 2 workers, started per test on free ports and always stopped; and a backend it proxies to.
 
-pub use crate::common::*;
 use serde_json::Value;
 use std::fs;
 use std::io::{Read, Write};
@@ -11,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+pub use testkit::*;
 
 /// The nginx binary to test, if one was given.
 pub fn nginx_bin() -> Option<PathBuf> {

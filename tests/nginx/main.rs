@@ -5,8 +5,6 @@
 // Test code: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-#[path = "../common/mod.rs"]
-mod common;
 mod harness;
 
 use harness::{parallel, raw, raw_status, statuses, Client, Location, Nginx, Quota};
@@ -156,8 +154,8 @@ fn concurrency_slots_are_released_also_when_the_client_goes_away() {
 #[test]
 fn ipv6_clients_are_limited_by_their_64_and_overrides_take_cidr_ranges() {
     nginx_or_skip!();
-    let nginx = Nginx::start(&common::client_networks_plugin());
-    common::check_client_networks(&nginx.url("/"));
+    let nginx = Nginx::start(&testkit::client_networks_plugin());
+    testkit::check_client_networks(&nginx.url("/"));
 }
 
 #[test]
@@ -243,11 +241,11 @@ fn strict_mode_gives_back_what_a_refused_request_was_granted() {
         metric("tollgate_quota_tokens_granted_total ")
             - metric("tollgate_quota_tokens_given_back_total ")
     };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while out() != 2 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    assert_eq!(out(), 2, "{}", nginx.log());
+    assert!(
+        testkit::eventually(Duration::from_secs(5), || out() == 2),
+        "{}",
+        nginx.log()
+    );
     let fresh_teams: Vec<u16> = (1..=5).map(|t| status(&format!("t{t}"))).collect();
     assert_eq!(fresh_teams, [200, 200, 200, 200, 429]);
     assert!(nginx.workers_healthy(), "{}", nginx.log());
@@ -421,10 +419,11 @@ fn a_hung_quota_service_lets_strict_requests_go_on_after_the_timeout() {
     // each worker (each keeps its own retry time, so one may still be in its window when the
     // other refuses): the bucket (3) is spent by the first request and by the calls that timed
     // out, which reach it when it wakes up (stricter, never looser).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while statuses(&nginx.url("/"), &[], 4) != (0, 4) {
-        assert!(Instant::now() < deadline, "the service never counted again");
-    }
+    assert!(
+        testkit::eventually(Duration::from_secs(5), || statuses(&nginx.url("/"), &[], 4)
+            == (0, 4)),
+        "the service never counted again"
+    );
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
 

@@ -1,0 +1,78 @@
+//! Hostile requests and the configurations the Envoy and nginx suites share.
+
+use crate::http::{raw, statuses};
+use serde_json::{json, Value};
+/// The configuration the hostile-bytes checks run with (both proxies).
+pub fn hostile_plugin() -> Value {
+    json!({
+        "client_ip": {"trusted_hops": 1},
+        "rules": [
+            {"name": "user", "key": ["header:x-user"], "limit": {"requests": 2, "per": "1h"},
+             "worker_batch": 0},
+            {"name": "tier", "match": {"headers": {"x-tier": "free"}}, "key": ["client_ip"],
+             "limit": {"requests": 1000, "per": "1h"}},
+            {"name": "query", "match": {"path_prefix": "/q"}, "key": ["query:q", "host"],
+             "limit": {"requests": 1000, "per": "1h"}},
+            {"name": "cost", "match": {"path": "/cost"}, "limit": {"requests": 1, "per": "1h"},
+             "burst": 8, "cost": {"header": "x-cost", "default": 3, "max": 5}, "worker_batch": 0}
+        ]
+    })
+}
+
+/// One request for each header the filter reads with bytes that are not UTF-8: a keyed header, a
+/// matched header, the cost header, a query key, the host and the forwarded-for address a
+/// trusted hop reads. (A proxy may refuse raw bytes in the request line with 400 itself.)
+pub fn hostile_requests() -> Vec<Vec<u8>> {
+    vec![
+        raw(b"/", &[b"x-user: caf\xe9"]),
+        raw(b"/", &[b"x-user: \xff\xfe\xfd"]),
+        raw(b"/", &[b"x-tier: fr\xe9e", b"x-user: t"]),
+        raw(b"/q?q=%ff%fe&x=%e9", &[b"x-user: q"]),
+        raw(b"/q?\xe9=\xe9", &[b"x-user: r", b"host: h\xe9st"]),
+        raw(b"/cost", &[b"x-cost: \xff3", b"x-user: c"]),
+        raw(
+            b"/cost",
+            &[b"x-cost: 99999999999999999999999", b"x-user: d"],
+        ),
+        raw(
+            b"/",
+            &[b"x-forwarded-for: 1.2.3.4, \xff\xfe::1", b"x-user: f"],
+        ),
+        raw(b"/", &[b"x-forwarded-for: \xc3\x28", b"x-tier: free"]),
+    ]
+}
+
+/// A plugin configuration with one rule.
+/// A per-IP rule behind one trusted hop (so tests can send any client address) with the default
+/// prefixes, and CIDR overrides: allowed, blocked, and an own limit.
+pub fn client_networks_plugin() -> Value {
+    json!({
+        "rules": [{"name": "per-ip", "key": ["client_ip"], "limit": {"requests": 2, "per": "1h"},
+                   "overrides": [{"values": ["10.0.0.0/8"], "unlimited": true},
+                                 {"values": ["192.0.2.0/24"], "block": true},
+                                 {"values": ["2001:db8:aaaa::/48"], "limit": {"requests": 4, "per": "1h"}}]}],
+        "client_ip": {"trusted_hops": 1}
+    })
+}
+
+/// What [`client_networks_plugin`] does, asked of a proxy at `url`.
+pub fn check_client_networks(url: &str) {
+    let from = |ip: &'static str, n| statuses(url, &[("x-forwarded-for", ip)], n);
+    // Addresses of one /64 share one bucket of 2; the next /64 has its own.
+    assert_eq!(from("2001:db8:1:2::1", 1), (1, 0));
+    assert_eq!(from("2001:db8:1:2::ffff", 1), (1, 0));
+    assert_eq!(from("2001:db8:1:2:8000::1", 1), (0, 1));
+    assert_eq!(from("2001:db8:1:3::1", 3), (2, 1));
+    // IPv4 clients are their address.
+    assert_eq!(from("203.0.113.1", 3), (2, 1));
+    assert_eq!(from("203.0.113.2", 3), (2, 1));
+    // Ranges: allowed, blocked, and 4 per client /64 inside 2001:db8:aaaa::/48.
+    assert_eq!(from("10.20.30.40", 10), (10, 0));
+    assert_eq!(from("192.0.2.77", 2), (0, 2));
+    assert_eq!(from("2001:db8:aaaa:1::1", 6), (4, 2));
+    assert_eq!(from("2001:db8:aaaa:2::1", 6), (4, 2));
+}
+
+pub fn one_rule(rule: Value) -> Value {
+    json!({"rules": [rule]})
+}

@@ -1,0 +1,89 @@
+//! The quota service as a child process.
+
+use crate::paths::built_artifact;
+use crate::process::{free_port, guarded, resume_process, stop_process, wait_for_port};
+use std::process::{Child, Command, Stdio};
+/// The quota service binary (`make test` builds it), on a port of its own; killed on drop.
+pub struct Quota {
+    child: Option<Child>,
+    pub port: u16,
+    args: Vec<String>,
+}
+
+impl Quota {
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_on(free_port(), args)
+    }
+
+    /// With the service's own defaults (`--cold-start auto` among them) unless `args` say
+    /// otherwise.
+    pub fn start_on(port: u16, args: &[&str]) -> Self {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let mut q = Self {
+            child: None,
+            port,
+            args,
+        };
+        q.restart();
+        q
+    }
+
+    /// Start again with the same port and other arguments.
+    pub fn restart_with(&mut self, args: &[&str]) {
+        self.kill();
+        self.args = args.iter().map(|a| a.to_string()).collect();
+        self.restart();
+    }
+
+    /// Start (again) with the same port and arguments.
+    pub fn restart(&mut self) {
+        let bin = built_artifact("TOLLGATE_QUOTA_BIN", "target/debug/tollgate-quota");
+        let mut child = guarded(
+            Command::new(bin)
+                .args(["--listen", &format!("127.0.0.1:{}", self.port)])
+                .args(&self.args)
+                .env("RUST_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null()),
+        );
+        wait_for_port(self.port, "tollgate-quota", &mut child);
+        self.child = Some(child);
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stop the service without closing its socket (SIGSTOP): calls hang until [`Self::resume`].
+    /// Returns once every thread is stopped: `kill` returns before the signal takes effect, and a
+    /// thread still running could answer one more call.
+    /// Stop the service (SIGSTOP): it keeps its connections and answers nothing.
+    pub fn pause(&self) {
+        if let Some(child) = &self.child {
+            stop_process(child.id());
+        }
+    }
+
+    pub fn resume(&self) {
+        if let Some(child) = &self.child {
+            resume_process(child.id());
+        }
+    }
+
+    pub fn metrics(&self) -> String {
+        ureq::get(&format!("http://127.0.0.1:{}/metrics", self.port))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap()
+    }
+}
+
+impl Drop for Quota {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
