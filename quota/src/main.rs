@@ -125,8 +125,10 @@ struct Args {
     /// How long a proxy may keep tokens it was granted (and how long its demand counts).
     #[arg(long, env = "TOLLGATE_QUOTA_LEASE_TTL_MS", default_value_t = 10_000)]
     lease_ttl_ms: u64,
-    /// Connections served at once (more wait in the listen backlog). The process needs this many
-    /// open files, and about 64 more (Redis connections, logs).
+    /// Connections open at once. When all are open, a new one takes the place of the oldest that
+    /// has not yet had a call answered 200 (a slow or idle client); only when every one has does a
+    /// new connection wait in the listen backlog. The process needs this many open files, and
+    /// about 64 more (Redis connections, logs).
     #[arg(long, env = "TOLLGATE_QUOTA_MAX_CONNECTIONS", default_value_t = 512)]
     max_connections: usize,
     /// A connection's next request headers must arrive within this long of its opening or of its
@@ -147,7 +149,7 @@ struct Args {
     /// In-memory store: most buckets one credential's calls may make (the shared token is one
     /// credential, each proxy token another); its further new keys are refused one by one, so a
     /// leaked token cannot fill the store for the others. Default: --max-keys divided by the
-    /// number of credentials.
+    /// number of credentials, rounded down.
     #[arg(long, env = "TOLLGATE_QUOTA_MAX_KEYS_PER_CREDENTIAL")]
     max_keys_per_credential: Option<usize>,
 }

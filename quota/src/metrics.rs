@@ -38,6 +38,8 @@ pub struct Metrics {
     pub given_back: Counter,
     pub reserved: Counter,
     pub denials: Counter,
+    /// Items refused alone (a bad item, a new key of a full store), lease and slot calls alike.
+    pub items_refused: Counter,
     pub storage_errors: Counter,
     pub latency: Histogram,
     /// The server's connections: open now, and closed to make room for new ones.
@@ -79,6 +81,7 @@ impl Default for Metrics {
         let given_back = Counter::default();
         let reserved = Counter::default();
         let denials = Counter::default();
+        let items_refused = Counter::default();
         let storage_errors = Counter::default();
         let latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
         let server = crate::server::ServerMetrics::default();
@@ -93,7 +96,7 @@ impl Default for Metrics {
         registry.register("tokens_granted", "Tokens granted", granted.clone());
         registry.register(
             "tokens_given_back",
-            "Tokens proxies gave back unspent (as they said; at most what each had out went back)",
+            "Tokens proxies gave back unspent that went back into buckets (at most what each had out)",
             given_back.clone(),
         );
         registry.register(
@@ -103,6 +106,11 @@ impl Default for Metrics {
             reserved.clone(),
         );
         registry.register("denials", "Items granted nothing", denials.clone());
+        registry.register(
+            "items_refused",
+            "Items refused alone (a bad item, a new key of a full store); their call counts as ok",
+            items_refused.clone(),
+        );
         registry.register(
             "storage_errors",
             "Lease calls the storage failed",
@@ -124,6 +132,7 @@ impl Default for Metrics {
             given_back,
             reserved,
             denials,
+            items_refused,
             storage_errors,
             latency,
             server,

@@ -193,7 +193,8 @@ fn fold_refused<A>(problems: &mut [Option<String>], answers: Answers<A>) -> Vec<
 }
 
 /// Log a call's refused items (the first one's reason): the caller gets them in its answer.
-fn note_refused(errors: &[ItemError]) {
+fn note_refused(service: &Service, errors: &[ItemError]) {
+    service.metrics.items_refused.inc_by(errors.len() as u64);
     if let Some(first) = errors.first() {
         tracing::warn!(refused = errors.len(), first = %first.error, "items refused");
     }
@@ -247,7 +248,7 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                 }
                 m.items.inc();
                 m.granted.inc_by(g.granted);
-                m.given_back.inc_by(item.returned);
+                m.given_back.inc_by(g.returned);
                 m.reserved
                     .inc_by((g.rate * g.ttl_ms as f64 / 1_000.0).ceil() as u64);
                 // An item that asked for nothing (tokens given back, a lease let go) was not
@@ -262,7 +263,7 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
             else {
                 return storage_failed(&service, calls, StoreError::Failed("short answer".into()));
             };
-            note_refused(&errors);
+            note_refused(&service, &errors);
             Json(LeaseResponse { items, errors }).into_response()
         }
         Err(e) => storage_failed(&service, calls, e),
@@ -307,7 +308,7 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
             else {
                 return storage_failed(&service, calls, StoreError::Failed("short answer".into()));
             };
-            note_refused(&errors);
+            note_refused(&service, &errors);
             Json(SlotResponse { items, errors }).into_response()
         }
         Err(e) => storage_failed(&service, calls, e),

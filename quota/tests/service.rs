@@ -193,6 +193,11 @@ async fn a_credential_that_fills_its_share_of_the_store_leaves_room_for_the_othe
             .contains("this credential's share of the store is full (5 keys)"),
         "{text}"
     );
+    let metrics = svc.metrics.render();
+    assert!(
+        metrics.contains("tollgate_quota_items_refused_total 3"),
+        "{metrics}"
+    );
     // B's new keys are still served (before, a full store answered every new key 503), and a
     // key A made is served to B as to anyone.
     let (status, text) = call(
@@ -250,10 +255,13 @@ async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
         let m = memory.lease(who, &items, 10_000).await.unwrap()[0];
         let r = a.lease(who, &items, 10_000).await.unwrap()[0];
         assert_eq!(
-            (m.granted, m.remaining, m.rate),
-            (r.granted, r.remaining, r.rate),
+            (m.granted, m.remaining, m.rate, m.returned),
+            (r.granted, r.remaining, r.rate, r.returned),
             "{who} wants {wanted} and {demand}/s, gives back {returned}"
         );
+        if wanted == 0 && demand == 0.0 {
+            assert_eq!((m.retry_ms, r.retry_ms), (0, 0), "asked for nothing");
+        }
         // The two clocks are a few ms apart: the bucket's refill time may differ by as much.
         assert!(m.reset_ms.abs_diff(r.reset_ms) < 1_000, "{m:?} {r:?}");
         assert!(m.retry_ms.abs_diff(r.retry_ms) < 1_000, "{m:?} {r:?}");

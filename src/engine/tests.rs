@@ -338,6 +338,7 @@ fn grant(granted: u64) -> LeaseResponse {
             reset_ms: 30_000,
             rate: 0.0,
             retry_ms: 0,
+            returned: 0,
         }],
         errors: Vec::new(),
     }

@@ -134,11 +134,31 @@ fn under_overload_the_lowest_level_is_shed_first() {
     assert!(high_allowed >= 480 && low_shed >= 1_000);
 }
 
+/// A `placement_secret` that puts the tenants `names` in distinct fairness flows: with the
+/// random one of each process, two tenants share one of the 16 flows (and its part) in 1 run of 16.
+fn secret_separating(names: &[&str]) -> String {
+    use tollgate_core::slot::KeyPlacement;
+    let flow = |secret: &str, name: &str| {
+        let key = tollgate::key::encode_key(std::iter::once(Some(name.as_bytes())));
+        KeyPlacement::from_secret(secret.as_bytes()).hash(&key)
+            % tollgate_core::adaptive::FLOWS as u128
+    };
+    (0..)
+        .map(|n| format!("flows-apart-secret-{n}"))
+        .find(|secret| {
+            let flows: std::collections::HashSet<u128> =
+                names.iter().map(|name| flow(secret, name)).collect();
+            flows.len() == names.len()
+        })
+        .unwrap()
+}
+
 #[test]
 fn flows_of_a_level_share_it_equally() {
     let (_turn, _app, envoy) = start(
         json!({"rules": [{"name": "app", "algorithm": "adaptive", "match": {"path_prefix": "/app"},
-                          "adaptive": {"fair_key": ["header:x-tenant"]}}]}),
+                          "adaptive": {"fair_key": ["header:x-tenant"]}}],
+               "placement_secret": secret_separating(&["a", "b"])}),
         &["--capacity", "10", "--service-ms", "50"],
     );
     // 3x from two tenants, one sending 3 times as much as the other (both over half).

@@ -10,8 +10,8 @@
 --   buckets in use: then (cold "2") buckets it does not know start as with cold "1".
 -- KEYS: the same key names, declared (one Redis, or one slot of a cluster); none when the
 --   script runs all of a cluster master's items (its keys span slots: allow-cross-slot-keys).
--- Returns five numbers per item: granted, remaining, reset_ms, share (milli-tokens per second),
---   retry_ms.
+-- Returns six numbers per item: granted, remaining, reset_ms, share (milli-tokens per second),
+--   retry_ms, returned (what of the item's `returned` the bucket took back).
 -- Written for speed (Redis's Lua makes every table and string costly): holders live in
 -- parallel arrays reused from item to item, and only what changed is written back.
 local floor, ceil, min, max, huge = math.floor, math.ceil, math.min, math.max, math.huge
@@ -213,7 +213,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   end
   reset = ceil(reset)
   local retry = 0
-  if granted == 0 and share == 0 then
+  if granted == 0 and share == 0 and (wanted > 0 or demand > 0) then
     local frac = tokens - floor(tokens)
     local token = (1 - frac) / rate
     local first_free = huge
@@ -243,7 +243,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   call('PEXPIRE', bkey, max(idle_at - now, 1))
   local o = #out
   out[o + 1], out[o + 2], out[o + 3] = granted, max(floor(tokens), 0), reset
-  out[o + 4], out[o + 5] = share, retry
+  out[o + 4], out[o + 5], out[o + 6] = share, retry, back
 end
 
 -- Every read first: a key this node does not serve (a cluster that moved slots) fails the

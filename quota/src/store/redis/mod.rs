@@ -222,6 +222,7 @@ impl RedisStore {
                 reset_ms: a[2],
                 rate: a[3] as f64 / 1_000.0,
                 retry_ms: a[4],
+                returned: a[5],
             })
             .collect())
     }

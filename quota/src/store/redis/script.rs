@@ -38,7 +38,7 @@ pub(super) trait Scripted {
 
 impl Scripted for LeaseItem {
     const SUFFIX: &'static str = ":b";
-    const ANSWER: usize = 5;
+    const ANSWER: usize = 6;
     fn tag(&self) -> String {
         format!("tg:{}:{}", self.limit_id, self.key)
     }
