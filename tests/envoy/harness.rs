@@ -382,11 +382,11 @@ impl Envoy {
 
     /// Wait until a stat is more than `value`.
     pub fn wait_for_stat_above(&self, name: &str, value: i64) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.stat(name) <= value {
-            assert!(Instant::now() < deadline, "{name} stayed at most {value}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let above = || self.stat(name) > value;
+        assert!(
+            eventually(Duration::from_secs(10), above),
+            "{name} stayed at most {value}"
+        );
     }
 
     /// A plain Envoy stat, 0 if absent.
@@ -415,14 +415,7 @@ impl Envoy {
 
     /// True once Envoy's log contains `needle` (it is flushed periodically), false after 10 s.
     pub fn log_shows(&self, needle: &str) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if self.log().contains(needle) {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        false
+        eventually(Duration::from_secs(10), || self.log().contains(needle))
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -475,14 +468,12 @@ impl Envoy {
 
     /// Wait (up to 10 s) for a metric to reach `want`; returns its last value.
     pub fn await_prometheus(&self, series: &str, want: i64) -> i64 {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let v = self.prometheus_now(series);
-            if v == want || Instant::now() >= deadline {
-                return v;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let mut v = 0;
+        eventually(Duration::from_secs(10), || {
+            v = self.prometheus_now(series);
+            v == want
+        });
+        v
     }
 
     /// Connections each worker accepted (`listener.<addr>.worker_N.downstream_cx_total`).

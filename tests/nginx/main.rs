@@ -135,19 +135,16 @@ fn concurrency_slots_are_released_also_when_the_client_goes_away() {
     });
     assert_eq!(gave_up, [true, true]);
     // Their slots come back: two requests are admitted again (retried until the aborts land).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let again = parallel(2, |_| {
+    let mut again = Vec::new();
+    let released = testkit::eventually(Duration::from_secs(5), || {
+        again = parallel(2, |_| {
             Client::new()
                 .get(&nginx.url("/slow"), &[("x-delay-ms", "0")])
                 .status
         });
-        if again == [200, 200] {
-            break;
-        }
-        assert!(Instant::now() < deadline, "slots not released: {again:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        again == [200, 200]
+    });
+    assert!(released, "slots not released: {again:?}");
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
 
@@ -492,11 +489,11 @@ fn a_reload_starts_every_limit_fresh() {
     assert_eq!(statuses(&nginx.url("/"), &[], 3), (2, 1));
     nginx.reload();
     // nginx recreates the shm_kv zone on a reload: the bucket is full again.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while statuses(&nginx.url("/"), &[], 1) != (1, 0) {
-        assert!(Instant::now() < deadline, "the limit did not start fresh");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let fresh = || statuses(&nginx.url("/"), &[], 1) == (1, 0);
+    assert!(
+        testkit::eventually(Duration::from_secs(10), fresh),
+        "the limit did not start fresh"
+    );
 }
 
 /// The `nginx` block of docs/nginx.md, with this machine's paths and ports.
@@ -529,18 +526,16 @@ fn the_documented_nginx_conf_works_as_described() {
     // The global per-user rule leases from the quota service (5 requests of user u).
     assert_eq!(statuses(&nginx.url("/"), &[("x-user", "u")], 5), (5, 0));
     // (The refill goes out in the worker's next batched call.)
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while quota
-        .metrics()
-        .contains("tollgate_quota_lease_items_total 0")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "no lease call:\n{}",
-            quota.metrics()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let leased = || {
+        !quota
+            .metrics()
+            .contains("tollgate_quota_lease_items_total 0")
+    };
+    assert!(
+        testkit::eventually(Duration::from_secs(5), leased),
+        "no lease call:\n{}",
+        quota.metrics()
+    );
     // per-ip: a burst of 20 for this client, 15 of them left.
     assert_eq!(
         statuses(&nginx.url("/search"), &[("x-api-key", "k")], 20),
@@ -654,15 +649,12 @@ fn a_global_concurrency_limit_holds_across_two_workers() {
             .status,
         200
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !quota.metrics().contains("tollgate_quota_slots_held{") {
-        assert!(
-            Instant::now() < deadline,
-            "no slot call:\n{}",
-            quota.metrics()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let held = || quota.metrics().contains("tollgate_quota_slots_held{");
+    assert!(
+        testkit::eventually(Duration::from_secs(5), held),
+        "no slot call:\n{}",
+        quota.metrics()
+    );
     nginx
         .backend
         .peak
