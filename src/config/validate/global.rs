@@ -1,0 +1,197 @@
+//! Global rules: the quota service's settings, and a rule made global or a global concurrency rule.
+
+use crate::config::json::{QuotaMode, RawQuotaService};
+use crate::config::model::{FirstLease, GlobalRule, Quota, QuotaService, Rule, MAX_INSTANCES_HINT};
+use crate::config::{err, ConfigError};
+use std::num::NonZeroU64;
+use tollgate_core::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
+use tollgate_core::{Concurrency, LeaseAllowance, Limit, SlotAllowance, TokenBucket};
+
+/// A claimed refill is given up this long after its call's timeout.
+const CLAIM_GRACE_MS: u64 = 100;
+
+impl RawQuotaService {
+    /// The service settings, and the lease size if one was given.
+    pub(super) fn validate(self, path: &str) -> Result<(QuotaService, Option<u64>), ConfigError> {
+        if self.upstream.is_empty() {
+            return Err(err(format!("{path}.upstream"), "must not be empty"));
+        }
+        if let Some(n) = self.instances_hint.filter(|n| n.get() > MAX_INSTANCES_HINT) {
+            return Err(err(
+                format!("{path}.instances_hint"),
+                format!("{n} is more than the maximum of {MAX_INSTANCES_HINT}"),
+            ));
+        }
+        let key_secret = match &self.key_secret {
+            Some(secret) if secret.len() < 16 => {
+                return Err(err(
+                    format!("{path}.key_secret"),
+                    "must be at least 16 bytes (the same on every proxy)",
+                ));
+            }
+            Some(secret) => Some(tollgate_core::slot::key_hash(secret.as_bytes()).to_le_bytes()),
+            // Every proxy of a deployment holds the token: a secret they all share, which no
+            // client knows.
+            None => self.token.as_ref().map(|token| {
+                let mut bytes = b"tollgate key names\0".to_vec();
+                bytes.extend_from_slice(token.as_bytes());
+                tollgate_core::slot::key_hash(&bytes).to_le_bytes()
+            }),
+        };
+        let service = QuotaService {
+            key_secret,
+            authority: self.authority.unwrap_or_else(|| self.upstream.clone()),
+            upstream: self.upstream,
+            timeout_ms: self.timeout.map_or(200, |p| p.ms()),
+            token: self.token,
+            failure_mode: self.failure_mode,
+            instances_hint: self.instances_hint.map_or(1, NonZeroU64::get),
+            first_lease: self.first_lease,
+            retry_ms: self.retry.map_or(1_000, |p| p.ms()),
+            strict: self.mode == QuotaMode::Strict,
+        };
+        Ok((service, self.lease_size.map(NonZeroU64::get)))
+    }
+}
+
+impl Rule {
+    /// Turn a validated local token-bucket rule into a global one.
+    pub(super) fn make_global(
+        &mut self,
+        path: &str,
+        qs: &QuotaService,
+        lease_size: Option<u64>,
+    ) -> Result<(), ConfigError> {
+        if let Limit::Concurrency(c) = self.quota.limit {
+            return self.make_global_concurrency(path, qs, c.limit());
+        }
+        let Limit::TokenBucket(tb) = self.quota.limit else {
+            return Err(err(
+                format!("{path}.scope"),
+                "\"global\" rules use the token_bucket algorithm (without warmup) or concurrency",
+            ));
+        };
+        if !self.overrides.is_empty() {
+            return Err(err(
+                format!("{path}.overrides"),
+                "not supported on global rules yet",
+            ));
+        }
+        if tb.period_ns() % 1_000_000 != 0 {
+            return Err(err(
+                format!("{path}.limit.per"),
+                "global limits need whole milliseconds",
+            ));
+        }
+        let (requests, per_ms, burst) = (tb.requests(), tb.period_ns() / 1_000_000, tb.burst());
+        if requests > MAX_COUNT || burst > MAX_COUNT {
+            return Err(err(
+                format!("{path}.limit"),
+                format!("global limits take at most {MAX_COUNT} requests and burst"),
+            ));
+        }
+        if per_ms > MAX_PER_MS {
+            return Err(err(
+                format!("{path}.limit.per"),
+                "global limits take periods of at most 366 days",
+            ));
+        }
+        // A refill covers a slice of the burst each proxy may hold: small enough to share, large
+        // enough that calls stay rare.
+        let lease_size =
+            lease_size.unwrap_or_else(|| (burst / (4 * qs.instances_hint)).clamp(1, 1_000));
+        let lease = LeaseAllowance {
+            lease_size,
+            low_water: lease_size.div_ceil(2),
+            // Past the call's timeout, so that its answer or failure always comes first.
+            claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
+            global_burst: burst,
+            global_interval_ns: tb.period_ns() / requests,
+            global_rate_mtps: rate_mtps(requests, per_ms),
+        };
+        let share = |n: u64| (n / qs.instances_hint).max(1);
+        let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))
+            .map(Limit::TokenBucket)
+            .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
+        self.go_global(
+            (requests, per_ms, burst),
+            &format!("{requests}/{per_ms}/{burst}"),
+            fallback_limit,
+            (Limit::Lease(lease), "lease"),
+        );
+        Ok(())
+    }
+
+    /// Make the rule global: what it sends the service, its stand-in and its leased quota
+    /// (`leased`, and the suffix naming its slots). `limit` (in the fingerprint) tells limits
+    /// apart: different configurations never share global state.
+    pub(super) fn go_global(
+        &mut self,
+        (requests, per_ms, burst): (u64, u64, u64),
+        limit: &str,
+        stand_in: Limit,
+        (leased, suffix): (Limit, &str),
+    ) {
+        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
+        let fingerprint =
+            tollgate_core::slot::fingerprint(format!("{}/{limit}", self.name).as_bytes());
+        self.global = Some(GlobalRule {
+            requests,
+            per_ms,
+            burst,
+            limit_id: format!("{fingerprint:016x}"),
+            fallback: Quota::new(stand_in, &format!("{}.local", self.name), max_keys),
+        });
+        let mut quota = Quota::new(leased, &format!("{}.{suffix}", self.name), max_keys);
+        quota.policy = self.quota.policy;
+        self.quota = quota;
+    }
+
+    /// Turn a validated local concurrency rule into a global one: slots leased from the service.
+    pub(super) fn make_global_concurrency(
+        &mut self,
+        path: &str,
+        qs: &QuotaService,
+        concurrent: u64,
+    ) -> Result<(), ConfigError> {
+        if !self.overrides.is_empty() {
+            return Err(err(
+                format!("{path}.overrides"),
+                "not supported on global rules yet",
+            ));
+        }
+        if qs.strict {
+            return Err(err(
+                format!("{path}.scope"),
+                "global concurrency rules lease slots: quota_service.mode \"strict\" is for \
+                 token buckets",
+            ));
+        }
+        if concurrent > MAX_COUNT {
+            return Err(err(
+                format!("{path}.limit.concurrent"),
+                format!("global limits take at most {MAX_COUNT}"),
+            ));
+        }
+        let slots = SlotAllowance {
+            concurrent,
+            headroom: (concurrent / (4 * qs.instances_hint)).max(1),
+            // Past the call's timeout, so that its answer or failure always comes first.
+            claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
+            denied_ms: 1_000,
+            retry_ms: qs.retry_ms,
+            // With a provisional first lease the stand-in would admit a waiting request.
+            waits_for_more: qs.first_lease == FirstLease::Wait,
+        };
+        let stand_in = Concurrency::new((concurrent / qs.instances_hint).max(1))
+            .map(Limit::Concurrency)
+            .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
+        self.go_global(
+            (concurrent, 0, concurrent),
+            &format!("concurrent/{concurrent}"),
+            stand_in,
+            (Limit::SlotLease(slots), "slots"),
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,106 @@
+//! A rule's algorithm settings, applied to its own limit and its overrides' limits.
+
+use crate::config::json::{Algorithm, Delay, RawLimit};
+use crate::config::{err, ConfigError};
+use tollgate_core::{
+    Concurrency, FixedWindow, LeakyBucket, Limit, SlidingWindow, TokenBucket, WarmUp,
+};
+
+/// A rule's algorithm settings, applied to its own limit and to its overrides' limits.
+pub(super) struct LimitParams {
+    pub(super) algorithm: Algorithm,
+    pub(super) delay: Option<Delay>,
+    pub(super) max_delay_ns: u64,
+    pub(super) warmup_ns: Option<u64>,
+}
+
+impl LimitParams {
+    pub(super) fn limit(
+        &self,
+        raw: &RawLimit,
+        burst: Option<u64>,
+        path: &str,
+    ) -> Result<Limit, ConfigError> {
+        let field = |f: &str| format!("{path}.limit.{f}");
+        if self.algorithm == Algorithm::Concurrency {
+            if raw.requests.is_some() || raw.per.is_some() {
+                return Err(err(
+                    format!("{path}.limit"),
+                    "a concurrency limit is {\"concurrent\": N}, without requests or per",
+                ));
+            }
+            if burst.is_some() {
+                return Err(err(
+                    format!("{path}.burst"),
+                    "does not apply to concurrency",
+                ));
+            }
+            let n = raw.concurrent.ok_or_else(|| {
+                err(
+                    field("concurrent"),
+                    "required for algorithm \"concurrency\"",
+                )
+            })?;
+            return Concurrency::new(n.get())
+                .map(Limit::Concurrency)
+                .ok_or_else(|| err(field("concurrent"), "must be at least 1"));
+        }
+        if raw.concurrent.is_some() {
+            return Err(err(
+                field("concurrent"),
+                "only applies to algorithm \"concurrency\"",
+            ));
+        }
+        let requests = raw
+            .requests
+            .ok_or_else(|| err(field("requests"), "required"))?
+            .get();
+        let per = raw.per.ok_or_else(|| err(field("per"), "required"))?.ns;
+        let positive = || err(format!("{path}.limit"), "must be positive");
+        let zero_burst = || err(format!("{path}.burst"), "must be at least 1");
+        match self.algorithm {
+            Algorithm::TokenBucket => match self.warmup_ns {
+                Some(w) => WarmUp::new(requests, per, w)
+                    .map(Limit::WarmUp)
+                    .ok_or_else(positive),
+                None => {
+                    let burst = burst.unwrap_or(requests);
+                    if burst == 0 {
+                        return Err(zero_burst());
+                    }
+                    TokenBucket::new(requests, per, burst)
+                        .map(Limit::TokenBucket)
+                        .ok_or_else(positive)
+                }
+            },
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                if burst.is_some() {
+                    return Err(err(
+                        format!("{path}.burst"),
+                        "does not apply to window algorithms (the limit is the window's quota)",
+                    ));
+                }
+                if self.algorithm == Algorithm::FixedWindow {
+                    FixedWindow::new(requests, per).map(Limit::FixedWindow)
+                } else {
+                    SlidingWindow::new(requests, per).map(Limit::SlidingWindow)
+                }
+                .ok_or_else(positive)
+            }
+            Algorithm::LeakyBucket => {
+                let delay = match self.delay {
+                    None => 0,
+                    Some(Delay::Requests(n)) => n,
+                    Some(Delay::Never) => u64::MAX,
+                };
+                LeakyBucket::new(requests, per, burst.unwrap_or(0), delay, self.max_delay_ns)
+                    .map(Limit::LeakyBucket)
+                    .ok_or_else(positive)
+            }
+            // Overload rules have no limit (refused before this).
+            Algorithm::Concurrency | Algorithm::Adaptive | Algorithm::SreThrottle => {
+                Err(positive())
+            }
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! A rule: its fields checked and turned into the model (its limit, key, overrides, cost).
+
+use super::clients::client_network;
+use super::limit::LimitParams;
+use crate::config::json::{Algorithm, RawCost, RawResponse, RawRule, Scope};
+use crate::config::model::{
+    Cost, KeyPart, Override, OverrideAction, Quota, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS,
+    DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
+};
+use crate::config::syntax::is_token;
+use crate::config::{err, ConfigError};
+use crate::network::ClientIp;
+use std::collections::HashSet;
+use std::num::NonZeroU32;
+use tollgate_core::{Concurrency, Limit};
+
+impl RawRule {
+    pub(super) fn validate(
+        self,
+        path: &str,
+        dry_run_all: bool,
+        client_ip: &ClientIp,
+    ) -> Result<Rule, ConfigError> {
+        if matches!(self.algorithm, Algorithm::Adaptive | Algorithm::SreThrottle) {
+            return self.validate_guard(path, dry_run_all);
+        }
+        let only = |given: bool, field: &str, algorithms: &str| {
+            if given {
+                Err(err(
+                    format!("{path}.{field}"),
+                    format!("only applies to {algorithms}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        only(
+            self.adaptive.is_some(),
+            "adaptive",
+            "algorithm \"adaptive\"",
+        )?;
+        only(
+            self.sre_throttle.is_some(),
+            "sre_throttle",
+            "algorithm \"sre_throttle\"",
+        )?;
+        let Some(raw_limit) = &self.limit else {
+            return Err(err(
+                format!("{path}.limit"),
+                "required: {\"requests\": N, \"per\": DURATION}, or {\"concurrent\": N}",
+            ));
+        };
+        let matcher = self.matcher.validate(&format!("{path}.match"))?;
+        let max_keys = self.max_keys.map_or(DEFAULT_MAX_KEYS, NonZeroU32::get);
+        if max_keys > MAX_MAX_KEYS {
+            return Err(err(
+                format!("{path}.max_keys"),
+                format!("{max_keys} is more than the maximum of {MAX_MAX_KEYS}"),
+            ));
+        }
+        let algorithm = self.algorithm;
+        only(
+            self.delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.max_delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "max_delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.warmup.is_some() && algorithm != Algorithm::TokenBucket,
+            "warmup",
+            "algorithm \"token_bucket\"",
+        )?;
+        only(
+            self.worker_batch.is_some()
+                && (algorithm != Algorithm::TokenBucket || self.warmup.is_some()),
+            "worker_batch",
+            "algorithm \"token_bucket\" (no warmup)",
+        )?;
+        let worker_batch = match self.worker_batch {
+            Some(n) if n > MAX_WORKER_BATCH => {
+                return Err(err(
+                    format!("{path}.worker_batch"),
+                    format!("{n} is more than the maximum of {MAX_WORKER_BATCH}"),
+                ))
+            }
+            Some(n) => n,
+            // A global rule's allowance is this proxy's part of the limit: a token stashed by one
+            // worker would be missing to another's request at the end of a burst, and the service
+            // would say there is no more (a refusal with budget left).
+            None if self.scope == Scope::Global => 0,
+            None if algorithm == Algorithm::TokenBucket && self.warmup.is_none() => {
+                DEFAULT_WORKER_BATCH
+            }
+            None => 0,
+        };
+        if self.warmup.is_some() && self.burst.is_some() {
+            return Err(err(
+                format!("{path}.burst"),
+                "cannot be combined with warmup (a warming bucket admits one request at a time)",
+            ));
+        }
+        let params = LimitParams {
+            algorithm,
+            delay: self.delay,
+            max_delay_ns: self.max_delay.map_or(DEFAULT_MAX_DELAY_NS, |p| p.ns),
+            warmup_ns: self.warmup.map(|p| p.ns),
+        };
+        let name = self.name.0;
+        let limit = params.limit(raw_limit, self.burst, path)?;
+        let quota = Quota::new(limit, &name, max_keys);
+        check_key(&self.key, path)?;
+        let cost = match self.cost {
+            None => Cost::Fixed(1),
+            Some(RawCost::Fixed(n)) => Cost::Fixed(n),
+            Some(RawCost::Header(h)) => {
+                if !is_token(&h.header) {
+                    return Err(err(
+                        format!("{path}.cost.header"),
+                        format!("{:?} is not a header name", h.header),
+                    ));
+                }
+                let max = h.max.get();
+                if h.min > max {
+                    return Err(err(
+                        format!("{path}.cost.min"),
+                        format!("{} is more than max ({max})", h.min),
+                    ));
+                }
+                if !(h.min..=max).contains(&h.default) {
+                    return Err(err(
+                        format!("{path}.cost.default"),
+                        format!("{} is not within min..=max ({}..={max})", h.default, h.min),
+                    ));
+                }
+                Cost::Header {
+                    name: h.header.to_ascii_lowercase(),
+                    default: h.default,
+                    min: h.min,
+                    max,
+                }
+            }
+        };
+        if algorithm == Algorithm::LeakyBucket && !matches!(cost, Cost::Fixed(1)) {
+            // A held request's delay is decided for the whole cost at once; keep nginx's model.
+            return Err(err(format!("{path}.cost"), "leaky_bucket requests cost 1"));
+        }
+
+        let mut overrides = Vec::with_capacity(self.overrides.len());
+        let mut override_keys = HashSet::new();
+        for (j, o) in self.overrides.into_iter().enumerate() {
+            let at = format!("{path}.overrides[{j}]");
+            if o.values.len() != self.key.len() {
+                return Err(err(
+                    format!("{at}.values"),
+                    format!(
+                        "gives {} value(s) for a key of {} part(s)",
+                        o.values.len(),
+                        self.key.len()
+                    ),
+                ));
+            }
+            let mut values = Vec::with_capacity(o.values.len());
+            let mut networks = Vec::new();
+            for (k, (v, part)) in o.values.iter().zip(&self.key).enumerate() {
+                values.push(match part {
+                    KeyPart::ClientIp => {
+                        let at = format!("{at}.values[{k}]");
+                        let network = client_network(v, client_ip, &at)?;
+                        let keyed = if network.is_ipv4() {
+                            client_ip.ipv4_prefix
+                        } else {
+                            client_ip.ipv6_prefix
+                        };
+                        // A range of exactly the keys' length is one key: matched as bytes.
+                        if network.prefix() < keyed {
+                            networks.push((k, network));
+                        }
+                        network.text()
+                    }
+                    KeyPart::Host => v.to_ascii_lowercase(),
+                    _ => v.clone(),
+                });
+            }
+            let key = crate::key::encode_key(values.iter().map(|v| Some(v.as_bytes())));
+            if !override_keys.insert(key.clone()) {
+                return Err(err(
+                    format!("{at}.values"),
+                    "another override has the same values",
+                ));
+            }
+            let action = match (o.limit, o.unlimited, o.block) {
+                (Some(l), false, false) => {
+                    let limit = params.limit(&l, o.burst, &at)?;
+                    OverrideAction::Limit(Quota::new(limit, &format!("{name}.o{j}"), 1))
+                }
+                (None, true, false) if o.burst.is_none() => OverrideAction::Unlimited,
+                (None, false, true) if o.burst.is_none() => OverrideAction::Block,
+                _ => {
+                    return Err(err(
+                        at,
+                        "give exactly one of limit (with optional burst), unlimited or block",
+                    ))
+                }
+            };
+            overrides.push(Override {
+                key,
+                networks,
+                action,
+            });
+        }
+        let response = self
+            .response
+            .map(|r| r.validate(&format!("{path}.response")))
+            .transpose()?;
+        Ok(Rule {
+            name,
+            matcher,
+            key: self.key,
+            missing_key: self.missing_key,
+            quota,
+            cost,
+            overrides,
+            response,
+            dry_run: self.dry_run || dry_run_all,
+            global: None,
+            worker_batch,
+            worker_batch_by_default: self.worker_batch.is_none() && worker_batch > 0,
+            guard: None,
+        })
+    }
+
+    /// An adaptive or sre_throttle rule.
+    pub(super) fn validate_guard(self, path: &str, dry_run_all: bool) -> Result<Rule, ConfigError> {
+        let guard = self.guard(path, self.algorithm == Algorithm::Adaptive)?;
+        let matcher = self.matcher.validate(&format!("{path}.match"))?;
+        check_key(&self.key, path)?;
+        // Overload is not the client's doing: 503 unless the rule says otherwise.
+        let response = self
+            .response
+            .unwrap_or_else(|| RawResponse {
+                status: 503,
+                body: "overloaded\n".into(),
+                ..RawResponse::default()
+            })
+            .validate(&format!("{path}.response"))?;
+        let response = Some(response);
+        let name = self.name.0;
+        // Never used: the rule keeps windows, not slots.
+        let unused = Concurrency::new(1).map(Limit::Concurrency);
+        let quota = Quota::new(unused.ok_or_else(|| err(path, "internal"))?, &name, 1);
+        Ok(Rule {
+            name,
+            matcher,
+            key: self.key,
+            missing_key: self.missing_key,
+            quota,
+            cost: Cost::Fixed(1),
+            overrides: Vec::new(),
+            response,
+            dry_run: self.dry_run || dry_run_all,
+            global: None,
+            worker_batch: 0,
+            worker_batch_by_default: false,
+            guard: Some(guard),
+        })
+    }
+}
+
+pub(super) fn check_key(key: &[KeyPart], path: &str) -> Result<(), ConfigError> {
+    let mut seen = HashSet::new();
+    for (j, part) in key.iter().enumerate() {
+        if !seen.insert(part) {
+            return Err(err(format!("{path}.key[{j}]"), "repeated key part"));
+        }
+    }
+    Ok(())
+}
