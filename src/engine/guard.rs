@@ -38,9 +38,9 @@ struct Ask<'a> {
 
 /// An overload rule's decision for a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verdict {
+enum Passage {
     /// The request goes on; `seated` if the rule counts it in its window until its answer.
-    Go {
+    Admit {
         seated: bool,
     },
     Shed,
@@ -164,11 +164,11 @@ impl Engine {
                 }
             };
             self.stats
-                .bump(i, RuleStat::of_level(level, verdict == Verdict::Shed));
+                .bump(i, RuleStat::of_level(level, verdict == Passage::Shed));
             self.log_dry_runs(now);
             match verdict {
-                Verdict::Shed => {}
-                Verdict::Go { seated } => {
+                Passage::Shed => {}
+                Passage::Admit { seated } => {
                     self.stats.bump(i, RuleStat::Allowed);
                     if seated {
                         seats.push(seat);
@@ -195,7 +195,7 @@ impl Engine {
         estimator: Adaptive,
         share: u64,
         ask: Ask,
-    ) -> Verdict {
+    ) -> Passage {
         let (seat, now, dry_run) = (ask.seat.seat, ask.now, ask.dry_run);
         let result = update(store, ask.key, |bytes| {
             let w = Window::decode(bytes.unwrap_or_default());
@@ -229,7 +229,7 @@ impl Engine {
         throttle: SreThrottle,
         d: u32,
         ask: Ask,
-    ) -> Verdict {
+    ) -> Passage {
         let (level, now, dry_run) = (ask.seat.seat.level, ask.now, ask.dry_run);
         let result = update(store, ask.key, |bytes| {
             let c = Counts::decode(bytes.unwrap_or_default());
@@ -245,20 +245,20 @@ impl Engine {
 
     /// What a decision written to a rule's window means for the request. Without its window the
     /// rule cannot judge: the request goes on, holding no seat.
-    fn settle(&mut self, i: usize, result: Written<bool>, dry_run: bool) -> Verdict {
+    fn settle(&mut self, i: usize, result: Written<bool>, dry_run: bool) -> Passage {
         match result {
-            Written::Done(true) => Verdict::Go { seated: true },
+            Written::Done(true) => Passage::Admit { seated: true },
             Written::Done(false) if dry_run => {
                 self.would_refuse(i);
-                Verdict::Go { seated: true }
+                Passage::Admit { seated: true }
             }
             Written::Done(false) => {
                 debug!("rule {}: request refused (overload)", self.rule_name(i));
-                Verdict::Shed
+                Passage::Shed
             }
             Written::Failed(stat) => {
                 self.stats.bump(i, stat);
-                Verdict::Go { seated: false }
+                Passage::Admit { seated: false }
             }
         }
     }
