@@ -8,6 +8,7 @@ COPY quota quota
 COPY src src
 COPY cli cli
 COPY testbed testbed
+COPY testkit testkit
 RUN cargo build --release --locked -p tollgate-quota
 
 FROM gcr.io/distroless/cc-debian12:nonroot

@@ -141,6 +141,14 @@ fn the_compose_demo_is_consistent() {
                 context.join(file).exists(),
                 "{name}: no {file} in its build context"
             );
+            // Cargo reads the whole workspace to build one crate: every member is copied in.
+            let dockerfile = std::fs::read_to_string(context.join(file)).unwrap();
+            for member in workspace_members().iter().filter(|m| *m != ".") {
+                assert!(
+                    dockerfile.contains(&format!("COPY {member} {member}")),
+                    "{name}: {file} does not copy the workspace member {member}"
+                );
+            }
         }
     }
     // Envoy is the version the tests run.
@@ -309,4 +317,18 @@ fn ctrl_c_stops_the_demo_and_all_it_started() {
         "the demo ignored Ctrl-C"
     );
     assert_demo_ports_free();
+}
+
+/// The workspace's members, as the root Cargo.toml lists them.
+fn workspace_members() -> Vec<String> {
+    let manifest = std::fs::read_to_string(repo().join("Cargo.toml")).unwrap();
+    let list = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("members = ["))
+        .and_then(|l| l.strip_suffix(']'))
+        .expect("a one-line members list in Cargo.toml");
+    list.split(',')
+        .map(|m| m.trim().trim_matches('"').to_owned())
+        .filter(|m| !m.is_empty())
+        .collect()
 }
