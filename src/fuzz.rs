@@ -2,6 +2,9 @@
 //! quota answers built from their formats' own field names, and requests of arbitrary bytes, go
 //! through the parser and the engine; nothing may panic.
 
+// Test code only (`#[cfg(test)] mod fuzz;` in lib.rs): a panic here is a failing test.
+#![cfg(test)]
+
 use crate::config::Config;
 use crate::fuzz_harness::{
     config_seeds, run_configuration, run_quota_answers, with_small_tables, Bytes, HEADER_NAMES,

@@ -163,20 +163,9 @@ async fn a_full_memory_store_refuses_new_keys_but_keeps_serving_known_ones() {
 
 #[tokio::test]
 async fn a_credential_that_fills_its_share_of_the_store_leaves_room_for_the_others() {
-    let p = |s: &str| ProxyToken::parse(s).unwrap();
-    let svc = Arc::new(Service {
-        // 10 keys, at most 5 made by one credential.
-        store: Store::Memory(MemoryStore::with_caps(10, 5, ColdStart::Full)),
-        credentials: Credentials::new(
-            None,
-            vec![p("edge-a=aaaaaaaaaaaaaaaa"), p("edge-b=bbbbbbbbbbbbbbbb")],
-            DEFAULT_MAX_INSTANCES,
-            Duration::from_secs(10),
-        ),
-        lease_ttl_ms: 10_000,
-        metrics: Metrics::default(),
-        body_timeout: Duration::from_secs(5),
-    });
+    // 10 keys, at most 5 made by one credential.
+    let store = Store::Memory(MemoryStore::with_caps(10, 5, ColdStart::Full));
+    let svc = with_proxy_tokens_on(store, DEFAULT_MAX_INSTANCES);
     let (a, b) = (
         Some("Bearer aaaaaaaaaaaaaaaa"),
         Some("Bearer bbbbbbbbbbbbbbbb"),
@@ -1389,9 +1378,17 @@ async fn slot_call(
 }
 
 fn with_proxy_tokens(max_instances: usize) -> Arc<Service> {
+    with_proxy_tokens_on(
+        Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        max_instances,
+    )
+}
+
+/// A service on `store` with two proxy tokens (edge-a, edge-b) and no shared one.
+fn with_proxy_tokens_on(store: Store, max_instances: usize) -> Arc<Service> {
     let p = |s: &str| ProxyToken::parse(s).unwrap();
     Arc::new(Service {
-        store: Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        store,
         credentials: Credentials::new(
             None,
             vec![p("edge-a=aaaaaaaaaaaaaaaa"), p("edge-b=bbbbbbbbbbbbbbbb")],

@@ -1,7 +1,11 @@
 //! Hostile requests and the configurations the Envoy and nginx suites share.
 
-use crate::http::{raw, statuses};
+use crate::http::{raw, statuses, Client};
+use crate::process::eventually;
+use crate::quota::Quota;
 use serde_json::{json, Value};
+use std::time::Duration;
+
 /// The configuration the hostile-bytes checks run with (both proxies).
 pub fn hostile_plugin() -> Value {
     json!({
@@ -75,4 +79,46 @@ pub fn check_client_networks(url: &str) {
 
 pub fn one_rule(rule: Value) -> Value {
     json!({"rules": [rule]})
+}
+
+/// Strict mode with a per-user global limit (5 an hour) and a per-team one (1 an hour), the quota
+/// service at `upstream` as the proxy names it.
+pub fn strict_give_back_plugin(upstream: &str) -> Value {
+    json!({
+        "rules": [
+            {"name": "user", "scope": "global", "key": ["header:x-user"],
+             "limit": {"requests": 5, "per": "1h"}},
+            {"name": "team", "scope": "global", "key": ["header:x-team"],
+             "limit": {"requests": 1, "per": "1h"}}
+        ],
+        "quota_service": {"upstream": upstream, "mode": "strict"}
+    })
+}
+
+/// What [`strict_give_back_plugin`] does, asked of a proxy at `url` whose quota service is
+/// `quota`: the team's limit is spent, so its requests are refused after their calls granted the
+/// user's token, which goes back.
+pub fn check_strict_give_back(url: &str, quota: &Quota) {
+    let c = Client::new();
+    let status = |team: &str| c.get(url, &[("x-user", "u"), ("x-team", team)]).status;
+    assert_eq!(status("t0"), 200);
+    for _ in 0..10 {
+        assert_eq!(status("t0"), 429);
+    }
+    // What the refused requests were granted (a user token each, unless the user's bucket was
+    // empty until earlier give-backs came in) goes back on the workers' next ticks: in the end
+    // only the admitted request's 2 tokens stay out.
+    let out = || {
+        quota.metric("tollgate_quota_tokens_granted_total")
+            - quota.metric("tollgate_quota_tokens_given_back_total")
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || out() == 2),
+        "{}",
+        out()
+    );
+    assert!(quota.metric("tollgate_quota_tokens_given_back_total") >= 4);
+    // The user still has 4 of its 5 (before: none — the refusals had spent them).
+    let fresh_teams: Vec<u16> = (1..=5).map(|t| status(&format!("t{t}"))).collect();
+    assert_eq!(fresh_teams, [200, 200, 200, 200, 429]);
 }

@@ -80,6 +80,17 @@ impl Quota {
             .into_string()
             .unwrap()
     }
+
+    /// The value of the unlabelled series `name` (e.g. `tollgate_quota_tokens_granted_total`),
+    /// 0 if absent.
+    pub fn metric(&self, name: &str) -> i64 {
+        let prefix = format!("{name} ");
+        self.metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
 }
 
 impl Drop for Quota {

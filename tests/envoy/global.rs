@@ -1,6 +1,9 @@
 //! Global limits: two Envoys, the quota service (in memory or on Redis), and its failures.
 
-use crate::harness::{eventually, parallel, statuses, Client, Envoy, Options, Quota, Redis};
+use crate::harness::{
+    check_strict_give_back, parallel, statuses, strict_give_back_plugin, Client, Envoy, Options,
+    Quota, Redis,
+};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -340,50 +343,9 @@ fn strict_mode_spends_no_global_quota_on_requests_a_local_rule_refuses() {
 
 #[test]
 fn strict_mode_gives_back_what_a_refused_request_was_granted() {
-    // A per-user global limit and a per-team one; the team's is spent, so its requests are
-    // refused after the call granted the user's token.
     let quota = Quota::start(&[]);
-    let mut plugin = config(
-        json!({"name": "user", "scope": "global", "key": ["header:x-user"],
-               "limit": {"requests": 5, "per": "1h"}}),
-        json!({"mode": "strict"}),
-    );
-    plugin["rules"].as_array_mut().unwrap().push(
-        json!({"name": "team", "scope": "global", "key": ["header:x-team"],
-               "limit": {"requests": 1, "per": "1h"}}),
-    );
-    let e = envoy(quota.port, &plugin);
-    let url = e.url("/");
-    let c = Client::new();
-    let status = |team: &str| c.get(&url, &[("x-user", "u"), ("x-team", team)]).status;
-    assert_eq!(status("t0"), 200);
-    for _ in 0..10 {
-        assert_eq!(status("t0"), 429);
-    }
-    // What the refused requests were granted (a user token each, unless the user's bucket was
-    // empty until earlier give-backs came in) goes back on the workers' next ticks: in the end
-    // only the admitted request's 2 tokens stay out.
-    let metric = |name: &str| {
-        quota
-            .metrics()
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let out = || {
-        metric("tollgate_quota_tokens_granted_total ")
-            - metric("tollgate_quota_tokens_given_back_total ")
-    };
-    assert!(
-        eventually(Duration::from_secs(5), || out() == 2),
-        "{}",
-        out()
-    );
-    assert!(metric("tollgate_quota_tokens_given_back_total ") >= 4);
-    // The user still has 4 of its 5 (before: none — the refusals had spent them).
-    let fresh_teams: Vec<u16> = (1..=5).map(|t| status(&format!("t{t}"))).collect();
-    assert_eq!(fresh_teams, [200, 200, 200, 200, 429]);
+    let e = envoy(quota.port, &strict_give_back_plugin("quota"));
+    check_strict_give_back(&e.url("/"), &quota);
 }
 
 #[test]
@@ -521,15 +483,8 @@ fn hammer(url: &str, user: &str, connections: usize, span: Duration) -> (Vec<u16
 
 /// The quota service's tokens granted so far, outright and reserved by rate leases.
 fn granted(quota: &Quota) -> i64 {
-    let metrics = quota.metrics();
-    let of = |name: &str| -> i64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    };
-    of("tollgate_quota_tokens_granted_total ") + of("tollgate_quota_tokens_reserved_total ")
+    quota.metric("tollgate_quota_tokens_granted_total")
+        + quota.metric("tollgate_quota_tokens_reserved_total")
 }
 
 #[test]

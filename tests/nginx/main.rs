@@ -205,46 +205,9 @@ fn strict_global_mode_counts_every_request_at_the_quota_service() {
 fn strict_mode_gives_back_what_a_refused_request_was_granted() {
     nginx_or_skip!();
     let quota = Quota::start(&[]);
-    let mut plugin = global(
-        json!({"name": "user", "scope": "global", "key": ["header:x-user"],
-               "limit": {"requests": 5, "per": "1h"}}),
-        json!({"upstream": format!("127.0.0.1:{}", quota.port), "mode": "strict"}),
-    );
-    plugin["rules"].as_array_mut().unwrap().push(
-        json!({"name": "team", "scope": "global", "key": ["header:x-team"],
-               "limit": {"requests": 1, "per": "1h"}}),
-    );
-    let nginx = Nginx::start(&plugin);
-    let c = Client::new();
-    let status = |team: &str| {
-        c.get(&nginx.url("/"), &[("x-user", "u"), ("x-team", team)])
-            .status
-    };
-    assert_eq!(status("t0"), 200);
-    for _ in 0..10 {
-        assert_eq!(status("t0"), 429);
-    }
-    // What the refused requests were granted goes back on the workers' ticks: in the end only
-    // the admitted request's 2 tokens stay out.
-    let metric = |name: &str| {
-        quota
-            .metrics()
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let out = || {
-        metric("tollgate_quota_tokens_granted_total ")
-            - metric("tollgate_quota_tokens_given_back_total ")
-    };
-    assert!(
-        testkit::eventually(Duration::from_secs(5), || out() == 2),
-        "{}",
-        nginx.log()
-    );
-    let fresh_teams: Vec<u16> = (1..=5).map(|t| status(&format!("t{t}"))).collect();
-    assert_eq!(fresh_teams, [200, 200, 200, 200, 429]);
+    let upstream = format!("127.0.0.1:{}", quota.port);
+    let nginx = Nginx::start(&testkit::strict_give_back_plugin(&upstream));
+    testkit::check_strict_give_back(&nginx.url("/"), &quota);
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
 

@@ -6,9 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use tollgate_core::lease::{ColdStart, GlobalBucket, LeaseGrant, LeaseItem};
 use tollgate_core::slot_lease::{Holdings, SlotAnswer, SlotItem};
+
 /// The credential an instance name belongs to: a proxy token's name (instances `NAME/...`), or
 /// "" for the shared token (or a service without one).
-pub fn credential_of(instance: &str) -> &str {
+fn credential_of(instance: &str) -> &str {
     instance.split_once('/').map_or("", |(name, _)| name)
 }
 
@@ -22,7 +23,7 @@ struct KeyTable<T> {
     per_credential: usize,
 }
 
-impl<T: Default> KeyTable<T> {
+impl<T> KeyTable<T> {
     fn new(max_keys: usize, per_credential: usize) -> Self {
         Self {
             entries: HashMap::new(),

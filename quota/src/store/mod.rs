@@ -4,7 +4,7 @@
 pub mod memory;
 pub mod redis;
 
-pub use memory::{credential_of, MemoryStore};
+pub use memory::MemoryStore;
 use redis::RedisStore;
 use std::time::Duration;
 use tollgate_core::lease::{LeaseGrant, LeaseItem};
