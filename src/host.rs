@@ -1,35 +1,12 @@
-//! Every call into the host, made safe: what the host returns is bytes (never assumed to be
-//! UTF-8), every status is handled and handed back as a `Result` or `Option`, and nothing here
-//! panics. The logger and the last-resort panic hook live here too.
+//! The lifecycle's `Host` on the proxy-wasm ABI: every call into the host made safe — what the host
+//! returns is bytes (never assumed to be UTF-8), every status is handed back as a `Result` or
+//! `Option`, and nothing here panics. The logger and the last-resort panic hook live here too.
 
 use crate::abi;
-use crate::config::{HostCaps, LogLevel};
-use crate::request::RequestView;
+use crate::config::HostCaps;
+use crate::lifecycle::{Host, MetricKind, Status};
 use std::cell::OnceCell;
-use std::fmt;
 use tollgate_core::{CasStore, StoreError};
-
-/// A status other than OK, as the host returned it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Status(pub u32);
-
-impl fmt::Display for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = match self.0 {
-            1 => "not found",
-            2 => "bad argument",
-            3 => "serialization failure",
-            4 => "parse failure",
-            6 => "invalid memory access",
-            7 => "empty",
-            8 => "CAS mismatch",
-            10 => "internal failure",
-            12 => "unimplemented",
-            _ => "unknown",
-        };
-        write!(f, "status {} ({name})", self.0)
-    }
-}
 
 fn check(status: u32) -> Result<(), Status> {
     if status == abi::OK {
@@ -66,20 +43,20 @@ pub fn log(level: u32, message: &str) {
 }
 
 /// Nanoseconds since the Unix epoch, if the host gives a time.
-pub fn now_ns() -> Option<u64> {
+fn now_ns() -> Option<u64> {
     let mut t: u64 = 0;
     // SAFETY: the host writes one u64.
     check(unsafe { abi::proxy_get_current_time_nanoseconds(&mut t) }).ok()?;
     Some(t)
 }
 
-pub fn set_tick_period(ms: u32) -> Result<(), Status> {
+fn set_tick_period(ms: u32) -> Result<(), Status> {
     // SAFETY: plain value.
     check(unsafe { abi::proxy_set_tick_period_milliseconds(ms) })
 }
 
 /// The plugin configuration's bytes (empty if there is none).
-pub fn plugin_configuration() -> Result<Vec<u8>, Status> {
+fn plugin_configuration() -> Result<Vec<u8>, Status> {
     returned(|data, size| {
         // SAFETY: out-pointers valid for one write each.
         unsafe {
@@ -99,22 +76,22 @@ fn map_value(map: u32, name: &str) -> Option<Vec<u8>> {
 }
 
 /// A request header (or pseudo-header) by lower-case name, as the client sent it.
-pub fn request_header(name: &str) -> Option<Vec<u8>> {
+fn request_header(name: &str) -> Option<Vec<u8>> {
     map_value(abi::MAP_HTTP_REQUEST_HEADERS, name)
 }
 
 /// A response header (or `:status`) by lower-case name, read in the response callback.
-pub fn response_header(name: &str) -> Option<Vec<u8>> {
+fn response_header(name: &str) -> Option<Vec<u8>> {
     map_value(abi::MAP_HTTP_RESPONSE_HEADERS, name)
 }
 
 /// A header of the answer to an HTTP call, read in its response callback.
-pub fn call_response_header(name: &str) -> Option<Vec<u8>> {
+fn call_response_header(name: &str) -> Option<Vec<u8>> {
     map_value(abi::MAP_HTTP_CALL_RESPONSE_HEADERS, name)
 }
 
 /// The body of the answer to an HTTP call, read in its response callback.
-pub fn call_response_body(size: usize) -> Option<Vec<u8>> {
+fn call_response_body(size: usize) -> Option<Vec<u8>> {
     returned(|data, out_size| {
         // SAFETY: out-pointers valid for one write each.
         unsafe {
@@ -131,7 +108,7 @@ pub fn call_response_body(size: usize) -> Option<Vec<u8>> {
     .flatten()
 }
 
-pub fn add_response_header(name: &str, value: &str) -> Result<(), Status> {
+fn add_response_header(name: &str, value: &str) -> Result<(), Status> {
     // SAFETY: both strings are valid for their lengths.
     check(unsafe {
         abi::proxy_add_header_map_value(
@@ -145,7 +122,7 @@ pub fn add_response_header(name: &str, value: &str) -> Result<(), Status> {
 }
 
 /// A property by path (segments separated by NUL bytes).
-pub fn property(path: &[u8]) -> Option<Vec<u8>> {
+fn property(path: &[u8]) -> Option<Vec<u8>> {
     returned(|data, size| {
         // SAFETY: the path is valid for its length; out-pointers valid for one write each.
         unsafe { abi::proxy_get_property(path.as_ptr(), path.len(), data, size) }
@@ -154,31 +131,30 @@ pub fn property(path: &[u8]) -> Option<Vec<u8>> {
     .flatten()
 }
 
-pub fn define_metric(kind: u32, name: &str) -> Result<u32, Status> {
+fn define_metric(kind: MetricKind, name: &str) -> Result<u32, Status> {
     let mut id = 0;
+    let kind = match kind {
+        MetricKind::Counter => abi::METRIC_COUNTER,
+        MetricKind::Gauge => abi::METRIC_GAUGE,
+    };
     // SAFETY: the name is valid for its length; the host writes one u32.
     check(unsafe { abi::proxy_define_metric(kind, name.as_ptr(), name.len(), &mut id) })?;
     Ok(id)
 }
 
-pub fn increment_metric(id: u32, by: i64) -> Result<(), Status> {
+fn increment_metric(id: u32, by: i64) -> Result<(), Status> {
     // SAFETY: plain values.
     check(unsafe { abi::proxy_increment_metric(id, by) })
 }
 
-pub fn record_metric(id: u32, value: u64) -> Result<(), Status> {
+fn record_metric(id: u32, value: u64) -> Result<(), Status> {
     // SAFETY: plain values.
     check(unsafe { abi::proxy_record_metric(id, value) })
 }
 
 /// Start an HTTP call; its answer arrives in the calling context's call-response callback.
 /// `headers` is a serialized header map ([`crate::header_map`]).
-pub fn http_call(
-    upstream: &str,
-    headers: &[u8],
-    body: &[u8],
-    timeout_ms: u32,
-) -> Result<u32, Status> {
+fn http_call(upstream: &str, headers: &[u8], body: &[u8], timeout_ms: u32) -> Result<u32, Status> {
     const NO_TRAILERS: [u8; 4] = [0; 4];
     let mut token = 0;
     // SAFETY: every buffer is valid for its length; the host writes one u32.
@@ -200,7 +176,7 @@ pub fn http_call(
 }
 
 /// Answer the current request locally. `headers` is a serialized header map.
-pub fn send_local_response(status: u32, headers: &[u8], body: &[u8]) -> Result<(), Status> {
+fn send_local_response(status: u32, headers: &[u8], body: &[u8]) -> Result<(), Status> {
     // SAFETY: every buffer is valid for its length.
     check(unsafe {
         abi::proxy_send_local_response(
@@ -217,21 +193,22 @@ pub fn send_local_response(status: u32, headers: &[u8], body: &[u8]) -> Result<(
 }
 
 /// Let the current (paused) request go on.
-pub fn continue_request() -> Result<(), Status> {
+fn continue_request() -> Result<(), Status> {
     // SAFETY: plain value.
     check(unsafe { abi::proxy_continue_stream(abi::STREAM_HTTP_REQUEST) })
 }
 
 /// Make another context current (to resume it from the plugin's timer; Envoy only).
-pub fn set_effective_context(context_id: u32) -> Result<(), Status> {
+fn set_effective_context(context_id: u32) -> Result<(), Status> {
     // SAFETY: plain value.
     check(unsafe { abi::proxy_set_effective_context(context_id) })
 }
 
-/// The host's shared data, seen through the core's store trait.
-pub struct SharedData;
+/// The host the module runs in, through the proxy-wasm ABI; its shared data is the store.
+#[derive(Clone, Copy)]
+pub struct WasmHost;
 
-impl CasStore for SharedData {
+impl CasStore for WasmHost {
     fn read(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
         let mut cas: u32 = 0;
         let result = returned(|data, size| {
@@ -264,15 +241,15 @@ thread_local! {
 /// Which host this is, told by how its shared data treats a blind write: Envoy writes over an
 /// existing key when no CAS is given, ngx_wasm_module refuses (CAS mismatch). Anything else is
 /// treated as the more limited host.
-pub fn caps() -> HostCaps {
+fn caps() -> HostCaps {
     CAPS.with(|c| {
         *c.get_or_init(|| {
             const KEY: &str = "tollgate.host";
-            if let Ok(None) = SharedData.read(KEY) {
+            if let Ok(None) = WasmHost.read(KEY) {
                 // Whether this or another worker creates it does not matter.
-                let _ = SharedData.write(KEY, b"1", 0);
+                let _ = WasmHost.write(KEY, b"1", 0);
             }
-            match SharedData.write(KEY, b"1", 0) {
+            match WasmHost.write(KEY, b"1", 0) {
                 Ok(()) => HostCaps::ENVOY,
                 Err(StoreError::CasMismatch) => HostCaps::NGINX,
                 Err(e) => {
@@ -285,32 +262,6 @@ pub fn caps() -> HostCaps {
             }
         })
     })
-}
-
-/// The request as the host shows it.
-pub struct HostRequest {
-    pub caps: HostCaps,
-}
-
-impl RequestView for HostRequest {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        request_header(name)
-    }
-
-    fn source_address(&self) -> Option<Vec<u8>> {
-        #[cfg(feature = "probe")]
-        let _t = crate::probe::start("client_address");
-        property(b"source\0address")
-    }
-
-    fn authority(&self) -> Option<Vec<u8>> {
-        let (first, then) = if self.caps.authority_is_request_host {
-            (":authority", "host")
-        } else {
-            ("host", ":authority")
-        };
-        request_header(first).or_else(|| request_header(then))
-    }
 }
 
 struct Logger;
@@ -353,13 +304,64 @@ pub fn install_logger() {
     }));
 }
 
-/// The filter's own level: messages below it are never formatted. One per VM: the last
-/// configuration loaded sets it.
-pub fn set_log_level(level: LogLevel) {
-    log::set_max_level(match level {
-        LogLevel::Error => log::LevelFilter::Error,
-        LogLevel::Warn => log::LevelFilter::Warn,
-        LogLevel::Info => log::LevelFilter::Info,
-        LogLevel::Debug => log::LevelFilter::Debug,
-    });
+impl Host for WasmHost {
+    fn caps(&self) -> HostCaps {
+        caps()
+    }
+    fn now_ns(&self) -> Option<u64> {
+        now_ns()
+    }
+    fn plugin_configuration(&self) -> Result<Vec<u8>, Status> {
+        plugin_configuration()
+    }
+    fn set_tick_period(&self, ms: u32) -> Result<(), Status> {
+        set_tick_period(ms)
+    }
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        request_header(name)
+    }
+    fn source_address(&self) -> Option<Vec<u8>> {
+        #[cfg(feature = "probe")]
+        let _t = crate::probe::start("client_address");
+        property(b"source\0address")
+    }
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        response_header(name)
+    }
+    fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status> {
+        add_response_header(name, value)
+    }
+    fn send_local_response(&self, status: u32, headers: &[u8], body: &[u8]) -> Result<(), Status> {
+        send_local_response(status, headers, body)
+    }
+    fn continue_request(&self) -> Result<(), Status> {
+        continue_request()
+    }
+    fn set_effective_context(&self, context_id: u32) -> Result<(), Status> {
+        set_effective_context(context_id)
+    }
+    fn http_call(
+        &self,
+        upstream: &str,
+        headers: &[u8],
+        body: &[u8],
+        timeout_ms: u32,
+    ) -> Result<u32, Status> {
+        http_call(upstream, headers, body, timeout_ms)
+    }
+    fn call_response_header(&self, name: &str) -> Option<Vec<u8>> {
+        call_response_header(name)
+    }
+    fn call_response_body(&self, size: usize) -> Option<Vec<u8>> {
+        call_response_body(size)
+    }
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Result<u32, Status> {
+        define_metric(kind, name)
+    }
+    fn increment_metric(&self, id: u32, by: i64) -> Result<(), Status> {
+        increment_metric(id, by)
+    }
+    fn record_metric(&self, id: u32, value: u64) -> Result<(), Status> {
+        record_metric(id, value)
+    }
 }

@@ -1,10 +1,10 @@
 //! tollgate: rate limiting at the proxy, as a proxy-wasm filter.
 //!
 //! Host-independent (and tested natively): `config`, `key`, `request`, `headers`, `header_map`,
-//! `stats`, `queues` and `engine`, the per-request decision. The algorithms live in the
-//! `tollgate-core` crate. Wasm only: `abi` (the proxy-wasm imports and exports), `host` (every
-//! host call, safe), `plugin` (one configuration's state), `callbacks`, `quota_client`,
-//! `respond` and `probe`.
+//! `stats`, `engine` (the per-request decision) and `lifecycle` (every callback's work, from a
+//! request's headers to its log, through a `Host` trait). The algorithms live in the
+//! `tollgate-core` crate. Wasm only: `abi` (the proxy-wasm imports and exports), `host` (the
+//! `Host` trait on the ABI, safe), `callbacks` (the exports, dispatch only) and `probe`.
 
 pub mod config;
 pub mod engine;
@@ -15,8 +15,8 @@ pub mod fuzz_harness;
 pub mod header_map;
 pub mod headers;
 pub mod key;
+pub mod lifecycle;
 pub mod network;
-pub mod queues;
 pub mod request;
 pub mod stats;
 
@@ -26,11 +26,5 @@ mod abi;
 mod callbacks;
 #[cfg(target_arch = "wasm32")]
 mod host;
-#[cfg(target_arch = "wasm32")]
-mod plugin;
 #[cfg(all(target_arch = "wasm32", feature = "probe"))]
 mod probe;
-#[cfg(target_arch = "wasm32")]
-mod quota_client;
-#[cfg(target_arch = "wasm32")]
-mod respond;

@@ -91,7 +91,7 @@ fn main() -> ExitCode {
         "shared data: {slots} slots{windows}; on nginx: shm_kv * {}k eviction=none; (or larger)",
         zone.div_ceil(64 * 1024) * 64
     );
-    if parsed.rules.iter().any(|r| r.global.is_some()) && !matches!(host, Some(Host::Envoy)) {
+    if parsed.rules.iter().any(|r| r.global().is_some()) && !matches!(host, Some(Host::Envoy)) {
         println!(
             "note: on nginx, global rules need `proxy_wasm_request_headers_in_access on;` \
              (docs/nginx.md)"

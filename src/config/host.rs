@@ -69,10 +69,10 @@ impl Config {
             }
         }
         if let (false, Some(qs)) = (host.resume_from_timer, &self.quota_service) {
-            let slots = self
-                .rules
-                .iter()
-                .position(|r| matches!(r.quota.limit, tollgate_core::Limit::SlotLease(_)));
+            let slots = self.rules.iter().position(|r| {
+                r.quota()
+                    .is_some_and(|q| matches!(q.limit, tollgate_core::Limit::SlotLease(_)))
+            });
             if let (Some(i), FirstLease::Wait) = (slots, qs.first_lease) {
                 return Err(err(
                     format!("rules[{i}].scope"),
@@ -88,7 +88,7 @@ impl Config {
             // resume them from a timer) when they would wait for a key's quota.
             let own_calls =
                 qs.strict || (!host.resume_from_timer && qs.first_lease == FirstLease::Wait);
-            let global = self.rules.iter().any(|r| r.global.is_some());
+            let global = self.rules.iter().any(|r| r.global().is_some());
             if global && own_calls && qs.failure_mode != FailureMode::Allow {
                 return Err(err(
                     "quota_service.failure_mode",

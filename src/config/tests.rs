@@ -34,7 +34,7 @@ fn the_documented_example_parses() {
     .unwrap();
     let r = &c.rules[0];
     assert_eq!(
-        r.quota.limit,
+        r.quota().unwrap().limit,
         Limit::TokenBucket(TokenBucket::new(100, 60_000_000_000, 20).unwrap())
     );
     assert_eq!(r.matcher.methods, ["GET", "POST"]);
@@ -55,16 +55,22 @@ fn the_documented_example_parses() {
     assert_eq!(r.missing_key, MissingKey::Limit);
     assert_eq!(c.client_ip.trusted_hops, 1);
     assert_eq!(c.rate_limit_headers, HeaderFormat::Both);
-    assert!(!r.quota.table.prefix().contains('/'));
+    assert!(!r.quota().unwrap().table.prefix().contains('/'));
 }
 
 #[test]
 fn defaults() {
     let c = parse(MIN).unwrap();
     let r = &c.rules[0];
-    assert_eq!(describe(&r.quota.limit), "token_bucket 10 per 1s, burst 10");
-    assert_eq!(r.quota.table.capacity(), u64::from(DEFAULT_MAX_KEYS));
-    assert_eq!(r.quota.policy, (10, Some(1)));
+    assert_eq!(
+        describe(&r.quota().unwrap().limit),
+        "token_bucket 10 per 1s, burst 10"
+    );
+    assert_eq!(
+        r.quota().unwrap().table.capacity(),
+        u64::from(DEFAULT_MAX_KEYS)
+    );
+    assert_eq!(r.quota().unwrap().policy, (10, Some(1)));
     assert_eq!(r.cost, Cost::Fixed(1));
     assert_eq!(r.missing_key, MissingKey::Skip);
     assert_eq!(c.response.status, 429);
@@ -77,10 +83,13 @@ fn defaults() {
 fn changed_parameters_change_the_slot_names() {
     let a = parse(MIN).unwrap();
     let b = parse(&MIN.replace("10", "11")).unwrap();
-    assert_ne!(a.rules[0].quota.table, b.rules[0].quota.table);
+    assert_ne!(
+        a.rules[0].quota().unwrap().table,
+        b.rules[0].quota().unwrap().table
+    );
     assert_eq!(
-        a.rules[0].quota.table,
-        parse(MIN).unwrap().rules[0].quota.table
+        a.rules[0].quota().unwrap().table,
+        parse(MIN).unwrap().rules[0].quota().unwrap().table
     );
 }
 
@@ -101,7 +110,11 @@ fn every_algorithm_and_option() {
         ]}"#,
     )
     .unwrap();
-    let d: Vec<String> = c.rules.iter().map(|r| describe(&r.quota.limit)).collect();
+    let d: Vec<String> = c
+        .rules
+        .iter()
+        .map(|r| describe(&r.quota().unwrap().limit))
+        .collect();
     assert_eq!(
         d,
         [
@@ -114,7 +127,7 @@ fn every_algorithm_and_option() {
         ]
     );
     let cc = &c.rules[4];
-    assert_eq!(cc.quota.policy, (8, None));
+    assert_eq!(cc.quota().unwrap().policy, (8, None));
     assert_eq!(cc.overrides.len(), 3);
     assert_eq!(
         cc.overrides[1].key,
@@ -154,7 +167,7 @@ fn global_rules() {
         ("quota", 50, false)
     );
     let g = &c.rules[0];
-    let global = g.global.as_ref().unwrap();
+    let global = g.global().unwrap();
     assert_eq!(
         (global.requests, global.per_ms, global.burst),
         (100, 60_000, 80)
@@ -163,8 +176,8 @@ fn global_rules() {
         describe(&global.fallback.limit),
         "token_bucket 25 per 1m, burst 20"
     );
-    assert_eq!(describe(&g.quota.limit), "global, leases of 5");
-    assert_eq!(g.quota.policy, (100, Some(60)));
+    assert_eq!(describe(&g.quota().unwrap().limit), "global, leases of 5");
+    assert_eq!(g.quota().unwrap().policy, (100, Some(60)));
     assert!(c
         .summary()
         .contains("global token_bucket 100 per 1m, burst 80, leases of 5"));
@@ -505,7 +518,7 @@ fn rate_limit_policies_are_true_and_never_zero() {
     assert_eq!(policy_of_rate(1, 4_000_000_001), (1, 5));
     assert_eq!(policy_of_rate(7, 86_400 * sec + 1), (7, 86_401));
     let c = parse(r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1500ms"}}]}"#).unwrap();
-    assert_eq!(c.rules[0].quota.policy, (2, Some(3)));
+    assert_eq!(c.rules[0].quota().unwrap().policy, (2, Some(3)));
 }
 
 #[test]

@@ -108,7 +108,7 @@ impl Engine {
             .config
             .rules
             .get(rule)
-            .and_then(|r| r.global.as_ref())
+            .and_then(|r| r.global())
             .map_or(1_000, |g| g.per_ms.div_ceil(g.requests));
         Rejection {
             rule,
@@ -120,7 +120,7 @@ impl Engine {
     /// Point a global rule's check at its local stand-in (`limit / instances_hint`).
     pub(super) fn to_stand_in(&self, input: &mut CheckInput) {
         let rule = input.which.rule();
-        if let Some(g) = self.config.rules.get(rule).and_then(|r| r.global.as_ref()) {
+        if let Some(g) = self.config.rules.get(rule).and_then(|r| r.global()) {
             input.which = QuotaRef::Fallback(rule);
             input.slot = g.fallback.table.locate_hash(input.place);
         }

@@ -120,7 +120,7 @@ impl Engine {
         let mut level = None;
         for i in 0..self.config.rules.len() {
             let rule = &self.config.rules[i];
-            let Some(g) = &rule.guard else {
+            let Some(g) = rule.guard() else {
                 continue;
             };
             if !request.matches(&rule.matcher) {
@@ -274,7 +274,7 @@ impl Engine {
     ) {
         for seat in seats {
             let i = usize::from(seat.rule);
-            let Some(g) = self.config.rules.get(i).and_then(|r| r.guard.as_ref()) else {
+            let Some(g) = self.config.rules.get(i).and_then(|r| r.guard()) else {
                 continue;
             };
             let key = g.table.store_key(seat.window);
@@ -322,7 +322,7 @@ impl Engine {
     pub fn abandon<S: CasStore + ?Sized>(&mut self, store: &S, seats: Seats, now: u64) {
         for seat in seats {
             let i = usize::from(seat.rule);
-            let Some(g) = self.config.rules.get(i).and_then(|r| r.guard.as_ref()) else {
+            let Some(g) = self.config.rules.get(i).and_then(|r| r.guard()) else {
                 continue;
             };
             let GuardKind::Adaptive { estimator, .. } = &g.kind else {
@@ -355,7 +355,7 @@ impl Engine {
 
 /// What a refusal's Retry-After says: the cool-down (adaptive), or one second.
 fn retry_after_secs(rule: &Rule) -> u64 {
-    match rule.guard.as_ref().map(|g| &g.kind) {
+    match rule.guard().map(|g| &g.kind) {
         Some(GuardKind::Adaptive { estimator, .. }) => {
             estimator.cool_down_ns().div_ceil(1_000_000_000).max(1)
         }

@@ -162,7 +162,7 @@ pub struct Engine {
 impl Engine {
     pub fn new(config: Config, deployment: KeyPlacement) -> Self {
         let placement = config.placement.unwrap_or(deployment);
-        let guarded = config.rules.iter().any(|r| r.guard.is_some());
+        let guarded = config.rules.iter().any(|r| r.guard().is_some());
         Self {
             stats: Stats::new(config.rules.len()),
             dry_run_log: dry_run::DryRunLog::new(config.rules.len()),
@@ -202,7 +202,7 @@ impl Engine {
     /// state: a reload of unchanged rules).
     pub fn initialize<S: CasStore + ?Sized>(&self, store: &S) -> Result<(), String> {
         let stand_ins = self.config.rules.iter().filter_map(|r| {
-            let g = r.global.as_ref()?;
+            let g = r.global()?;
             Some((r, &g.fallback))
         });
         for (rule, quota) in self.config.quotas().chain(stand_ins) {
@@ -228,7 +228,10 @@ impl Engine {
     ) -> Option<Rejection> {
         inputs.clear();
         for (i, rule) in self.config.rules.iter().enumerate() {
-            if rule.guard.is_some() || !request.matches(&rule.matcher) {
+            let Some(own) = rule.quota() else {
+                continue;
+            };
+            if !request.matches(&rule.matcher) {
                 continue;
             }
             let Some(key) = request.key(&rule.key, rule.missing_key) else {
@@ -236,7 +239,7 @@ impl Engine {
             };
             let overridden = rule.overrides.iter().position(|o| o.matches(&key));
             let (which, quota) = match overridden.map(|j| (j, &rule.overrides[j].action)) {
-                None => (QuotaRef::Rule(i), &rule.quota),
+                None => (QuotaRef::Rule(i), own),
                 Some((_, OverrideAction::Unlimited)) => continue,
                 Some((_, OverrideAction::Block)) => {
                     if rule.dry_run {
@@ -253,7 +256,7 @@ impl Engine {
                 Some((j, OverrideAction::Limit(q))) => (QuotaRef::Override(i, j), q),
             };
             let place = self.placement.hash(&key);
-            let key = if rule.global.is_some() {
+            let key = if rule.global().is_some() {
                 key_hash(&key)
             } else {
                 0
@@ -269,7 +272,7 @@ impl Engine {
             };
             // A cost no bucket of this rule can ever hold: refused at once, without a Retry-After
             // that waiting would not honour.
-            let capacity = match &rule.global {
+            let capacity = match rule.global() {
                 Some(g) => Some(g.burst),
                 None => quota.limit.capacity(),
             };
@@ -434,12 +437,12 @@ impl Engine {
 fn quota_of(config: &Config, which: QuotaRef) -> Option<&Quota> {
     let rule = config.rules.get(which.rule())?;
     match which {
-        QuotaRef::Rule(_) => Some(&rule.quota),
+        QuotaRef::Rule(_) => rule.quota(),
         QuotaRef::Override(_, j) => match &rule.overrides.get(j)?.action {
             OverrideAction::Limit(q) => Some(q),
             _ => None,
         },
-        QuotaRef::Fallback(_) => rule.global.as_ref().map(|g| &g.fallback),
+        QuotaRef::Fallback(_) => rule.global().map(|g| &g.fallback),
     }
 }
 

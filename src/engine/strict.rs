@@ -23,7 +23,7 @@ pub struct Strict {
 impl Engine {
     fn is_global(&self, input: &CheckInput) -> bool {
         matches!(input.which, QuotaRef::Rule(i)
-            if self.config.rules.get(i).is_some_and(|r| r.global.is_some()))
+            if self.config.rules.get(i).is_some_and(|r| r.global().is_some()))
     }
 
     /// Strict mode: true if the request makes a call of its own (an enforced global rule applies).
@@ -146,7 +146,7 @@ impl Engine {
                 continue;
             }
             self.stats.bump(rule, RuleStat::Limited);
-            let global = self.config.rules.get(rule).and_then(|r| r.global.as_ref());
+            let global = self.config.rules.get(rule).and_then(|r| r.global());
             // The time `cost` tokens take to come back.
             let wait_ms = global.map_or(1_000, |gl| {
                 g.cost.max(1).saturating_mul(gl.per_ms) / gl.requests

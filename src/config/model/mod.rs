@@ -77,7 +77,8 @@ pub struct Rule {
     pub matcher: Match,
     pub key: Vec<KeyPart>,
     pub missing_key: MissingKey,
-    pub quota: Quota,
+    /// What the rule limits, and where its state lives.
+    pub kind: RuleKind,
     pub cost: Cost,
     /// Specific keys (encoded like request keys) with their own treatment.
     pub overrides: Vec<Override>,
@@ -85,17 +86,50 @@ pub struct Rule {
     pub response: Option<Response>,
     /// The rule's own `dry_run` or the top-level one.
     pub dry_run: bool,
-    /// Set for `"scope": "global"`: `quota.limit` is then the leased allowance.
-    pub global: Option<GlobalRule>,
     /// Token buckets (and global rules' leased allowance): most tokens a worker stashes at once
     /// per key (0: none).
     pub worker_batch: u64,
     /// `worker_batch` is the default, not given: hosts that cannot hold a request stash nothing
     /// ([`Config::fit_host`]).
     pub worker_batch_by_default: bool,
-    /// Set for overload rules (adaptive, sre_throttle): they keep windows, not slots; `quota`
-    /// is unused.
-    pub guard: Option<overload::Guard>,
+}
+
+/// A rule's kind: one per place its state lives, so that no rule is two at once.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RuleKind {
+    /// A limit kept in this proxy's shared data.
+    Local(Quota),
+    /// `"scope": "global"`: the quota is the allowance (or permits) leased from the quota
+    /// service, in this proxy's slots; the global rule is what the service is asked for.
+    Global(Quota, Box<GlobalRule>),
+    /// An overload rule (adaptive, sre_throttle): windows, not slots.
+    Overload(Box<overload::Guard>),
+}
+
+impl Rule {
+    /// The rule's own quota (none for overload rules).
+    pub fn quota(&self) -> Option<&Quota> {
+        match &self.kind {
+            RuleKind::Local(q) | RuleKind::Global(q, _) => Some(q),
+            RuleKind::Overload(_) => None,
+        }
+    }
+
+    /// What a global rule asks the quota service for.
+    pub fn global(&self) -> Option<&GlobalRule> {
+        match &self.kind {
+            RuleKind::Global(_, g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// An overload rule's settings.
+    pub fn guard(&self) -> Option<&overload::Guard> {
+        match &self.kind {
+            RuleKind::Overload(g) => Some(g),
+            _ => None,
+        }
+    }
 }
 
 /// A limit with the slots that hold its state and how headers state it.
@@ -218,7 +252,7 @@ impl Config {
             );
         }
         for (i, rule) in self.rules.iter().enumerate() {
-            let cpu = rule.guard.as_ref().and_then(|g| match &g.kind {
+            let cpu = rule.guard().and_then(|g| match &g.kind {
                 overload::GuardKind::Adaptive { estimator, .. } => estimator.signal().cpu,
                 _ => None,
             });
@@ -231,7 +265,7 @@ impl Config {
                 ));
             }
         }
-        if !self.priorities.classes.is_empty() && !self.rules.iter().any(|r| r.guard.is_some()) {
+        if !self.priorities.classes.is_empty() && !self.rules.iter().any(|r| r.guard().is_some()) {
             out.push(
                 "priorities are set but no rule is an overload rule (\"adaptive\" or \
                  \"sre_throttle\"): they have no effect"
@@ -247,19 +281,22 @@ impl Config {
             .rules
             .iter()
             .map(|r| {
-                if let Some(g) = &r.guard {
-                    return format!(
-                        "{} ({}, {} keys{})",
-                        r.name,
-                        g.describe(),
-                        g.table.groups(),
-                        if r.dry_run { ", dry run" } else { "" }
-                    );
-                }
+                let quota = match &r.kind {
+                    RuleKind::Local(q) | RuleKind::Global(q, _) => q,
+                    RuleKind::Overload(g) => {
+                        return format!(
+                            "{} ({}, {} keys{})",
+                            r.name,
+                            g.describe(),
+                            g.table.groups(),
+                            if r.dry_run { ", dry run" } else { "" }
+                        )
+                    }
+                };
                 format!(
                     "{} ({}, {} slots{}{})",
                     r.name,
-                    match (&r.global, &r.quota.limit) {
+                    match (r.global(), &quota.limit) {
                         (Some(g), Limit::Lease(l)) => format!(
                             "global token_bucket {} per {}, burst {}, leases of {}",
                             g.requests,
@@ -267,9 +304,9 @@ impl Config {
                             g.burst,
                             l.lease_size
                         ),
-                        _ => describe(&r.quota.limit),
+                        _ => describe(&quota.limit),
                     },
-                    r.quota.table.capacity(),
+                    quota.table.capacity(),
                     match r.overrides.len() {
                         0 => String::new(),
                         n => format!(", {n} override(s)"),
@@ -283,13 +320,13 @@ impl Config {
 
     /// Windows in shared data over all overload rules (one per key, up to `max_keys`).
     pub fn windows(&self) -> u64 {
-        let guards = self.rules.iter().filter_map(|r| r.guard.as_ref());
+        let guards = self.rules.iter().filter_map(Rule::guard);
         guards.map(|g| u64::from(g.table.groups())).sum()
     }
 
     /// Slots in shared data over all rules (their own, overrides' and global rules' stand-ins).
     pub fn slots(&self) -> u64 {
-        let stand_ins = self.rules.iter().filter_map(|r| r.global.as_ref());
+        let stand_ins = self.rules.iter().filter_map(Rule::global);
         self.quotas().map(|(_, q)| q.table.capacity()).sum::<u64>()
             + stand_ins.map(|g| g.fallback.table.capacity()).sum::<u64>()
     }
@@ -306,7 +343,7 @@ impl Config {
 impl Rule {
     /// The rule's own quota, then its overrides' limits.
     pub fn quotas(&self) -> impl Iterator<Item = &Quota> {
-        let own = self.guard.is_none().then_some(&self.quota);
+        let own = self.quota();
         own.into_iter()
             .chain(self.overrides.iter().filter_map(|o| match &o.action {
                 OverrideAction::Limit(q) => Some(q),

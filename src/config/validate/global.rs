@@ -1,7 +1,9 @@
 //! Global rules: the quota service's settings, and a rule made global or a global concurrency rule.
 
 use crate::config::json::{QuotaMode, RawQuotaService};
-use crate::config::model::{FirstLease, GlobalRule, Quota, QuotaService, Rule, MAX_INSTANCES_HINT};
+use crate::config::model::{
+    FirstLease, GlobalRule, Quota, QuotaService, Rule, RuleKind, MAX_INSTANCES_HINT,
+};
 use crate::config::{err, ConfigError};
 use std::num::NonZeroU64;
 use tollgate_core::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
@@ -62,10 +64,16 @@ impl Rule {
         qs: &QuotaService,
         lease_size: Option<u64>,
     ) -> Result<(), ConfigError> {
-        if let Limit::Concurrency(c) = self.quota.limit {
+        let Some(local) = self.quota().map(|q| q.limit) else {
+            return Err(err(
+                format!("{path}.scope"),
+                "overload rules are never global",
+            ));
+        };
+        if let Limit::Concurrency(c) = local {
             return self.make_global_concurrency(path, qs, c.limit());
         }
-        let Limit::TokenBucket(tb) = self.quota.limit else {
+        let Limit::TokenBucket(tb) = local else {
             return Err(err(
                 format!("{path}.scope"),
                 "\"global\" rules use the token_bucket algorithm (without warmup) or concurrency",
@@ -132,19 +140,22 @@ impl Rule {
         stand_in: Limit,
         (leased, suffix): (Limit, &str),
     ) {
-        let max_keys = u32::try_from(self.quota.table.capacity()).unwrap_or(u32::MAX);
+        let RuleKind::Local(local) = &self.kind else {
+            return;
+        };
+        let max_keys = u32::try_from(local.table.capacity()).unwrap_or(u32::MAX);
         let fingerprint =
             tollgate_core::slot::fingerprint(format!("{}/{limit}", self.name).as_bytes());
-        self.global = Some(GlobalRule {
+        let global = GlobalRule {
             requests,
             per_ms,
             burst,
             limit_id: format!("{fingerprint:016x}"),
             fallback: Quota::new(stand_in, &format!("{}.local", self.name), max_keys),
-        });
+        };
         let mut quota = Quota::new(leased, &format!("{}.{suffix}", self.name), max_keys);
-        quota.policy = self.quota.policy;
-        self.quota = quota;
+        quota.policy = local.policy;
+        self.kind = RuleKind::Global(quota, Box::new(global));
     }
 
     /// Turn a validated local concurrency rule into a global one: slots leased from the service.

@@ -3,6 +3,7 @@
 use super::clients::client_network;
 use super::limit::LimitParams;
 use crate::config::json::{Algorithm, RawCost, RawResponse, RawRule, Scope};
+use crate::config::model::RuleKind;
 use crate::config::model::{
     Cost, KeyPart, Override, OverrideAction, Quota, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS,
     DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
@@ -12,7 +13,6 @@ use crate::config::{err, ConfigError};
 use crate::network::ClientIp;
 use std::collections::HashSet;
 use std::num::NonZeroU32;
-use tollgate_core::{Concurrency, Limit};
 
 impl RawRule {
     pub(super) fn validate(
@@ -221,15 +221,13 @@ impl RawRule {
             matcher,
             key: self.key,
             missing_key: self.missing_key,
-            quota,
+            kind: RuleKind::Local(quota),
             cost,
             overrides,
             response,
             dry_run: self.dry_run || dry_run_all,
-            global: None,
             worker_batch,
             worker_batch_by_default: self.worker_batch.is_none() && worker_batch > 0,
-            guard: None,
         })
     }
 
@@ -249,23 +247,18 @@ impl RawRule {
             .validate(&format!("{path}.response"))?;
         let response = Some(response);
         let name = self.name.0;
-        // Never used: the rule keeps windows, not slots.
-        let unused = Concurrency::new(1).map(Limit::Concurrency);
-        let quota = Quota::new(unused.ok_or_else(|| err(path, "internal"))?, &name, 1);
         Ok(Rule {
             name,
             matcher,
             key: self.key,
             missing_key: self.missing_key,
-            quota,
+            kind: RuleKind::Overload(Box::new(guard)),
             cost: Cost::Fixed(1),
             overrides: Vec::new(),
             response,
             dry_run: self.dry_run || dry_run_all,
-            global: None,
             worker_batch: 0,
             worker_batch_by_default: false,
-            guard: Some(guard),
         })
     }
 }

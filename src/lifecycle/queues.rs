@@ -107,6 +107,7 @@ impl Queues {
         )
     }
 
+    #[cfg(test)]
     pub fn held_count(&self) -> usize {
         self.held.len()
     }

@@ -2,13 +2,13 @@
 //! requests, its stats' host ids and the buffers it reuses. Two configurations in one VM (two
 //! filters sharing a `vm_id`, several `proxy_wasm` directives) never share any of it.
 
-use crate::config::{Config, HostCaps};
+use super::host::{Host, MetricKind};
+use super::queues::Queues;
+use super::quota_call;
+use super::respond::{self, Scratch};
+use crate::config::{Config, HostCaps, LogLevel};
 use crate::engine::{read_answer, read_slot_answer, Call, Engine, Rejection, Step};
-use crate::host::{self, SharedData};
-use crate::queues::Queues;
-use crate::respond::{self, Scratch};
 use crate::stats::{ProcessStat, RuleStat, Stat};
-use crate::{abi, quota_client};
 use log::{debug, info, warn};
 use std::cell::RefCell;
 use tollgate_core::slot::KeyPlacement;
@@ -28,7 +28,8 @@ struct Metric {
     total_key: Option<String>,
 }
 
-pub struct Plugin {
+pub struct Plugin<H: Host> {
+    pub host: H,
     pub engine: RefCell<Engine>,
     pub queues: RefCell<Queues>,
     pub caps: HostCaps,
@@ -39,19 +40,20 @@ pub struct Plugin {
     process_metrics: Vec<Option<Metric>>,
 }
 
-impl Plugin {
+impl<H: Host> Plugin<H> {
     /// Parse, check and set up a configuration: its slots and its stats. The error is the line
     /// to log.
-    pub fn load(bytes: &[u8], caps: HostCaps) -> Result<Self, String> {
+    pub fn load(bytes: &[u8], host: H) -> Result<Self, String> {
+        let caps = host.caps();
         let mut config = Config::parse(bytes).map_err(|e| format!("invalid configuration: {e}"))?;
         config
             .check_host(&caps)
             .map_err(|e| format!("invalid configuration: {e}"))?;
         config.fit_host(&caps);
-        host::set_log_level(config.log_level);
-        let mut engine = Engine::new(config, deployment_placement());
+        set_log_level(config.log_level);
+        let mut engine = Engine::new(config, deployment_placement(&host));
         engine.hold_for_stashes(caps.resume_from_timer);
-        engine.initialize(&SharedData)?;
+        engine.initialize(&host)?;
         let config = engine.config();
         let rule_metrics = config
             .rules
@@ -60,12 +62,12 @@ impl Plugin {
                 RuleStat::ALL
                     .iter()
                     .map(|&stat| {
-                        let wanted = match &rule.guard {
+                        let wanted = match rule.guard() {
                             None => match stat {
                                 RuleStat::InFlight => rule.holds_requests_open(),
-                                RuleStat::SlotsHeld => {
-                                    matches!(rule.quota.limit, tollgate_core::Limit::SlotLease(_))
-                                }
+                                RuleStat::SlotsHeld => rule.quota().is_some_and(|q| {
+                                    matches!(q.limit, tollgate_core::Limit::SlotLease(_))
+                                }),
                                 s => !s.is_overload(),
                             },
                             Some(g) => rule_has(g, stat),
@@ -78,7 +80,7 @@ impl Plugin {
                         } else {
                             Kind::Counter
                         };
-                        wanted.then(|| define(&name, kind)).flatten()
+                        wanted.then(|| define(&host, &name, kind)).flatten()
                     })
                     .collect()
             })
@@ -91,7 +93,7 @@ impl Plugin {
                 } else {
                     Kind::Counter
                 };
-                define(stat.name(), kind)
+                define(&host, stat.name(), kind)
             })
             .collect();
         info!(
@@ -102,11 +104,13 @@ impl Plugin {
         for warning in config.warnings() {
             log::warn!("{warning}");
         }
+        let instance = instance_id(&host);
         Ok(Self {
+            host,
             engine: RefCell::new(engine),
             queues: RefCell::new(Queues::default()),
             caps,
-            instance: instance_id(),
+            instance,
             scratch: RefCell::new(Scratch::default()),
             rule_metrics,
             process_metrics,
@@ -117,7 +121,7 @@ impl Plugin {
     pub fn tick_ms(&self) -> u32 {
         let engine = self.engine.borrow();
         let rules = &engine.config().rules;
-        if rules.iter().any(|r| r.delays() || r.global.is_some()) {
+        if rules.iter().any(|r| r.delays() || r.global().is_some()) {
             TICK_MS
         } else {
             STATS_TICK_MS
@@ -127,12 +131,12 @@ impl Plugin {
     /// The periodic work of one worker: return stashes, log dry runs, send claimed refills, decide waiting
     /// requests again, release held ones that are due, hand over stats.
     pub fn tick(&self) {
-        let Some(now) = host::now_ns() else {
+        let Some(now) = self.host.now_ns() else {
             return;
         };
         {
             let mut engine = self.engine.borrow_mut();
-            engine.return_stashes(&SharedData, now);
+            engine.return_stashes(&self.host, now);
             engine.log_dry_runs(now);
         }
         self.send_refills(now);
@@ -141,8 +145,8 @@ impl Plugin {
         for id in due {
             self.add(ProcessStat::QueueHeld, -1);
             // The stream may be gone already; then there is nothing to resume.
-            if host::set_effective_context(id).is_ok() {
-                if let Err(s) = host::continue_request() {
+            if self.host.set_effective_context(id).is_ok() {
+                if let Err(s) = self.host.continue_request() {
                     debug!("cannot resume held request {id}: {s}");
                 }
             }
@@ -153,11 +157,11 @@ impl Plugin {
     /// Send the refills this worker's requests claimed, in one call from the root context (its
     /// answer is found by [`Self::sent`]).
     fn send_refills(&self, now: u64) {
-        self.engine.borrow_mut().renew_slots(&SharedData, now);
+        self.engine.borrow_mut().renew_slots(&self.host, now);
         let calls = self
             .engine
             .borrow_mut()
-            .take_refills(&SharedData, &self.instance, now);
+            .take_refills(&self.host, &self.instance, now);
         for call in calls {
             let (token, slots, refills) = match call {
                 Call::Lease(refills, request) => (self.call(&request), false, refills),
@@ -171,8 +175,8 @@ impl Plugin {
             let mut engine = self.engine.borrow_mut();
             match (token, slots) {
                 (Some(token), _) => self.queues.borrow_mut().call_sent(token, slots, refills),
-                (None, false) => engine.apply_grants(&SharedData, &refills, None, now),
-                (None, true) => engine.apply_slots(&SharedData, &refills, None, now),
+                (None, false) => engine.apply_grants(&self.host, &refills, None, now),
+                (None, true) => engine.apply_slots(&self.host, &refills, None, now),
             }
         }
     }
@@ -181,7 +185,8 @@ impl Plugin {
     pub fn call(&self, request: &tollgate_core::lease::LeaseRequest) -> Option<u32> {
         self.add(ProcessStat::QuotaCalls, 1);
         let engine = self.engine.borrow();
-        quota_client::call(
+        quota_call::call(
+            &self.host,
             engine.config().quota_service.as_ref()?,
             "/v1/lease",
             request,
@@ -192,7 +197,8 @@ impl Plugin {
     fn call_slots(&self, request: &tollgate_core::slot_lease::SlotRequest) -> Option<u32> {
         self.add(ProcessStat::QuotaCalls, 1);
         let engine = self.engine.borrow();
-        quota_client::call(
+        quota_call::call(
+            &self.host,
             engine.config().quota_service.as_ref()?,
             "/v1/slots",
             request,
@@ -209,15 +215,15 @@ impl Plugin {
         let Some((slots, refills)) = self.queues.borrow_mut().call_answered(token) else {
             return;
         };
-        let now = host::now_ns().unwrap_or(0);
-        let (status, body) = quota_client::answer_parts(num_headers, body_size);
+        let now = self.host.now_ns().unwrap_or(0);
+        let (status, body) = quota_call::answer_parts(&self.host, num_headers, body_size);
         let mut engine = self.engine.borrow_mut();
         if slots {
             let answer = read_slot_answer(status.as_deref(), body.as_deref(), refills.len());
-            engine.apply_slots(&SharedData, &refills, answer.as_ref(), now);
+            engine.apply_slots(&self.host, &refills, answer.as_ref(), now);
         } else {
             let answer = read_answer(status.as_deref(), body.as_deref(), refills.len());
-            engine.apply_grants(&SharedData, &refills, answer.as_ref(), now);
+            engine.apply_grants(&self.host, &refills, answer.as_ref(), now);
         }
     }
 
@@ -225,6 +231,7 @@ impl Plugin {
     pub fn reject(&self, rejection: &Rejection) {
         let engine = self.engine.borrow();
         respond::reject(
+            &self.host,
             &engine,
             &mut self.scratch.borrow_mut(),
             &self.caps,
@@ -235,7 +242,7 @@ impl Plugin {
     /// Add the rate-limit headers of `report` to the current response.
     pub fn add_quota_headers(&self, report: crate::engine::QuotaReport) {
         let engine = self.engine.borrow();
-        respond::add_quota_headers(&engine, &mut self.scratch.borrow_mut(), report);
+        respond::add_quota_headers(&self.host, &engine, &mut self.scratch.borrow_mut(), report);
     }
 
     /// Decide again the requests waiting for global quota; past their deadline, the failure mode.
@@ -243,10 +250,10 @@ impl Plugin {
         let waiting = self.queues.borrow_mut().take_waiting();
         for mut w in waiting {
             let timed_out = now / 1_000_000 >= w.deadline_ms;
-            let step =
-                self.engine
-                    .borrow_mut()
-                    .evaluate(&SharedData, &mut w.inputs, now, timed_out);
+            let step = self
+                .engine
+                .borrow_mut()
+                .evaluate(&self.host, &mut w.inputs, now, timed_out);
             match step {
                 Step::Wait => self.queues.borrow_mut().wait(w),
                 step => {
@@ -260,10 +267,10 @@ impl Plugin {
     /// Carry out, from the timer, a decision for a paused request (hosts that can resume from
     /// the timer only).
     fn finish_paused(&self, context_id: u32, step: Step, now: u64) {
-        if host::set_effective_context(context_id).is_err() {
+        if self.host.set_effective_context(context_id).is_err() {
             // The stream is gone; give back what the decision took.
             if let Step::Admit(a) = step {
-                self.engine.borrow_mut().release(&SharedData, a.holds, now);
+                self.engine.borrow_mut().release(&self.host, a.holds, now);
             }
             return;
         }
@@ -276,7 +283,7 @@ impl Plugin {
                         .borrow_mut()
                         .hold(now.saturating_add(delay), context_id);
                     self.add(ProcessStat::QueueHeld, 1);
-                } else if let Err(s) = host::continue_request() {
+                } else if let Err(s) = self.host.continue_request() {
                     debug!("cannot resume request {context_id}: {s}");
                 }
             }
@@ -288,12 +295,12 @@ impl Plugin {
     /// The configuration goes away: requests it holds go on now, waiting ones are decided by
     /// the failure mode, and stats are handed over.
     pub fn retire(&self) {
-        let now = host::now_ns().unwrap_or(0);
+        let now = self.host.now_ns().unwrap_or(0);
         let (held, waiting) = self.queues.borrow_mut().drain();
         for id in held {
             self.add(ProcessStat::QueueHeld, -1);
-            if host::set_effective_context(id).is_ok() {
-                let _ = host::continue_request();
+            if self.host.set_effective_context(id).is_ok() {
+                let _ = self.host.continue_request();
             }
         }
         for mut w in waiting {
@@ -301,7 +308,7 @@ impl Plugin {
             let step =
                 self.engine
                     .borrow_mut()
-                    .evaluate_at_once(&SharedData, &mut w.inputs, now, true);
+                    .evaluate_at_once(&self.host, &mut w.inputs, now, true);
             self.finish_paused(w.context_id, step, now);
         }
         self.flush_stats();
@@ -329,12 +336,12 @@ impl Plugin {
             // A failed update only loses a count; nothing to do about it here.
             let absolute = matches!(stat, Stat::Rule(_, s) if s.is_absolute());
             let _ = match &metric.total_key {
-                None if absolute => {
-                    host::record_metric(metric.id, u64::try_from(delta).unwrap_or(0))
-                }
-                None => host::increment_metric(metric.id, delta),
-                Some(key) => match add_to_total(key, delta) {
-                    Some(total) => host::record_metric(metric.id, total),
+                None if absolute => self
+                    .host
+                    .record_metric(metric.id, u64::try_from(delta).unwrap_or(0)),
+                None => self.host.increment_metric(metric.id, delta),
+                Some(key) => match add_to_total(&self.host, key, delta) {
+                    Some(total) => self.host.record_metric(metric.id, total),
                     None => Ok(()),
                 },
             };
@@ -342,10 +349,10 @@ impl Plugin {
     }
 }
 
-impl Drop for Plugin {
+impl<H: Host> Drop for Plugin<H> {
     fn drop(&mut self) {
         // Stashed tokens go back rather than being lost.
-        self.engine.get_mut().return_stashes(&SharedData, u64::MAX);
+        self.engine.get_mut().return_stashes(&self.host, u64::MAX);
     }
 }
 
@@ -374,20 +381,21 @@ fn rule_has(guard: &crate::config::Guard, stat: RuleStat) -> bool {
 }
 
 /// Define a stat at the host; gauges get their process-wide total in shared data.
-fn define(name: &str, kind: Kind) -> Option<Metric> {
+fn define<H: Host>(host: &H, name: &str, kind: Kind) -> Option<Metric> {
     let host_kind = if kind == Kind::Counter {
-        abi::METRIC_COUNTER
+        MetricKind::Counter
     } else {
-        abi::METRIC_GAUGE
+        MetricKind::Gauge
     };
-    let id = host::define_metric(host_kind, name)
+    let id = host
+        .define_metric(host_kind, name)
         .map_err(|s| warn!("cannot define metric {name}: {s}"))
         .ok()?;
     let total_key = (kind == Kind::Gauge).then(|| {
         let key = format!("tollgate.gauge.{name}");
-        if let Ok(None) = SharedData.read(&key) {
+        if let Ok(None) = host.read(&key) {
             // Created before any request changes it: a lost race between workers loses nothing.
-            let _ = SharedData.write(&key, &0i64.to_le_bytes(), 0);
+            let _ = host.write(&key, &0i64.to_le_bytes(), 0);
         }
         key
     });
@@ -395,10 +403,10 @@ fn define(name: &str, kind: Kind) -> Option<Metric> {
 }
 
 /// Add `delta` to a process-wide total in shared data; the new total (never below 0).
-fn add_to_total(key: &str, delta: i64) -> Option<u64> {
+fn add_to_total<S: CasStore>(store: &S, key: &str, delta: i64) -> Option<u64> {
     let attempts = tollgate_core::limiter::MAX_CAS_ATTEMPTS;
     // The total's key is made at load: without it there is nothing to add to.
-    let added = tollgate_core::store::update(&SharedData, key, attempts, |bytes| {
+    let added = tollgate_core::store::update(store, key, attempts, |bytes| {
         let Some(bytes) = bytes else {
             return (None, None);
         };
@@ -417,16 +425,16 @@ fn add_to_total(key: &str, delta: i64) -> Option<u64> {
 /// shared data, so every worker and every later configuration places keys alike. Envoy configures
 /// its main thread before any worker; nginx refuses a second create (a write with CAS 0 to a key
 /// that exists), and whoever loses the race reads the winner's.
-fn deployment_placement() -> KeyPlacement {
+fn deployment_placement<H: Host>(host: &H) -> KeyPlacement {
     const KEY: &str = "tollgate.placement";
-    if let Ok(Some((secret, _))) = SharedData.read(KEY) {
+    if let Ok(Some((secret, _))) = host.read(KEY) {
         if let Ok(secret) = <[u8; 16]>::try_from(&secret[..]) {
             return KeyPlacement::new(secret);
         }
     }
-    let secret = random_secret();
-    let _ = SharedData.write(KEY, &secret, 0);
-    match SharedData.read(KEY) {
+    let secret = random_secret(host);
+    let _ = host.write(KEY, &secret, 0);
+    match host.read(KEY) {
         Ok(Some((stored, _))) => match <[u8; 16]>::try_from(&stored[..]) {
             Ok(stored) => KeyPlacement::new(stored),
             Err(_) => KeyPlacement::new(secret),
@@ -437,9 +445,9 @@ fn deployment_placement() -> KeyPlacement {
 
 /// 16 bytes from the host's random source (WASI `random_get`, through std's hash keys), mixed
 /// with the time in nanoseconds: nginx's source is `random()` seeded from its pid and the time.
-fn random_secret() -> [u8; 16] {
+fn random_secret<H: Host>(host: &H) -> [u8; 16] {
     use std::hash::{BuildHasher, Hasher};
-    let now = host::now_ns().unwrap_or(0);
+    let now = host.now_ns().unwrap_or(0);
     let mut halves = [0u64; 2];
     for (i, half) in halves.iter_mut().enumerate() {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -453,16 +461,27 @@ fn random_secret() -> [u8; 16] {
     secret
 }
 
-fn instance_id() -> String {
+fn instance_id<H: Host>(host: &H) -> String {
     const KEY: &str = "tollgate.instance";
-    if let Ok(Some((id, _))) = SharedData.read(KEY) {
+    if let Ok(Some((id, _))) = host.read(KEY) {
         return String::from_utf8_lossy(&id).into_owned();
     }
-    let id = format!("proxy-{:x}", host::now_ns().unwrap_or(0));
+    let id = format!("proxy-{:x}", host.now_ns().unwrap_or(0));
     // Whoever writes first wins; everyone then reads the winner's.
-    let _ = SharedData.write(KEY, id.as_bytes(), 0);
-    match SharedData.read(KEY) {
+    let _ = host.write(KEY, id.as_bytes(), 0);
+    match host.read(KEY) {
         Ok(Some((id, _))) => String::from_utf8_lossy(&id).into_owned(),
         _ => id,
     }
+}
+
+/// The filter's own level: messages below it are never formatted. One per VM: the last
+/// configuration loaded sets it.
+fn set_log_level(level: LogLevel) {
+    log::set_max_level(match level {
+        LogLevel::Error => log::LevelFilter::Error,
+        LogLevel::Warn => log::LevelFilter::Warn,
+        LogLevel::Info => log::LevelFilter::Info,
+        LogLevel::Debug => log::LevelFilter::Debug,
+    });
 }

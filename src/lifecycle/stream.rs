@@ -2,22 +2,21 @@
 //! the engine, and carries out the answer: go on, a rejection, a hold, a wait, or a call of its
 //! own; at the end of the stream it gives back what the request held.
 
-use super::calls;
-use crate::abi::{ACTION_CONTINUE, ACTION_PAUSE};
+use super::calls::Callers;
+use super::host::{Action, Host, HostRequest};
+use super::plugin::Plugin;
+use super::queues::Waiting;
+use super::quota_call;
 use crate::engine::{Holds, Inputs, QuotaReport, Seats, Step, Strict, WAIT_GRACE_MS};
-use crate::host::{self, HostRequest, SharedData};
-use crate::plugin::Plugin;
-use crate::queues::Waiting;
-use crate::quota_client;
 use crate::request::Request;
 use crate::stats::ProcessStat;
 use log::{debug, warn};
 use std::rc::Rc;
 use tollgate_core::lease::LeaseRequest;
 
-pub struct Http {
+pub struct Stream<H: Host> {
     id: u32,
-    plugin: Option<Rc<Plugin>>,
+    plugin: Option<Rc<Plugin<H>>>,
     /// The quota to describe in the upstream's response headers.
     report: Option<QuotaReport>,
     /// Quota held until the stream ends (concurrency rules).
@@ -33,8 +32,8 @@ pub struct Http {
     ended: bool,
 }
 
-impl Http {
-    pub fn new(id: u32, plugin: Option<Rc<Plugin>>) -> Self {
+impl<H: Host> Stream<H> {
+    pub fn new(id: u32, plugin: Option<Rc<Plugin<H>>>) -> Self {
         Self {
             id,
             plugin,
@@ -48,30 +47,28 @@ impl Http {
         }
     }
 
-    pub fn on_request_headers(&mut self) -> u32 {
-        #[cfg(feature = "probe")]
-        let _t = crate::probe::start("request");
-        // What a timer adds of its own: subtracted by the benchmark report.
-        #[cfg(feature = "probe")]
-        drop(crate::probe::start("timer"));
+    pub fn on_request_headers(&mut self, callers: &Callers) -> Action {
         let Some(plugin) = self.plugin.clone() else {
-            return ACTION_CONTINUE;
+            return Action::Continue;
         };
-        let view = HostRequest { caps: plugin.caps };
+        let view = HostRequest {
+            host: &plugin.host,
+            caps: plugin.caps,
+        };
         let trusted_hops = plugin.engine.borrow().config().client_ip;
         let request = Request::new(&view, trusted_hops);
         let mut now = None;
         if plugin.engine.borrow().has_guards() {
-            now = host::now_ns();
+            now = plugin.host.now_ns();
             if let Some(t) = now {
                 let shed =
                     plugin
                         .engine
                         .borrow_mut()
-                        .guard(&SharedData, &request, t, &mut self.seats);
+                        .guard(&plugin.host, &request, t, &mut self.seats);
                 if let Some(rejection) = shed {
                     plugin.reject(&rejection);
-                    return ACTION_PAUSE;
+                    return Action::Pause;
                 }
             }
         }
@@ -80,16 +77,16 @@ impl Http {
         if let Some(rejection) = blocked {
             self.give_up_seats(&plugin);
             plugin.reject(&rejection);
-            return ACTION_PAUSE;
+            return Action::Pause;
         }
         if inputs.is_empty() {
             self.forwarded = true;
-            return ACTION_CONTINUE;
+            return Action::Continue;
         }
-        let Some(now) = now.or_else(host::now_ns) else {
+        let Some(now) = now.or_else(|| plugin.host.now_ns()) else {
             warn!("the host gave no usable time; request not limited");
             self.forwarded = true;
-            return ACTION_CONTINUE;
+            return Action::Continue;
         };
         if plugin.engine.borrow().is_strict(&inputs) {
             let strict = plugin.engine.borrow().split(inputs);
@@ -97,22 +94,22 @@ impl Http {
                 plugin
                     .engine
                     .borrow_mut()
-                    .local_refusal(&SharedData, &strict.locals, now);
+                    .local_refusal(&plugin.host, &strict.locals, now);
             if let Some(step) = refused {
                 return self.carry_out(&plugin, step, now, false);
             }
-            return self.call_own(&plugin, strict, now);
+            return self.call_own(&plugin, callers, strict, now);
         }
-        #[cfg(feature = "probe")]
+        #[cfg(all(target_arch = "wasm32", feature = "probe"))]
         let evaluating = crate::probe::start("evaluate");
         let step = plugin
             .engine
             .borrow_mut()
-            .evaluate(&SharedData, &mut inputs, now, false);
-        #[cfg(feature = "probe")]
+            .evaluate(&plugin.host, &mut inputs, now, false);
+        #[cfg(all(target_arch = "wasm32", feature = "probe"))]
         drop(evaluating);
         if step == Step::Wait {
-            return self.wait(&plugin, inputs, now);
+            return self.wait(&plugin, callers, inputs, now);
         }
         self.carry_out(&plugin, step, now, false)
     }
@@ -120,11 +117,11 @@ impl Http {
     /// Some global rule has no quota yet. Where the host can resume the request from the timer,
     /// it waits in the plugin's list, decided again on every tick; elsewhere it asks the quota
     /// service for its own tokens, so that the answer comes back to this context.
-    fn wait(&mut self, plugin: &Plugin, inputs: Inputs, now: u64) -> u32 {
+    fn wait(&mut self, plugin: &Plugin<H>, callers: &Callers, inputs: Inputs, now: u64) -> Action {
         plugin.engine.borrow_mut().waits(&inputs);
         if !plugin.caps.resume_from_timer {
             let strict = plugin.engine.borrow().split(inputs);
-            return self.call_own(plugin, strict, now);
+            return self.call_own(plugin, callers, strict, now);
         }
         let timeout_ms = plugin
             .engine
@@ -139,17 +136,23 @@ impl Http {
             inputs,
         });
         plugin.add(ProcessStat::QuotaWaiting, 1);
-        ACTION_PAUSE
+        Action::Pause
     }
 
     /// Ask the quota service for this request's global checks; the request waits for the answer.
     /// Within `retry` of a failed call, the failure mode decides at once instead.
-    fn call_own(&mut self, plugin: &Plugin, strict: Strict, now: u64) -> u32 {
+    fn call_own(
+        &mut self,
+        plugin: &Plugin<H>,
+        callers: &Callers,
+        strict: Strict,
+        now: u64,
+    ) -> Action {
         if !plugin.engine.borrow().may_call(now) {
             let step = plugin
                 .engine
                 .borrow_mut()
-                .finish_strict(&SharedData, strict, None, now);
+                .finish_strict(&plugin.host, strict, None, now);
             return self.carry_out(plugin, step, now, false);
         }
         let request = LeaseRequest {
@@ -158,15 +161,16 @@ impl Http {
         };
         match plugin.call(&request) {
             Some(token) => {
-                calls::register(token, self.id);
+                callers.register(token, self.id);
                 self.own_call = Some((token, strict));
-                ACTION_PAUSE
+                Action::Pause
             }
             None => {
-                let step = plugin
-                    .engine
-                    .borrow_mut()
-                    .finish_strict(&SharedData, strict, None, now);
+                let step =
+                    plugin
+                        .engine
+                        .borrow_mut()
+                        .finish_strict(&plugin.host, strict, None, now);
                 self.carry_out(plugin, step, now, false)
             }
         }
@@ -181,17 +185,17 @@ impl Http {
         let Some((_, strict)) = self.own_call.take() else {
             return;
         };
-        let answer = quota_client::answer(num_headers, body_size, strict.globals.len());
-        let now = host::now_ns().unwrap_or(0);
+        let answer = quota_call::answer(&plugin.host, num_headers, body_size, strict.globals.len());
+        let now = plugin.host.now_ns().unwrap_or(0);
         let step =
             plugin
                 .engine
                 .borrow_mut()
-                .finish_strict(&SharedData, strict, answer.as_ref(), now);
+                .finish_strict(&plugin.host, strict, answer.as_ref(), now);
         if step == Step::Wait {
             // The remaining checks hold no leased allowance: nothing to wait for.
             self.forwarded = true;
-            let _ = host::continue_request();
+            let _ = plugin.host.continue_request();
             return;
         }
         self.carry_out(&plugin, step, now, true);
@@ -199,7 +203,7 @@ impl Http {
 
     /// Admit (with its headers, holds and any leaky-bucket hold) or reject the request; resume
     /// it if it was `paused` and may go on.
-    fn carry_out(&mut self, plugin: &Plugin, step: Step, now: u64, paused: bool) -> u32 {
+    fn carry_out(&mut self, plugin: &Plugin<H>, step: Step, now: u64, paused: bool) -> Action {
         match step {
             Step::Admit(a) => {
                 self.forwarded = true;
@@ -212,27 +216,25 @@ impl Http {
                     plugin.queues.borrow_mut().hold(due, self.id);
                     self.held_until = Some(due);
                     plugin.add(ProcessStat::QueueHeld, 1);
-                    return ACTION_PAUSE;
+                    return Action::Pause;
                 }
                 if paused {
-                    if let Err(s) = host::continue_request() {
+                    if let Err(s) = plugin.host.continue_request() {
                         debug!("cannot resume request {}: {s}", self.id);
                     }
                 }
-                ACTION_CONTINUE
+                Action::Continue
             }
             Step::Reject(r) => {
                 self.give_up_seats(plugin);
                 plugin.reject(&r);
-                ACTION_PAUSE
+                Action::Pause
             }
-            Step::Wait => ACTION_PAUSE,
+            Step::Wait => Action::Pause,
         }
     }
 
-    pub fn on_response_headers(&mut self) -> u32 {
-        #[cfg(feature = "probe")]
-        let _t = crate::probe::start("response");
+    pub fn on_response_headers(&mut self) -> Action {
         self.take_resumed();
         if let (Some(report), Some(plugin)) = (self.report.take(), &self.plugin) {
             plugin.add_quota_headers(report);
@@ -242,34 +244,38 @@ impl Http {
                 self.learn(&plugin);
             }
         }
-        ACTION_CONTINUE
+        Action::Continue
     }
 
     /// The upstream answered (or, if the request was never let through, this filter did): the
     /// overload rules learn from the answer.
-    fn learn(&mut self, plugin: &Plugin) {
+    fn learn(&mut self, plugin: &Plugin<H>) {
         if !self.forwarded {
             self.give_up_seats(plugin);
             return;
         }
-        let now = host::now_ns().unwrap_or(0);
-        let status = host::response_header(":status")
+        let now = plugin.host.now_ns().unwrap_or(0);
+        let status = plugin
+            .host
+            .response_header(":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse().ok());
         let seats = std::mem::take(&mut self.seats);
         plugin
             .engine
             .borrow_mut()
-            .answered(&SharedData, seats, now, status, host::response_header);
+            .answered(&plugin.host, seats, now, status, |name| {
+                plugin.host.response_header(name)
+            });
     }
 
     /// Leave the overload rules' seats without an answer to learn from.
-    fn give_up_seats(&mut self, plugin: &Plugin) {
+    fn give_up_seats(&mut self, plugin: &Plugin<H>) {
         if self.seats.is_empty() {
             return;
         }
-        let now = host::now_ns().unwrap_or(0);
+        let now = plugin.host.now_ns().unwrap_or(0);
         let seats = std::mem::take(&mut self.seats);
-        plugin.engine.borrow_mut().abandon(&SharedData, seats, now);
+        plugin.engine.borrow_mut().abandon(&plugin.host, seats, now);
     }
 
     /// Take over what a decision made on the tick left for this request.
@@ -290,7 +296,7 @@ impl Http {
     }
 
     /// Give back held quota and leave the queues: however the stream ended, exactly once.
-    pub fn end_of_stream(&mut self) {
+    pub fn end_of_stream(&mut self, callers: &Callers) {
         if std::mem::replace(&mut self.ended, true) {
             return;
         }
@@ -308,13 +314,13 @@ impl Http {
             plugin.add(ProcessStat::QuotaWaiting, -1);
         }
         if let Some((token, _)) = self.own_call.take() {
-            calls::forget(token);
+            callers.forget(token);
         }
         self.give_up_seats(&plugin);
         if !self.holds.is_empty() {
-            let now = host::now_ns().unwrap_or(0);
+            let now = plugin.host.now_ns().unwrap_or(0);
             let holds = std::mem::take(&mut self.holds);
-            plugin.engine.borrow_mut().release(&SharedData, holds, now);
+            plugin.engine.borrow_mut().release(&plugin.host, holds, now);
         }
     }
 }

@@ -2,16 +2,21 @@
 //! it: the root context for the tick's batched refills, a request's context for a call of its
 //! own) and its answer read in the call-response callback.
 
+use super::host::Host;
 use crate::config::QuotaService;
 use crate::engine::read_answer;
 use crate::header_map;
-use crate::host;
 use log::{error, warn};
 use tollgate_core::lease::LeaseResponse;
 
 /// Start a call to `path` (`/v1/lease`, `/v1/slots`); its answer comes to the calling context's
 /// call-response callback. `None` if the call could not be made.
-pub fn call<T: serde::Serialize>(service: &QuotaService, path: &str, request: &T) -> Option<u32> {
+pub fn call<H: Host, T: serde::Serialize>(
+    host: &H,
+    service: &QuotaService,
+    path: &str,
+    request: &T,
+) -> Option<u32> {
     let body = serde_json::to_vec(request)
         .map_err(|e| error!("cannot encode a quota service request: {e}"))
         .ok()?;
@@ -28,29 +33,38 @@ pub fn call<T: serde::Serialize>(service: &QuotaService, path: &str, request: &T
     let mut wire = Vec::new();
     header_map::serialize(headers.iter().copied(), &mut wire);
     let timeout = u32::try_from(service.timeout_ms).unwrap_or(u32::MAX);
-    host::http_call(&service.upstream, &wire, &body, timeout)
+    host.http_call(&service.upstream, &wire, &body, timeout)
         .map_err(|s| warn!("cannot call the quota service ({}): {s}", service.upstream))
         .ok()
 }
 
 /// The answer to a lease call for `items` items, read in its response callback; `None` if the
 /// call failed or the answer is not a well-formed one.
-pub fn answer(num_headers: usize, body_size: usize, items: usize) -> Option<LeaseResponse> {
-    let (status, body) = answer_parts(num_headers, body_size);
+pub fn answer<H: Host>(
+    host: &H,
+    num_headers: usize,
+    body_size: usize,
+    items: usize,
+) -> Option<LeaseResponse> {
+    let (status, body) = answer_parts(host, num_headers, body_size);
     read_answer(status.as_deref(), body.as_deref(), items)
 }
 
 /// The status and body of a call's answer, read in its response callback (none of either for a
 /// failed call).
-pub fn answer_parts(num_headers: usize, body_size: usize) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
+pub fn answer_parts<H: Host>(
+    host: &H,
+    num_headers: usize,
+    body_size: usize,
+) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
     // A failed call (refused, reset, timed out) arrives with no headers at all.
     if num_headers == 0 {
         warn!("quota service call failed (no answer)");
         return (None, None);
     }
-    let status = host::call_response_header(":status");
+    let status = host.call_response_header(":status");
     let body = (body_size > 0)
-        .then(|| host::call_response_body(body_size))
+        .then(|| host.call_response_body(body_size))
         .flatten();
     (status, body)
 }

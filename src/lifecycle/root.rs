@@ -1,39 +1,41 @@
 //! A root context: one configuration in one worker. It loads the configuration, runs the tick
 //! and takes the answers to the refills it sent.
 
-use crate::host;
-use crate::plugin::Plugin;
+use super::host::Host;
+use super::plugin::Plugin;
 use log::{error, warn};
 use std::rc::Rc;
 
-pub struct Root {
-    plugin: Option<Rc<Plugin>>,
+pub struct Root<H: Host> {
+    host: H,
+    plugin: Option<Rc<Plugin<H>>>,
     /// The tick period set so far (some hosts accept it only once).
     tick_ms: Option<u32>,
 }
 
-impl Root {
-    pub fn new() -> Self {
+impl<H: Host + Clone> Root<H> {
+    pub fn new(host: H) -> Self {
         Self {
+            host,
             plugin: None,
             tick_ms: None,
         }
     }
 
     /// The configuration new requests of this root run with (none: they pass unlimited).
-    pub fn plugin(&mut self) -> Option<Rc<Plugin>> {
+    pub fn plugin(&mut self) -> Option<Rc<Plugin<H>>> {
         self.plugin.clone()
     }
 
     pub fn configure(&mut self) -> bool {
-        let bytes = match host::plugin_configuration() {
+        let bytes = match self.host.plugin_configuration() {
             Ok(bytes) => bytes,
             Err(s) => {
                 error!("cannot read the plugin configuration: {s}");
                 return false;
             }
         };
-        let plugin = match Plugin::load(&bytes, host::caps()) {
+        let plugin = match Plugin::load(&bytes, self.host.clone()) {
             Ok(plugin) => plugin,
             Err(line) => {
                 error!("{line}");
@@ -45,7 +47,7 @@ impl Root {
             .tick_ms
             .is_none_or(|t| t > tick && plugin.caps.resume_from_timer)
         {
-            match host::set_tick_period(tick) {
+            match self.host.set_tick_period(tick) {
                 Ok(()) => self.tick_ms = Some(tick),
                 Err(s) => warn!("cannot set the tick period (held requests, stashes, stats): {s}"),
             }

@@ -1,11 +1,11 @@
 //! Carrying out an answer at the host: a rejection sent as a local response, rate-limit headers
 //! added to an admitted request's response. Both render into buffers the worker reuses.
 
+use super::host::Host;
 use crate::config::HostCaps;
 use crate::engine::{Engine, QuotaReport, Rejection};
 use crate::header_map;
 use crate::headers::HeaderSet;
-use crate::host;
 use log::{debug, error};
 
 /// Buffers a worker reuses from response to response.
@@ -16,7 +16,13 @@ pub struct Scratch {
 }
 
 /// Refuse the current request with its rule's response and headers saying why.
-pub fn reject(engine: &Engine, scratch: &mut Scratch, caps: &HostCaps, rejection: &Rejection) {
+pub fn reject<H: Host>(
+    host: &H,
+    engine: &Engine,
+    scratch: &mut Scratch,
+    caps: &HostCaps,
+    rejection: &Rejection,
+) {
     scratch.headers.clear();
     scratch.wire.clear();
     let response = engine.render_rejection(&mut scratch.headers, rejection);
@@ -31,17 +37,22 @@ pub fn reject(engine: &Engine, scratch: &mut Scratch, caps: &HostCaps, rejection
         true => response.body.strip_suffix('\n').unwrap_or(&response.body),
         false => &response.body,
     };
-    if let Err(s) = host::send_local_response(response.status, &scratch.wire, body.as_bytes()) {
+    if let Err(s) = host.send_local_response(response.status, &scratch.wire, body.as_bytes()) {
         error!("cannot send the rejection: {s}");
     }
 }
 
 /// Add the rate-limit headers describing `report` to the current response.
-pub fn add_quota_headers(engine: &Engine, scratch: &mut Scratch, report: QuotaReport) {
+pub fn add_quota_headers<H: Host>(
+    host: &H,
+    engine: &Engine,
+    scratch: &mut Scratch,
+    report: QuotaReport,
+) {
     scratch.headers.clear();
     engine.render_report(&mut scratch.headers, report);
     for (name, value) in scratch.headers.iter() {
-        if let Err(s) = host::add_response_header(name, value) {
+        if let Err(s) = host.add_response_header(name, value) {
             debug!("cannot add response header {name}: {s}");
         }
     }

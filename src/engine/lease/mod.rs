@@ -1,0 +1,223 @@
+//! Leases from the quota service: the refills requests claim and the calls that ask for them;
+//! `permits` keeps global concurrency keys' permits renewed, `answers` writes what the service
+//! answered into the keys' allowances.
+
+mod answers;
+mod permits;
+
+pub use answers::{read_answer, read_slot_answer};
+
+use super::{CheckInput, Engine};
+use siphasher::sip128::{Hasher128, SipHasher24};
+use std::hash::Hasher;
+use tollgate_core::lease::{LeaseItem, LeaseRequest};
+use tollgate_core::slot_lease::SlotRequest;
+use tollgate_core::{Ask, CasStore, LeaseAllowance, Limit, Outcome, SlotId, Verdict};
+
+/// Items in one call to the quota service (it takes at most [`tollgate_core::lease::MAX_ITEMS`]).
+pub const ITEMS_PER_CALL: usize = 250;
+
+/// Calls one tick (or one request) sends at most; further refills wait for the next.
+pub const CALLS_PER_TICK: usize = 8;
+
+/// Keys whose unspent strict grants a worker keeps to give back at once; beyond, the tokens
+/// are lost (stricter, never looser).
+const MAX_GIVE_BACKS: usize = ITEMS_PER_CALL;
+
+/// A call to the quota service a tick sends: the refills it is for, and its body; or tokens
+/// given back, whose answer changes nothing here.
+pub enum Call {
+    Lease(Vec<Refill>, LeaseRequest),
+    Slots(Vec<Refill>, SlotRequest),
+    GiveBack(LeaseRequest),
+}
+
+/// A key's allowance to refill from the quota service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refill {
+    pub rule: usize,
+    pub slot: SlotId,
+    pub key: u128,
+    /// When a request claimed it (ms): the lease it brings ends `ttl_ms` after that.
+    pub claimed_ms: u64,
+    /// What the call asked for, from the key's state when it went out (slots: `wanted` only).
+    pub ask: Ask,
+}
+
+impl Engine {
+    /// Note the refills `outcome`'s writes claimed: they go out together on the next tick.
+    pub(super) fn record_claims(&mut self, inputs: &[CheckInput], outcome: &Outcome, now: u64) {
+        for (input, result) in inputs.iter().zip(&outcome.checks) {
+            if result.refill {
+                if self.slot_allowance_of(input.which.rule()).is_some() {
+                    self.watch_slots(input.which.rule(), input.slot, input.key);
+                }
+                let refill = Refill {
+                    rule: input.which.rule(),
+                    slot: input.slot,
+                    key: input.key,
+                    claimed_ms: now / 1_000_000,
+                    ask: Ask::default(),
+                };
+                // A request admitted from the lease it claims more for: a key already served.
+                if matches!(result.verdict, Verdict::Allowed { .. }) {
+                    self.renewals.push(refill);
+                } else {
+                    self.refills.push(refill);
+                }
+            }
+        }
+    }
+
+    /// The calls for the refills claimed since the last ones: one for leased allowances, one for
+    /// leased slots, each asking from its keys' states now (one read per key, off the request
+    /// path). Answers go to [`Engine::apply_grants`] and [`Engine::apply_slots`] with the same
+    /// refills.
+    pub fn take_refills<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        instance: &str,
+        now: u64,
+    ) -> Vec<Call> {
+        let mut calls = Vec::new();
+        if self.refills.is_empty() && self.renewals.is_empty() && self.give_backs.is_empty() {
+            return calls;
+        }
+        let now_ms = now / 1_000_000;
+        // Past what a tick may send, refills wait for the next tick, renewals first: a flood of
+        // new keys delays new keys, never the calls of keys already served.
+        let cap = ITEMS_PER_CALL * CALLS_PER_TICK;
+        let mut refills = std::mem::take(&mut self.renewals);
+        if refills.len() > cap {
+            self.renewals = refills.split_off(cap);
+        }
+        let room = cap - refills.len();
+        let later = self.refills.split_off(self.refills.len().min(room));
+        refills.append(&mut self.refills);
+        self.refills = later;
+        let (mut leases, mut slots) = (Vec::new(), Vec::new());
+        let mut slot_items = Vec::new();
+        for mut r in refills {
+            let Some(state) = self.state(store, &r) else {
+                continue;
+            };
+            if let Some(allowance) = self.allowance_of(r.rule) {
+                r.ask = allowance.ask(&state, now_ms);
+                leases.push(r);
+            } else if let Some(slot) = self.slot_allowance_of(r.rule) {
+                let ask = slot.ask(&state, now_ms);
+                r.ask.wanted = ask.wanted;
+                if let Some(item) = self.slot_item(r.rule, r.key, &ask) {
+                    slot_items.push(item);
+                    slots.push(r);
+                }
+            }
+        }
+        // Calls of at most ITEMS_PER_CALL items: a call that fails takes only its own keys to
+        // the failure mode.
+        while !leases.is_empty() {
+            let rest = leases.split_off(leases.len().min(ITEMS_PER_CALL));
+            let chunk = std::mem::replace(&mut leases, rest);
+            let items = chunk
+                .iter()
+                .filter_map(|r| self.lease_item(r.rule, r.key, &r.ask))
+                .collect();
+            let request = LeaseRequest {
+                instance: instance.to_owned(),
+                items,
+            };
+            calls.push(Call::Lease(chunk, request));
+        }
+        if !self.give_backs.is_empty() {
+            let items = std::mem::take(&mut self.give_backs)
+                .into_iter()
+                .filter_map(|((rule, key), tokens)| {
+                    let item = self.lease_item(rule, key, &Ask::default())?;
+                    Some(LeaseItem {
+                        returned: tokens,
+                        ..item
+                    })
+                })
+                .collect();
+            calls.push(Call::GiveBack(LeaseRequest {
+                instance: instance.to_owned(),
+                items,
+            }));
+        }
+        while !slots.is_empty() {
+            let rest = slots.split_off(slots.len().min(ITEMS_PER_CALL));
+            let chunk = std::mem::replace(&mut slots, rest);
+            let rest_items = slot_items.split_off(chunk.len());
+            let request = SlotRequest {
+                instance: instance.to_owned(),
+                items: std::mem::replace(&mut slot_items, rest_items),
+            };
+            calls.push(Call::Slots(chunk, request));
+        }
+        calls
+    }
+
+    /// Give back `tokens` of `rule`'s key `key` with the next tick's calls.
+    pub(super) fn give_back(&mut self, rule: usize, key: u128, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let room = self.give_backs.len() < MAX_GIVE_BACKS;
+        if let Some(n) = self.give_backs.get_mut(&(rule, key)) {
+            *n = n.saturating_add(tokens);
+        } else if room {
+            self.give_backs.insert((rule, key), tokens);
+        }
+    }
+
+    /// The allowance of a global rule in lease mode.
+    pub(in crate::engine) fn allowance_of(&self, rule: usize) -> Option<&LeaseAllowance> {
+        match &self.config.rules.get(rule)?.quota()?.limit {
+            Limit::Lease(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The lease item asking global rule `rule` for `key` what `ask` says.
+    pub(in crate::engine) fn lease_item(
+        &self,
+        rule: usize,
+        key: u128,
+        ask: &Ask,
+    ) -> Option<LeaseItem> {
+        let rule = self.config.rules.get(rule)?;
+        let global = rule.global()?;
+        Some(LeaseItem {
+            rule: rule.name.clone(),
+            limit_id: global.limit_id.clone(),
+            key: format!("{:032x}", self.service_key(key)),
+            requests: global.requests,
+            per_ms: global.per_ms,
+            burst: global.burst,
+            wanted: ask.wanted,
+            used: ask.used,
+            demand: ask.demand_mtps as f64 / 1_000.0,
+            known_ms: ask.known_ms,
+            known_remaining: ask.known_remaining,
+            returned: 0,
+        })
+    }
+
+    /// The name of a client key at the quota service: its hash, keyed by the deployment's
+    /// `key_secret` (SipHash-2-4) when there is one.
+    pub(in crate::engine) fn service_key(&self, key: u128) -> u128 {
+        let secret = self
+            .config
+            .quota_service
+            .as_ref()
+            .and_then(|q| q.key_secret);
+        match secret {
+            Some(secret) => {
+                let mut h = SipHasher24::new_with_key(&secret);
+                h.write(&key.to_le_bytes());
+                h.finish128().as_u128()
+            }
+            None => key,
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Global concurrency: the keys a worker keeps in view, their permits renewed (or given back) on
+//! the tick, and the service's answers written into their leases.
+
+use super::Refill;
+use crate::engine::Engine;
+use tollgate_core::slot::update_slot;
+use tollgate_core::slot_lease::{SlotAsk, SlotItem, SlotResponse};
+use tollgate_core::{Ask, CasStore, Limit, SlotAllowance, SlotId};
+
+/// How often a worker looks at the global concurrency keys it knows (renewals are due halfway
+/// through a lease's term, seconds away).
+const SLOT_SCAN_MS: u64 = 100;
+/// Most global concurrency keys a worker keeps in view (those with its requests in flight).
+const MAX_SLOT_KEYS: usize = 65_536;
+
+/// What the tick's look at a global concurrency key found.
+enum Renewal {
+    Claimed,
+    Idle,
+    NotDue,
+}
+
+impl Engine {
+    /// The slot allowance of a global concurrency rule.
+    pub(in crate::engine) fn slot_allowance_of(&self, rule: usize) -> Option<&SlotAllowance> {
+        match &self.config.rules.get(rule)?.quota()?.limit {
+            Limit::SlotLease(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    pub(in crate::engine) fn slot_item(
+        &self,
+        rule: usize,
+        key: u128,
+        ask: &SlotAsk,
+    ) -> Option<SlotItem> {
+        let r = self.config.rules.get(rule)?;
+        let global = r.global()?;
+        Some(SlotItem {
+            rule: r.name.clone(),
+            limit_id: global.limit_id.clone(),
+            key: format!("{:032x}", self.service_key(key)),
+            concurrent: global.burst,
+            wanted: ask.wanted,
+            keep: ask.keep,
+            known_held: ask.known_held,
+        })
+    }
+
+    /// Keep a global concurrency key in view: its lease is renewed (or given back) on the tick.
+    pub(in crate::engine) fn watch_slots(&mut self, rule: usize, slot: SlotId, key: u128) {
+        if self.slot_keys.len() < MAX_SLOT_KEYS || self.slot_keys.contains_key(&(rule, slot)) {
+            self.slot_keys.insert((rule, slot), key);
+        }
+    }
+
+    /// The tick's look at the global concurrency keys in view: claim the calls that are due
+    /// (renewals, more slots for full leases, keys given back) and stop watching idle keys.
+    pub fn renew_slots<S: CasStore + ?Sized>(&mut self, store: &S, now: u64) {
+        let now_ms = now / 1_000_000;
+        // A next scan further ahead than one period: the clock stepped back; scan now.
+        let stepped = self.next_slot_scan_ms > now_ms.saturating_add(SLOT_SCAN_MS);
+        if self.slot_keys.is_empty() || (now_ms < self.next_slot_scan_ms && !stepped) {
+            return;
+        }
+        self.next_slot_scan_ms = now_ms + SLOT_SCAN_MS;
+        let mut idle = Vec::new();
+        let mut claimed = Vec::new();
+        for (&(rule, slot), &key) in &self.slot_keys {
+            let quota = self.config.rules.get(rule).and_then(|r| r.quota());
+            let (Some(allowance), Some(quota)) = (self.slot_allowance_of(rule).copied(), quota)
+            else {
+                idle.push((rule, slot));
+                continue;
+            };
+            let table = &quota.table;
+            let store_key = table.store_key(slot.group);
+            // One attempt: a lost race leaves the claim to the next look.
+            let looked = update_slot(
+                store,
+                store_key.as_str(),
+                1,
+                |group| group.slots.iter().position(|s| s.tag == slot.tag),
+                |s| match allowance.renewal(&s.state, now_ms) {
+                    Some(next) => {
+                        s.state = next;
+                        (true, Renewal::Claimed)
+                    }
+                    None if SlotAllowance::is_idle(&s.state, now_ms) => (false, Renewal::Idle),
+                    None => (false, Renewal::NotDue),
+                },
+            );
+            match looked {
+                Ok(Some(Renewal::Claimed)) => claimed.push(Refill {
+                    rule,
+                    slot,
+                    key,
+                    claimed_ms: now_ms,
+                    ask: Ask::default(),
+                }),
+                // Idle, or its slot went to another key.
+                Ok(Some(Renewal::Idle) | None) => idle.push((rule, slot)),
+                Ok(Some(Renewal::NotDue)) | Err(_) => {}
+            }
+        }
+        for k in idle {
+            self.slot_keys.remove(&k);
+        }
+        self.renewals.extend(claimed);
+    }
+
+    /// Write a slot call's answer (`None`: the call failed) into the keys' leases.
+    pub fn apply_slots<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        refills: &[Refill],
+        answer: Option<&SlotResponse>,
+        now_ns: u64,
+    ) {
+        let now_ms = now_ns / 1_000_000;
+        let Some(answer) = answer else {
+            return self.fail_refills(store, refills, now_ms);
+        };
+        let refused = self.refused_items(store, refills, &answer.errors, now_ms);
+        let mut held: Vec<(usize, u64)> = Vec::new();
+        for (n, (refill, a)) in refills.iter().zip(&answer.items).enumerate() {
+            if refused.contains(&n) {
+                continue;
+            }
+            let Some(slots) = self.slot_allowance_of(refill.rule).copied() else {
+                continue;
+            };
+            self.update_allowance(store, refill, |state| {
+                slots.grant(state, now_ms, a, refill.claimed_ms, refill.ask.wanted)
+            });
+            match held.iter_mut().find(|(r, _)| *r == refill.rule) {
+                Some((_, n)) => *n += a.held,
+                None => held.push((refill.rule, a.held)),
+            }
+        }
+        for (rule, n) in held {
+            self.stats.set(rule, crate::stats::RuleStat::SlotsHeld, n);
+        }
+    }
+}

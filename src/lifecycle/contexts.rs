@@ -1,0 +1,158 @@
+//! One VM's contexts and the callbacks the host enters, dispatched to root contexts (one per
+//! configuration and worker) and streams (one per request). A context the host names that is
+//! unknown, or one that is busy (a re-entered callback), gets the neutral answer: nothing here
+//! can panic.
+
+use super::calls::Callers;
+use super::host::{Action, Host};
+use super::root::Root;
+use super::stream::Stream;
+use log::debug;
+use rustc_hash::FxHashMap;
+use std::cell::RefCell;
+
+/// Every context of one VM (one worker's copy of the module). Roots and streams are borrowed
+/// apart: a stream's callback re-entered from a root's (a rejection sent from the tick runs the
+/// stream's response and log callbacks at once) still finds its stream.
+pub struct Contexts<H: Host + Clone> {
+    host: H,
+    // Context ids are the host's small integers, never a client's: a fast hash (several lookups
+    // per request) needs no protection against chosen keys.
+    roots: RefCell<FxHashMap<u32, Root<H>>>,
+    /// Requests in progress. The map keeps its capacity: a new request allocates nothing.
+    streams: RefCell<FxHashMap<u32, Stream<H>>>,
+    callers: Callers,
+}
+
+impl<H: Host + Clone> Contexts<H> {
+    pub fn new(host: H) -> Self {
+        Self {
+            host,
+            roots: RefCell::default(),
+            streams: RefCell::default(),
+            callers: Callers::default(),
+        }
+    }
+
+    pub fn host(&self) -> &H {
+        &self.host
+    }
+
+    fn with_root<R>(&self, id: u32, default: R, f: impl FnOnce(&mut Root<H>) -> R) -> R {
+        match self.roots.try_borrow_mut() {
+            Ok(mut roots) => roots.get_mut(&id).map_or(default, f),
+            Err(_) => {
+                debug!("root context {id} entered again while busy");
+                default
+            }
+        }
+    }
+
+    fn with_stream<R>(&self, id: u32, default: R, f: impl FnOnce(&mut Stream<H>) -> R) -> R {
+        match self.streams.try_borrow_mut() {
+            Ok(mut streams) => streams.get_mut(&id).map_or(default, f),
+            Err(_) => {
+                debug!("context {id} entered again while busy");
+                default
+            }
+        }
+    }
+
+    fn has_stream(&self, id: u32) -> bool {
+        self.streams.try_borrow().is_ok_and(|m| m.contains_key(&id))
+    }
+
+    /// A new context: a root (no parent) or a request of the root `parent_id`.
+    pub fn create(&self, context_id: u32, parent_id: u32) {
+        if parent_id == 0 {
+            if let Ok(mut roots) = self.roots.try_borrow_mut() {
+                roots.insert(context_id, Root::new(self.host.clone()));
+            }
+            return;
+        }
+        let plugin = self.with_root(parent_id, None, |root| root.plugin());
+        if let Ok(mut streams) = self.streams.try_borrow_mut() {
+            streams.insert(context_id, Stream::new(context_id, plugin));
+        }
+    }
+
+    /// Load the root's configuration; false if it is refused.
+    pub fn configure(&self, root_id: u32) -> bool {
+        self.with_root(root_id, false, Root::configure)
+    }
+
+    pub fn tick(&self, root_id: u32) {
+        self.with_root(root_id, (), Root::tick);
+    }
+
+    pub fn request_headers(&self, context_id: u32) -> Action {
+        self.with_stream(context_id, Action::Continue, |s| {
+            s.on_request_headers(&self.callers)
+        })
+    }
+
+    pub fn response_headers(&self, context_id: u32) -> Action {
+        self.with_stream(context_id, Action::Continue, Stream::on_response_headers)
+    }
+
+    /// The stream's last callback before it is deleted.
+    pub fn log(&self, context_id: u32) {
+        self.with_stream(context_id, (), |s| s.end_of_stream(&self.callers));
+    }
+
+    /// A root is done (the configuration goes away).
+    pub fn done(&self, context_id: u32) {
+        self.with_root(context_id, (), Root::done);
+    }
+
+    /// A context goes away. A stream that never saw its log callback (an aborted request on some
+    /// hosts) ends here.
+    pub fn delete(&self, context_id: u32) {
+        let stream = self
+            .streams
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut s| s.remove(&context_id));
+        if let Some(mut stream) = stream {
+            stream.end_of_stream(&self.callers);
+            return;
+        }
+        let root = self
+            .roots
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut r| r.remove(&context_id));
+        if let Some(mut root) = root {
+            root.done();
+        }
+    }
+
+    /// The answer to the call `token`, delivered to `context_id`.
+    pub fn call_response(&self, context_id: u32, token: u32, num_headers: usize, body_size: usize) {
+        // ngx_wasm_module names the context that made the call (and numbers tokens per context);
+        // Envoy names the root context for every answer (and numbers tokens per VM), so a
+        // request's answer is found by its token.
+        let named_stream = self.has_stream(context_id);
+        let named_root_call = !named_stream && self.with_root(context_id, false, |r| r.sent(token));
+        let caller = if named_stream || named_root_call {
+            self.callers.forget(token);
+            context_id
+        } else {
+            self.callers.take(token).unwrap_or(context_id)
+        };
+        // The caller must be current before it can read the answer or resume itself (Envoy;
+        // nginx ignores this call, its current context is the caller already).
+        if caller != context_id {
+            let _ = self.host.set_effective_context(caller);
+        }
+        let for_stream = self.with_stream(caller, false, |stream| {
+            stream.on_call_response(token, num_headers, body_size);
+            true
+        });
+        if !for_stream {
+            self.with_root(caller, (), |root| {
+                root.on_call_response(token, num_headers, body_size)
+            });
+        }
+    }
+}
