@@ -39,6 +39,9 @@ def crate_modules(src):
             continue
         if len(rel) and rel[0] == "bin":
             continue
+        # Test modules (`#[cfg(test)] mod tests;`) use what they test, like inline ones.
+        if "tests" in rel:
+            continue
         modules[tuple(rel)] = f
     return modules
 

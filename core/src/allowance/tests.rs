@@ -1,0 +1,386 @@
+//! Claims, grants, accrual, renewals and clock steps of a key's allowance.
+
+use super::*;
+
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_700_000_000_000; // ms
+
+fn lease() -> LeaseAllowance {
+    LeaseAllowance {
+        lease_size: 10,
+        low_water: 5,
+        claim_ms: 200,
+        global_burst: 0,
+        global_interval_ns: 0,
+        global_rate_mtps: 100_000,
+    }
+}
+
+fn grant(tokens: u64, rate_mtps: u64, at: u64, ttl_ms: u64) -> Grant {
+    Grant {
+        tokens,
+        rate_mtps,
+        ttl_ms,
+        claimed_ms: at,
+        retry_ms: 300,
+        asked: Ask {
+            wanted: 10,
+            ..Ask::default()
+        },
+        ..Grant::default()
+    }
+}
+
+fn allowed(l: &LeaseAllowance, s: &State, at_ms: u64) -> State {
+    match l.decide(s, at_ms * MS, 1) {
+        Decision::Allow { state, .. } => state,
+        d => panic!("at {at_ms}: {d:?}"),
+    }
+}
+
+#[test]
+fn a_clock_stepped_back_claims_a_refill_at_once_instead_of_waiting_for_the_clock() {
+    let l = lease();
+    let mut s = l.grant(&[0; 32], T0, &grant(2, 0, T0, 10_000));
+    s = allowed(&l, &s, T0 + 1);
+    s = allowed(&l, &s, T0 + 2);
+    // Below the low-water mark the first spend claimed the refill (its mark: T0 + 201);
+    // empty, a request waits for it...
+    assert_eq!(
+        l.decide(&s, (T0 + 3) * MS, 1),
+        Decision::Wait { claim: None }
+    );
+    let claimed = s;
+    // ... and the clock steps back an hour before the answer comes (the call failed).
+    let back = T0 - 3_600_000;
+    match l.decide(&claimed, back * MS, 1) {
+        // Before: Wait { claim: None } for an hour, every request timing out.
+        Decision::Wait { claim: Some(again) } => {
+            assert!(l.claimed(&claimed, &again));
+            assert_eq!(parts(&again).base, back);
+        }
+        d => panic!("{d:?}"),
+    }
+}
+
+#[test]
+fn a_new_key_claims_a_refill_then_waits_then_spends_its_grant() {
+    let l = lease();
+    let fresh = [0; STATE_BYTES];
+    let Decision::Wait {
+        claim: Some(claimed),
+    } = l.decide(&fresh, T0 * MS, 1)
+    else {
+        panic!("a new key waits and claims");
+    };
+    assert!(l.claimed(&fresh, &claimed));
+    // Others wait without claiming again.
+    assert_eq!(
+        l.decide(&claimed, T0 * MS, 1),
+        Decision::Wait { claim: None }
+    );
+    assert_eq!(l.ask(&claimed, T0).wanted, 10);
+    let granted = l.grant(&claimed, T0, &grant(10, 0, T0, 1_000));
+    let mut s = granted;
+    for i in 0..10u64 {
+        match l.decide(&s, (T0 + 1) * MS, 1) {
+            Decision::Allow {
+                state, remaining, ..
+            } => {
+                assert_eq!(remaining, 9 - i);
+                // Below the low-water mark (5 left) the spender claims the next refill, once.
+                assert_eq!(l.claimed(&s, &state), i == 5, "at {i}");
+                s = state;
+            }
+            d => panic!("{d:?}"),
+        }
+    }
+    // Empty with a refill in flight: wait.
+    assert_eq!(
+        l.decide(&s, (T0 + 1) * MS, 1),
+        Decision::Wait { claim: None }
+    );
+    // It ran dry: the refill asks for the whole rate.
+    let ask = l.ask(&s, T0 + 2);
+    assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (10, 10, 100_000));
+}
+
+#[test]
+fn a_rate_lease_accrues_and_refuses_at_once_when_spent() {
+    let l = lease();
+    // 2 tokens outright and 10 per second (10 000 mtps) for 1 s from T0, capped by fairness
+    // (it asked for 30).
+    let mut g = grant(2, 10_000, T0, 1_000);
+    g.asked.demand_mtps = 30_000;
+    let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+    s = allowed(&l, &s, T0);
+    s = allowed(&l, &s, T0);
+    // Spent: refused at once, told when the next token has accrued (at 100 ms).
+    assert_eq!(
+        l.decide(&s, (T0 + 50) * MS, 1),
+        Decision::Deny {
+            retry_after_ns: 50 * MS,
+            remaining: 0,
+            reset_ns: 50 * MS
+        }
+    );
+    s = allowed(&l, &s, T0 + 100);
+    assert!(matches!(
+        l.decide(&s, (T0 + 150) * MS, 1),
+        Decision::Deny { .. }
+    ));
+}
+
+#[test]
+fn leases_renew_in_their_last_quarter_or_every_eighth_when_capped() {
+    let l = lease();
+    // As asked, with 10 tokens in hand, spending what accrues: no claim before 750 ms.
+    let mut g = grant(10, 10_000, T0, 1_000);
+    g.asked.demand_mtps = 10_000;
+    let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+    for t in (100..=700).step_by(100) {
+        let next = allowed(&l, &s, T0 + t);
+        assert!(!l.claimed(&s, &next), "at {t}");
+        s = next;
+    }
+    let renewed = allowed(&l, &s, T0 + 750);
+    assert!(l.claimed(&s, &renewed));
+    // The accrual stops at the claim: what is held at 750 is all there is until the answer.
+    assert_eq!(l.allowance(&renewed, T0 + 750), 9);
+    assert_eq!(l.allowance(&renewed, T0 + 900), 9);
+    // The new lease (20 per second) accrues from the answer; the old one ends.
+    let next = l.grant(&renewed, T0 + 760, &grant(0, 20_000, T0 + 750, 1_000));
+    assert_eq!(l.allowance(&next, T0 + 760), 9);
+    assert_eq!(l.allowance(&next, T0 + 810), 10);
+    assert!(!LeaseAllowance::is_idle(&next, T0 + 1_749));
+    assert!(LeaseAllowance::is_idle(&next, T0 + 1_750));
+
+    // Capped by fairness: renewed every eighth of the lease (125 ms).
+    let mut g = grant(10, 10_000, T0, 1_000);
+    g.asked.demand_mtps = 30_000;
+    let s = l.grant(&[0; STATE_BYTES], T0, &g);
+    let next = allowed(&l, &s, T0 + 100);
+    assert!(!l.claimed(&s, &next));
+    assert!(l.claimed(&next, &allowed(&l, &next, T0 + 125)));
+}
+
+#[test]
+fn running_low_asks_again_only_when_asking_can_get_more() {
+    let l = lease();
+    // Capped (asked 50, got 10 per second): running low is no reason to ask before the
+    // eighth.
+    let mut g = grant(0, 10_000, T0, 1_000);
+    g.asked.demand_mtps = 50_000;
+    let s = l.grant(&[0; STATE_BYTES], T0, &g);
+    let next = allowed(&l, &s, T0 + 100);
+    assert!(!l.claimed(&s, &next));
+    // Not capped: running low claims at once, and with nothing left it asks for more
+    // rather than refuse (the service may well have it).
+    let mut g = grant(0, 10_000, T0, 1_000);
+    g.asked.demand_mtps = 10_000;
+    let s = l.grant(&[0; STATE_BYTES], T0, &g);
+    let next = allowed(&l, &s, T0 + 100);
+    assert!(l.claimed(&s, &next));
+    assert_eq!(
+        l.decide(&next, (T0 + 150) * MS, 1),
+        Decision::Wait { claim: None }
+    );
+    // Refused for want of quota: the next ask wants the whole rate, and while it is on its
+    // way, requests are refused rather than held (only the claimant waits).
+    let none = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
+    assert_eq!(l.ask(&none, T0 + 200).demand_mtps, 100_000);
+    let Decision::Wait {
+        claim: Some(claimed),
+    } = l.decide(&none, (T0 + 200) * MS, 1)
+    else {
+        panic!("the mark expired: a claim");
+    };
+    assert!(matches!(
+        l.decide(&claimed, (T0 + 201) * MS, 1),
+        Decision::Deny { .. }
+    ));
+}
+
+#[test]
+fn a_lease_that_did_not_run_dry_asks_for_what_it_spent_and_a_quarter_more() {
+    let l = lease();
+    let s = l.grant(&[0; STATE_BYTES], T0, &grant(10, 0, T0, 1_000));
+    let mut s = allowed(&l, &s, T0 + 100);
+    for t in [200, 300, 400, 500, 600, 700, 750] {
+        s = allowed(&l, &s, T0 + t);
+    }
+    // 8 tokens in 760 ms, a quarter more: 13.2 per second.
+    let ask = l.ask(&s, T0 + 760);
+    assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (8, 8, 13_157));
+}
+
+#[test]
+fn exhausted_refuses_failed_falls_back_and_leases_expire() {
+    let l = lease();
+    let none = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
+    assert!(
+        matches!(
+            l.decide(&none, T0 * MS, 1),
+            Decision::Deny { retry_after_ns, .. } if retry_after_ns == 62 * MS
+        ),
+        "the service's hint (300 ms), within a sixteenth of a lease"
+    );
+    let failed = l.fail(&[0; STATE_BYTES], T0, 1_000);
+    assert_eq!(
+        l.decide(&failed, T0 * MS, 1),
+        Decision::Fallback { claim: None }
+    );
+    // After the mark, a new claim; the failure mode still decides until its answer.
+    let Decision::Fallback {
+        claim: Some(retrying),
+    } = l.decide(&failed, (T0 + 1_000) * MS, 1)
+    else {
+        panic!("the retry is claimed");
+    };
+    assert!(l.claimed(&failed, &retrying));
+    assert_eq!(
+        l.decide(&retrying, (T0 + 1_001) * MS, 1),
+        Decision::Fallback { claim: None }
+    );
+    // An answer ends it.
+    let answered = l.grant(&retrying, T0 + 1_002, &grant(5, 0, T0 + 1_000, 1_000));
+    assert!(matches!(
+        l.decide(&answered, (T0 + 1_003) * MS, 1),
+        Decision::Allow { .. }
+    ));
+    // Tokens held survive a failure until their lease ends, accrual included up to the
+    // failure (here no claim was made).
+    let held = l.fail(
+        &l.grant(&[0; STATE_BYTES], T0, &grant(1, 10_000, T0, 500)),
+        T0 + 200,
+        1_000,
+    );
+    assert_eq!(l.allowance(&held, T0 + 200), 3);
+    assert_eq!(l.allowance(&held, T0 + 400), 3, "no more accrual");
+    assert!(matches!(
+        l.decide(&held, (T0 + 200) * MS, 1),
+        Decision::Allow { .. }
+    ));
+    assert_eq!(
+        l.decide(&held, (T0 + 500) * MS, 1),
+        Decision::Fallback { claim: None }
+    );
+    assert!(!LeaseAllowance::is_idle(&held, T0 + 1_199));
+    assert!(LeaseAllowance::is_idle(&held, T0 + 1_200));
+}
+
+#[test]
+fn a_capped_lease_whose_bucket_has_tokens_asks_again_instead_of_refusing() {
+    let l = lease();
+    // Asked for the whole rate (a burst from one client) and got it with 5 tokens; the
+    // global bucket still holds 60.
+    let mut g = grant(5, 100_000, T0, 10_000);
+    g.asked.demand_mtps = 100_000;
+    g.remaining = 60;
+    let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+    let mut claims = 0;
+    for _ in 0..5 {
+        let next = allowed(&l, &s, T0);
+        claims += usize::from(l.claimed(&s, &next));
+        s = next;
+    }
+    assert_eq!(claims, 1, "running low claims a refill once");
+    // Dry with the refill out: the request waits for it, it is not refused.
+    assert_eq!(l.decide(&s, T0 * MS, 1), Decision::Wait { claim: None });
+    // The same lease with the global bucket empty: refused at once.
+    g.remaining = 0;
+    let mut s = l.grant(&[0; STATE_BYTES], T0, &g);
+    for _ in 0..5 {
+        s = allowed(&l, &s, T0);
+    }
+    assert!(matches!(l.decide(&s, T0 * MS, 1), Decision::Deny { .. }));
+}
+
+#[test]
+fn a_low_rate_renewed_every_eighth_of_its_term_accrues_whole_tokens() {
+    let l = lease();
+    // A share of 0.05 per second (one token per 20 s), capped by fairness: renewed every
+    // eighth of a 10 s lease, 0.0625 tokens accrued each time. Over 60 s: 3 tokens.
+    let rated = |at: u64| {
+        let mut g = grant(0, 50, at, 10_000);
+        g.asked.demand_mtps = 100;
+        g
+    };
+    let mut s = l.grant(&[0; STATE_BYTES], T0, &rated(T0));
+    let mut admitted = 0;
+    let mut t = T0;
+    while t < T0 + 60_000 {
+        t += 250;
+        if let Decision::Allow { state, .. } = l.decide(&s, t * MS, 1) {
+            admitted += 1;
+            s = state;
+        }
+        // Renewed (and answered at once) every 1.25 s.
+        let p = parts(&s);
+        if t >= p.base + 1_250 {
+            s = l.grant(&s, t, &rated(t));
+        }
+    }
+    assert_eq!(admitted, 3);
+}
+
+#[test]
+fn a_failure_is_not_a_denial() {
+    let l = lease();
+    let denied = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
+    let failed = l.fail(&denied, T0 + 100, 200);
+    assert_eq!(
+        l.decide(&failed, (T0 + 150) * MS, 1),
+        Decision::Fallback { claim: None }
+    );
+    // The retry is out: still the failure mode, not the refusal of the earlier answer.
+    let Decision::Fallback {
+        claim: Some(retrying),
+    } = l.decide(&failed, (T0 + 300) * MS, 1)
+    else {
+        panic!("a retry");
+    };
+    assert_eq!(
+        l.decide(&retrying, (T0 + 301) * MS, 1),
+        Decision::Fallback { claim: None }
+    );
+}
+
+#[test]
+fn calls_carry_what_the_proxy_last_heard_of_the_bucket_while_it_matters() {
+    // Burst 100 at 1 per 36 s (100 per hour).
+    let l = LeaseAllowance {
+        global_burst: 100,
+        global_interval_ns: 36_000 * MS,
+        global_rate_mtps: 27,
+        ..lease()
+    };
+    let fresh = [0; STATE_BYTES];
+    assert_eq!(l.ask(&fresh, T0).known_ms, 0, "never answered: no evidence");
+    let mut g = grant(10, 0, T0, 10_000);
+    g.remaining = 90;
+    let s = l.grant(&fresh, T0 + 5, &g);
+    let ask = l.ask(&s, T0 + 1_005);
+    // 1 s since the answer, plus the call's own time (claim_ms).
+    assert_eq!((ask.known_ms, ask.known_remaining), (1_200, 90));
+    // The lease ends after 10 s; the bucket is full again by 10 × 36 s after the answer.
+    let later = T0 + 5 + 359_000;
+    let Decision::Wait {
+        claim: Some(claimed),
+    } = l.decide(&s, later * MS, 1)
+    else {
+        panic!("a new claim");
+    };
+    let ask = l.ask(&claimed, later);
+    assert_eq!((ask.known_ms, ask.known_remaining), (359_200, 90));
+    assert_eq!(l.ask(&claimed, T0 + 5 + 360_000).known_ms, 0);
+}
+
+#[test]
+fn refunds_give_back_what_was_spent() {
+    let l = lease();
+    let s = l.grant(&[0; STATE_BYTES], T0, &grant(3, 0, T0, 1_000));
+    let spent = allowed(&l, &s, T0);
+    assert_eq!(l.allowance(&LeaseAllowance::refund(&spent, 1), T0), 3);
+    assert_eq!(l.allowance(&LeaseAllowance::refund(&s, 2), T0), 5);
+}

@@ -1,0 +1,298 @@
+//! The global bucket's lease step: fair shares, rates, give-backs, refill and clock steps.
+
+use super::*;
+
+fn item(wanted: u64) -> LeaseItem {
+    LeaseItem {
+        rule: "r".into(),
+        limit_id: "l".into(),
+        key: "k".into(),
+        requests: 120,
+        per_ms: 60_000,
+        burst: 120,
+        wanted,
+        used: 0,
+        demand: 0.0,
+        known_ms: 0,
+        known_remaining: 0,
+        returned: 0,
+    }
+}
+
+fn rated(wanted: u64, demand: f64) -> LeaseItem {
+    LeaseItem {
+        demand,
+        ..item(wanted)
+    }
+}
+
+fn new_bucket() -> GlobalBucket {
+    GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full)
+}
+
+#[test]
+fn grants_are_fair_and_never_exceed_the_bucket() {
+    let mut b = new_bucket();
+    // Three instances report demand; the small ones are served in full, the big one its share.
+    assert_eq!(b.lease("c", &item(10), 0, 10_000).granted, 10);
+    assert_eq!(b.lease("b", &item(50), 0, 10_000).granted, 50);
+    let a = b.lease("a", &item(1000), 0, 10_000);
+    assert_eq!(a.granted, 60);
+    assert_eq!(a.remaining, 0);
+    assert_eq!(a.reset_ms, 60_000);
+    assert_eq!(a.rate, 0.0);
+    // Empty: nothing more until it refills (2 per second), and it says when to ask again.
+    let none = b.lease("a", &item(1000), 0, 10_000);
+    assert_eq!((none.granted, none.retry_ms), (0, 500));
+    assert_eq!(b.lease("a", &item(1000), 1_000, 10_000).granted, 2);
+}
+
+#[test]
+fn tokens_given_back_return_at_most_what_the_instance_took() {
+    let back = |returned: u64| LeaseItem {
+        returned,
+        ..item(0)
+    };
+    let mut b = new_bucket();
+    assert_eq!(b.lease("a", &item(100), 0, 10_000).remaining, 20);
+    // b took nothing: it gives back nothing (before, anyone could fill a bucket).
+    let g = b.lease("b", &back(50), 0, 10_000);
+    assert_eq!((g.remaining, g.returned, g.retry_ms), (20, 0, 0));
+    // a took 100 and gives back 30, then 80: only the 70 it still had out go back.
+    let g = b.lease("a", &back(30), 0, 10_000);
+    assert_eq!((g.remaining, g.returned), (50, 30));
+    let g = b.lease("a", &back(80), 0, 10_000);
+    assert_eq!((g.remaining, g.returned, g.retry_ms), (120, 70, 0));
+    assert_eq!(b.lease("a", &back(1), 0, 10_000).remaining, 120);
+    // Given back and asked for in one item: the tokens come back first.
+    assert_eq!(b.lease("a", &item(120), 0, 10_000).granted, 120);
+    let again = LeaseItem {
+        returned: 20,
+        ..item(20)
+    };
+    assert_eq!(b.lease("a", &again, 0, 10_000).granted, 20);
+    // Never beyond the burst: a bucket full again by refill takes nothing more.
+    let full = b.lease("a", &back(20), 60_000, 10_000);
+    assert_eq!(full.remaining, 120);
+}
+
+#[test]
+fn a_clock_stepped_back_refills_from_then_not_once_it_caught_up() {
+    // 2 a second, emptied at 1 h; then the clock steps back 10 minutes.
+    let hour = 3_600_000;
+    let mut b = new_bucket();
+    assert_eq!(b.lease("a", &item(1000), hour, 10_000).granted, 120);
+    let back = hour - 600_000;
+    assert_eq!(b.lease("a", &item(1000), back, 10_000).granted, 0);
+    // One second later by the stepped clock: what one second brings (before: nothing for
+    // ten minutes).
+    assert_eq!(b.lease("a", &item(1000), back + 1_000, 10_000).granted, 2);
+}
+
+#[test]
+fn old_demands_are_forgotten() {
+    let mut b = new_bucket();
+    b.lease("b", &item(1000), 0, 1_000);
+    // b's demand has expired: a alone may take the whole capacity that is left.
+    let g = b.lease("a", &item(1000), 60_000, 1_000);
+    assert_eq!(g.granted, 120);
+    assert!(!b.is_idle(60_000));
+    assert!(!b.is_idle(119_999));
+    assert!(b.is_idle(120_000));
+}
+
+#[test]
+fn a_rate_lease_reserves_refill_for_its_holder_and_is_shared_max_min() {
+    let mut b = new_bucket();
+    // a wants 1.5/s of the 2/s refill: reserved for it for 10 s.
+    let g = b.lease("a", &rated(0, 1.5), 0, 10_000);
+    assert_eq!((g.granted, g.rate), (0, 1.5));
+    // b wants 2/s: only what is not reserved (0.5/s) until a asks again.
+    let g = b.lease("b", &rated(120, 2.0), 0, 10_000);
+    assert_eq!((g.granted, g.rate), (120, 0.5));
+    // 4 s later the bucket has refilled nothing: the whole rate is reserved.
+    assert_eq!(b.lease("c", &item(10), 4_000, 10_000).granted, 0);
+    // a renews: now the fair split of 2/s between demands 1.5 and 2 is 1/s each, and a's
+    // old reservation is replaced.
+    let g = b.lease("a", &rated(0, 1.5), 5_000, 10_000);
+    assert_eq!(g.rate, 1.0);
+    let g = b.lease("b", &rated(0, 2.0), 5_000, 10_000);
+    assert_eq!(g.rate, 1.0);
+    // Once every reservation has ended, the bucket refills at the whole rate again.
+    assert_eq!(b.lease("c", &item(100), 25_000, 10_000).granted, 20);
+}
+
+#[test]
+fn a_cold_start_grants_nothing_for_one_lease_ttl_then_refills_from_empty() {
+    let cold = ColdStart::Conservative { epoch_ms: 1_000 };
+    let mut b = GlobalBucket::new(&item(10), 1_000, 10_000, cold);
+    let g = b.lease("a", &rated(10, 2.0), 1_000, 10_000);
+    assert_eq!((g.granted, g.rate), (0, 0.0));
+    assert_eq!(
+        g.retry_ms, 10_000,
+        "asks again when the old leases have ended"
+    );
+    // 5 s after the reservation of before the restart ended: 10 tokens.
+    let mut b = GlobalBucket::new(&item(100), 16_000, 10_000, cold);
+    assert_eq!(b.lease("a", &item(100), 16_000, 10_000).granted, 10);
+    // Long after the start, a new bucket is full.
+    let mut b = GlobalBucket::new(&item(100), 100_000, 10_000, cold);
+    assert_eq!(b.lease("a", &item(120), 100_000, 10_000).granted, 120);
+}
+
+#[test]
+fn auto_starts_full_unless_the_store_lost_state_and_evidence_reconciles() {
+    let auto = ColdStart::Auto { epoch_ms: 1_000 };
+    assert_eq!(auto.for_new(false), ColdStart::Full);
+    assert_eq!(
+        auto.for_new(true),
+        ColdStart::Conservative { epoch_ms: 1_000 }
+    );
+    // Full, 20 granted (100 left of 120); then a proxy says that 10 s ago 30 were left: at
+    // most 30 + 1 + 2/s × 10 s = 51 can be there now.
+    let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);
+    assert_eq!(b.lease("a", &item(20), 0, 10_000).remaining, 100);
+    let evidence = LeaseItem {
+        known_ms: 10_000,
+        known_remaining: 30,
+        ..item(10)
+    };
+    assert!(b.reconcile(&evidence, 0, 10_000));
+    // Emptied, the whole rate held for a TTL: nothing for 10 s, then the refill.
+    assert_eq!(b.lease("a", &evidence, 0, 10_000).granted, 0);
+    assert_eq!(b.lease("a", &item(10), 9_999, 10_000).granted, 0);
+    assert_eq!(b.lease("a", &item(10), 12_000, 10_000).granted, 4);
+    // Evidence that agrees changes nothing.
+    let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);
+    b.lease("a", &item(20), 0, 10_000);
+    let agrees = LeaseItem {
+        known_ms: 1,
+        known_remaining: 100,
+        ..item(10)
+    };
+    assert!(!b.reconcile(&agrees, 1, 10_000));
+}
+
+/// Everything instances may admit by `now`: the tokens granted, and each rate lease's refill
+/// from its grant until it ended or was replaced.
+fn admissible(events: &[(usize, u64, u64, f64)], ttl: u64, cold: ColdStart) -> Vec<(u64, f64)> {
+    let it = |wanted, demand| LeaseItem {
+        requests: 7,
+        per_ms: 3_000,
+        burst: 20,
+        ..rated(wanted, demand)
+    };
+    let mut bucket = GlobalBucket::new(&it(0, 0.0), 0, ttl, cold);
+    let mut leases: Vec<Option<(u64, f64, u64)>> = vec![None; 3];
+    let (mut granted, mut accrued, mut now) = (0u64, 0.0, 0u64);
+    let mut totals = Vec::new();
+    for &(who, dt, wanted, demand) in events {
+        now += dt;
+        if let Some((from, rate, until)) = leases[who].take() {
+            accrued += rate / 1_000.0 * (until.min(now) - from) as f64;
+        }
+        let g = bucket.lease(&format!("i{who}"), &it(wanted, demand), now, ttl);
+        granted += g.granted;
+        leases[who] = Some((now, g.rate, now + g.ttl_ms));
+        let open: f64 = leases
+            .iter()
+            .flatten()
+            .map(|&(from, rate, until)| rate / 1_000.0 * (until.min(now) - from) as f64)
+            .sum();
+        totals.push((now, granted as f64 + accrued + open));
+    }
+    totals
+}
+
+proptest::proptest! {
+    /// Whatever instances ask and whenever: what they may admit stays within
+    /// `burst + rate × elapsed` (here 20 + 7 per 3 s), and after a conservative cold start
+    /// within `rate × (elapsed − ttl)`.
+    #[test]
+    fn rate_leases_never_exceed_the_global_bound(
+        events in proptest::collection::vec(
+            (0usize..3, 0u64..4_000, 0u64..40, 0.0f64..8.0), 1..60),
+        ttl in 500u64..12_000,
+        conservative in proptest::bool::ANY,
+    ) {
+        let cold = if conservative {
+            ColdStart::Conservative { epoch_ms: 0 }
+        } else {
+            ColdStart::Full
+        };
+        for (now, total) in admissible(&events, ttl, cold) {
+            let bound = if conservative {
+                7.0 / 3_000.0 * now.saturating_sub(ttl) as f64
+            } else {
+                20.0 + 7.0 / 3_000.0 * now as f64
+            };
+            proptest::prop_assert!(total <= bound + 1e-6, "{} > {} at {}", total, bound, now);
+        }
+    }
+
+    /// Whatever a broken or hostile service sends, parsing answers with an error, never a
+    /// panic (the filter then applies its failure mode).
+    #[test]
+    fn any_answer_parses_or_fails_cleanly(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..300)) {
+        let _ = serde_json::from_slice::<LeaseResponse>(&bytes);
+    }
+
+    #[test]
+    fn json_shaped_answers_parse_or_fail_cleanly(
+        granted in proptest::num::i128::ANY,
+        extra in "[a-z_]{0,8}",
+        items in 0usize..4,
+    ) {
+        let item = format!(r#"{{"granted":{granted},"ttl_ms":1,"remaining":0,"reset_ms":0{}}}"#,
+            if extra.is_empty() { String::new() } else { format!(r#","{extra}":1"#) });
+        let body = format!(r#"{{"items":[{}]}}"#, vec![item; items].join(","));
+        let parsed = serde_json::from_slice::<LeaseResponse>(body.as_bytes());
+        if let Ok(r) = parsed {
+            proptest::prop_assert_eq!(r.items.len(), items);
+        }
+    }
+}
+
+#[test]
+fn wire_format() {
+    let req: LeaseRequest = serde_json::from_str(
+        r#"{"instance":"i","items":[{"rule":"r","limit_id":"l","key":"k","requests":1,
+            "per_ms":1000,"burst":1,"wanted":5,"used":0,"demand":2.5}]}"#,
+    )
+    .unwrap();
+    assert_eq!(req.problem(), None);
+    // A bad item is the item's problem, not the call's.
+    let mut bad = req.clone();
+    bad.items[0].burst = 0;
+    assert_eq!(bad.problem(), None);
+    assert_eq!(
+        bad.item_problems(),
+        [Some(
+            "requests, per_ms and burst must be positive".to_owned()
+        )]
+    );
+    let (answers, errors) =
+        merge_refused(&bad.item_problems(), &[], LeaseGrant::default()).unwrap();
+    assert_eq!(answers, [LeaseGrant::default()]);
+    assert_eq!(
+        errors[0].error,
+        "items[0]: requests, per_ms and burst must be positive"
+    );
+    let json = serde_json::to_string(&LeaseResponse {
+        items: answers,
+        errors,
+    })
+    .unwrap();
+    assert!(
+        json.contains(r#""errors":[{"item":0,"error":"items[0]: requests"#),
+        "{json}"
+    );
+    // An answer without errors says nothing of them (older filters read it as before).
+    let plain = serde_json::to_string(&LeaseResponse {
+        items: vec![],
+        errors: vec![],
+    })
+    .unwrap();
+    assert_eq!(plain, r#"{"items":[]}"#);
+    assert!(serde_json::from_str::<LeaseResponse>(r#"{"items":[{"granted":1}]}"#).is_err());
+}
