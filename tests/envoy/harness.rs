@@ -286,45 +286,37 @@ impl Envoy {
             ..Options::default()
         };
         let mut child = spawn(&dir, &bootstrap(plugin, &opts, &dir), &opts);
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                let log = fs::read_to_string(dir.join("envoy.log")).unwrap_or_default();
-                let _ = fs::remove_dir_all(&dir);
-                return Refused { status, log };
-            }
+        let mut exited = None;
+        let ended = eventually(START_TIMEOUT, || {
             if dir.join("admin").exists() && http_ok(&read_admin(&dir), "/ready") {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!("Envoy accepted a configuration it should refuse: {plugin}");
             }
-            assert!(
-                Instant::now() < deadline,
-                "Envoy neither refused nor started"
-            );
-            std::thread::sleep(Duration::from_millis(20));
+            exited = child.try_wait().unwrap();
+            exited.is_some()
+        });
+        assert!(ended, "Envoy neither refused nor started");
+        let log = fs::read_to_string(dir.join("envoy.log")).unwrap_or_default();
+        let _ = fs::remove_dir_all(&dir);
+        Refused {
+            status: exited.unwrap(),
+            log,
         }
     }
 
     fn wait_ready(&mut self) {
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
+        let ready = eventually(START_TIMEOUT, || {
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("Envoy exited ({status}) while starting:\n{}", self.log());
             }
             if self.dir.join("admin").exists() {
                 self.admin = read_admin(&self.dir);
-                if http_ok(&self.admin, "/ready") {
-                    break;
-                }
+                return http_ok(&self.admin, "/ready");
             }
-            assert!(
-                Instant::now() < deadline,
-                "Envoy not ready in time:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            false
+        });
+        assert!(ready, "Envoy not ready in time:\n{}", self.log());
         let listeners: Value =
             serde_json::from_str(&self.admin_get("/listeners?format=json")).unwrap();
         let port_of = |name: &str| {
@@ -346,38 +338,25 @@ impl Envoy {
     pub fn reconfigure(&self, plugin: &Value, opts: &Options) {
         let before = self.stat("listener_manager.lds.update_success");
         write_lds(&self.dir, plugin, opts);
-        let deadline = Instant::now() + START_TIMEOUT;
-        while self.stat("listener_manager.lds.update_success") <= before {
-            assert!(
-                Instant::now() < deadline,
-                "LDS update not applied:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let applied = eventually(START_TIMEOUT, || {
+            self.stat("listener_manager.lds.update_success") > before
+        });
+        assert!(applied, "LDS update not applied:\n{}", self.log());
     }
 
     /// Wait until a stat the filter updates on its tick reads `value` on two reads more than two
     /// ticks apart (so a change made just before the first read has been reported by the second).
     pub fn wait_for_stat(&self, name: &str, value: i64) {
-        let deadline = Instant::now() + Duration::from_secs(10);
         let mut since: Option<Instant> = None;
-        loop {
-            if self.stat(name) == value {
-                let first = *since.get_or_insert_with(Instant::now);
-                if first.elapsed() > Duration::from_millis(30) {
-                    return;
-                }
-            } else {
+        let steady = eventually(Duration::from_secs(10), || {
+            if self.stat(name) != value {
                 since = None;
+                return false;
             }
-            assert!(
-                Instant::now() < deadline,
-                "{name} stayed at {}, not {value}",
-                self.stat(name)
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+            let first = *since.get_or_insert_with(Instant::now);
+            first.elapsed() > Duration::from_millis(30)
+        });
+        assert!(steady, "{name} stayed at {}, not {value}", self.stat(name));
     }
 
     /// Wait until a stat is more than `value`.

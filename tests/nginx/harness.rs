@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 pub use testkit::*;
 
 /// The nginx binary to test, if one was given.
@@ -115,25 +115,21 @@ impl Nginx {
     pub fn start_with(locations: Vec<Location>) -> Self {
         let nginx = Self::spawn(&locations);
         let expected = 2 * locations.len();
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            let loaded = nginx.log().matches("configuration loaded on").count();
-            let ready = std::net::TcpStream::connect(("127.0.0.1", nginx.port)).is_ok();
-            if loaded >= expected && ready {
-                return nginx;
-            }
+        let ready = eventually(START_TIMEOUT, || {
+            let log = nginx.log();
             assert!(
-                !nginx.log().contains("cannot be respawned"),
-                "nginx refused the configuration:\n{}",
-                nginx.log()
+                !log.contains("cannot be respawned"),
+                "nginx refused the configuration:\n{log}"
             );
-            assert!(
-                Instant::now() < deadline,
-                "nginx not ready in time:\n{}",
-                nginx.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            log.matches("configuration loaded on").count() >= expected && nginx.accepts()
+        });
+        assert!(ready, "nginx not ready in time:\n{}", nginx.log());
+        nginx
+    }
+
+    /// True if nginx accepts connections on its port.
+    fn accepts(&self) -> bool {
+        std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
     }
 
     /// Start nginx with a configuration its workers must refuse; returns the error log once
@@ -144,22 +140,20 @@ impl Nginx {
             plugin: plugin.clone(),
             in_access: true,
         }]);
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
+        let refused = eventually(START_TIMEOUT, || {
             let log = nginx.log();
-            if log.matches("cannot be respawned").count() >= 2 {
-                return log;
-            }
             assert!(
                 !log.contains("configuration loaded on"),
                 "nginx accepted a configuration it should refuse: {plugin}"
             );
-            assert!(
-                Instant::now() < deadline,
-                "nginx neither refused nor started:\n{log}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            log.matches("cannot be respawned").count() >= 2
+        });
+        assert!(
+            refused,
+            "nginx neither refused nor started:\n{}",
+            nginx.log()
+        );
+        nginx.log()
     }
 
     fn spawn(locations: &[Location]) -> Self {
@@ -187,17 +181,15 @@ impl Nginx {
     /// on); this harness adds where its files go and runs it in the foreground.
     pub fn start_conf(conf: &str, backend: Backend, workers_loaded: usize) -> Self {
         let nginx = Self::spawn_conf(conf, backend);
-        let deadline = Instant::now() + START_TIMEOUT;
-        while nginx.log().matches("configuration loaded on").count() < workers_loaded
-            || std::net::TcpStream::connect(("127.0.0.1", nginx.port)).is_err()
-        {
+        let started = eventually(START_TIMEOUT, || {
+            let log = nginx.log();
             assert!(
-                Instant::now() < deadline && !nginx.log().contains("cannot be respawned"),
-                "nginx did not start:\n{}",
-                nginx.log()
+                !log.contains("cannot be respawned"),
+                "nginx did not start:\n{log}"
             );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            log.matches("configuration loaded on").count() >= workers_loaded && nginx.accepts()
+        });
+        assert!(started, "nginx did not start:\n{}", nginx.log());
         nginx
     }
 
@@ -252,15 +244,15 @@ impl Nginx {
         unsafe {
             libc::kill(pid, libc::SIGHUP);
         }
-        let deadline = Instant::now() + START_TIMEOUT;
-        while self.log().matches("configuration loaded on").count() < before + 2 {
-            assert!(Instant::now() < deadline, "no reload:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let reloaded = eventually(START_TIMEOUT, || {
+            self.log().matches("configuration loaded on").count() >= before + 2
+        });
+        assert!(reloaded, "no reload:\n{}", self.log());
         // The old workers finish what they serve and exit; new connections go to the new ones.
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        assert!(
+            eventually(START_TIMEOUT, || self.accepts()),
+            "nginx accepts no connection after the reload"
+        );
     }
 
     pub fn log(&self) -> String {

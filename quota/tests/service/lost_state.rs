@@ -1,0 +1,371 @@
+//! State lost or stepped: cold starts, restarts and clock steps, in both stores.
+
+use super::*;
+
+/// A bucket the store made full (its first caller had no evidence) while another proxy has
+/// evidence that it was nearly spent: that caller empties it.
+async fn evidence_empties_a_bucket_made_anew(store: &Store) {
+    let ttl = 10_000;
+    // Evidence that agrees with the bucket changes nothing.
+    let g = store.lease("other", &[rated("fine")], ttl).await.unwrap()[0];
+    assert_eq!(g.remaining, 75);
+    let g = store
+        .lease("other", &[known("fine", 1, 75)], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!(g.granted, 25);
+    let g = store.lease("new", &[rated("late")], ttl).await.unwrap()[0];
+    assert_eq!(g.granted, 25, "no evidence: full");
+    let g = store
+        .lease("old", &[known("late", 500, 3)], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!(
+        (g.granted, g.rate),
+        (0, 0.0),
+        "3 + 1 + 100/s × 0.5 s < 75 left"
+    );
+}
+
+/// A key whose hash tag (`tg:lim:<key>`) is in the same Redis slot as key `k`'s, so that both
+/// share one epoch marker.
+fn same_slot_as_k() -> String {
+    let slot = |key: &str| {
+        crc16::State::<crc16::XMODEM>::calculate(format!("tg:lim:{key}").as_bytes()) % 16_384
+    };
+    (0..)
+        .map(|n| format!("k{n}"))
+        .find(|key| slot(key) == slot("k"))
+        .unwrap()
+}
+
+/// The automatic cold start, as a new deployment and across a loss of state: `before` serves a
+/// new deployment; `after` is the store once `lose` made it lose everything (`before`
+/// restarted, or flushed).
+async fn auto_cold_start_story(
+    before: &Store,
+    lose: impl std::future::Future<Output = ()>,
+    after: &Store,
+) {
+    let ttl = 10_000;
+    // A new deployment serves its limits at once: the burst, and the rate.
+    let g = before.lease("a", &[rated("k")], ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate, g.remaining), (25, 50.0, 75));
+    lose.await;
+    // After the loss, the proxy that was answered calls with its evidence: the store lost the
+    // bucket, which starts empty with its rate held for a TTL.
+    let g = after
+        .lease("a", &[known("k", 1_200, 75)], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0), "lost: conservative");
+    assert!((5_000..=10_000).contains(&g.retry_ms), "{g:?}");
+    // The store (on Redis: the slot) is known to have lost state: a key it does not know starts
+    // conservatively too, evidence or not.
+    let g = after
+        .lease("b", &[rated(&same_slot_as_k())], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0), "lost state: conservative");
+}
+
+/// Redis stores take the cold-start mode; each slot's marker has its own epoch.
+const CONSERVATIVE: ColdStart = ColdStart::Conservative { epoch_ms: 0 };
+
+#[tokio::test]
+async fn a_store_that_lost_its_buckets_starts_cold() {
+    let ttl = 10_000;
+    // Memory: every start is one; the bucket grants nothing for a lease TTL, and says when.
+    let memory = Store::Memory(MemoryStore::new(
+        100,
+        ColdStart::Conservative {
+            epoch_ms: tollgate_quota::store::now_ms(),
+        },
+    ));
+    let items = [LeaseItem {
+        requests: 100,
+        per_ms: 1_000,
+        demand: 50.0,
+        ..item("k", 100, 25)
+    }];
+    let g = memory.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0));
+    assert!((9_000..=10_000).contains(&g.retry_ms), "{g:?}");
+    // Redis: a bucket missing from a slot whose epoch marker is young starts cold, and a Redis
+    // that lost everything (FLUSHALL, or a restart without persistence) is young again.
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), CONSERVATIVE)
+            .await
+            .unwrap(),
+    );
+    let g = store.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0));
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // Age every slot's marker by an hour: new buckets then start full.
+    let markers: Vec<String> = redis::cmd("KEYS")
+        .arg("{tg-epoch-*}")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(markers.len(), 1, "one slot used so far");
+    let hour_ago = tollgate_quota::store::now_ms() - 3_600_000;
+    let _: () = redis::cmd("SET")
+        .arg(&markers[0])
+        .arg(hour_ago)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // A bucket that went away because it was idle (here: deleted) while the slot's marker is
+    // old: it starts full.
+    let _: () = redis::cmd("DEL")
+        .arg("{tg:lim:k}:b")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let g = store.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (25, 50.0));
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    let g = store.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0), "lost data: cold again");
+}
+
+#[tokio::test]
+async fn auto_cold_start_serves_a_new_deployment_and_holds_the_limit_after_a_loss() {
+    let auto = || ColdStart::Auto {
+        epoch_ms: tollgate_quota::store::now_ms(),
+    };
+    // Memory: the loss is a restart.
+    let first = Store::Memory(MemoryStore::new(100, auto()));
+    let restarted = Store::Memory(MemoryStore::new(100, auto()));
+    auto_cold_start_story(&first, async {}, &restarted).await;
+    evidence_empties_a_bucket_made_anew(&Store::Memory(MemoryStore::new(100, auto()))).await;
+    // Redis: the loss is a flush (a restart without persistence, a node replaced).
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), auto())
+            .await
+            .unwrap(),
+    );
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let flush = || {
+        let mut conn = conn.clone();
+        async move {
+            let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        }
+    };
+    auto_cold_start_story(&store, flush(), &store).await;
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    evidence_empties_a_bucket_made_anew(&store).await;
+    // Lost writes (a failover to a replica that missed them): the bucket is back to where it was
+    // before a grant the proxy was told of.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    let g = store.lease("a", &[rated("w")], 10_000).await.unwrap()[0];
+    assert_eq!(g.remaining, 75);
+    let _: () = redis::cmd("HSET")
+        .arg("{tg:lim:w}:b")
+        .arg("tokens")
+        .arg(100_000_000u64)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let g = store
+        .lease("a", &[known("w", 50, 75)], 10_000)
+        .await
+        .unwrap()[0];
+    assert_eq!(
+        (g.granted, g.rate),
+        (0, 0.0),
+        "more than the evidence allows: emptied"
+    );
+}
+
+#[tokio::test]
+async fn auto_cold_start_of_slots_grants_at_once_unless_holdings_were_lost() {
+    let ttl = 10_000;
+    let auto = || ColdStart::Auto {
+        epoch_ms: tollgate_quota::store::now_ms(),
+    };
+    let redis = Redis::start();
+    let on_redis = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), auto())
+            .await
+            .unwrap(),
+    );
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let first = Store::Memory(MemoryStore::new(100, auto()));
+    let restarted = Store::Memory(MemoryStore::new(100, auto()));
+    for (before, after) in [(&first, &restarted), (&on_redis, &on_redis)] {
+        // A new deployment: slots at once.
+        assert_eq!(held(before, "a", slot("k", 6, 0), ttl).await.held, 6);
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        // After the loss, a newcomer with no evidence asks first: granted (the store cannot know).
+        // Then the holder renews with its evidence: it gets back what it keeps, and from then on
+        // nothing new is granted for a term.
+        let holder = SlotItem {
+            known_held: 6,
+            ..slot("k", 6, 6)
+        };
+        assert_eq!(held(after, "a", holder, ttl).await.held, 6);
+        let newcomer = held(after, "new", slot("k", 10, 0), ttl).await;
+        assert_eq!((newcomer.held, newcomer.free), (0, 4));
+    }
+}
+
+#[tokio::test]
+async fn after_a_restart_holders_get_back_what_they_keep_and_nothing_new_for_one_term() {
+    let ttl = 10_000;
+    let memory = Store::Memory(MemoryStore::new(
+        100,
+        ColdStart::Conservative {
+            epoch_ms: tollgate_quota::store::now_ms(),
+        },
+    ));
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), CONSERVATIVE)
+            .await
+            .unwrap(),
+    );
+    for store in [&memory, &store] {
+        assert_eq!(held(store, "a", slot("k", 10, 6), ttl).await.held, 6);
+        let newcomer = held(store, "new", slot("k", 10, 0), ttl).await;
+        assert_eq!((newcomer.held, newcomer.free), (0, 4));
+        assert_eq!(held(store, "b", slot("k", 10, 7), ttl).await.held, 4);
+    }
+}
+
+#[tokio::test]
+async fn a_redis_clock_stepped_back_refills_from_then_in_both_stores() {
+    // 1 a millisecond, burst 10: emptied, then the bucket reads as updated 10 minutes from now
+    // (what Redis's clock stepping back 10 minutes does). 50 ms later it has refilled.
+    let fast = LeaseItem {
+        requests: 1_000,
+        per_ms: 1_000,
+        burst: 10,
+        wanted: 10,
+        ..item("k", 10, 10)
+    };
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), ColdStart::Full)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        store
+            .lease("a", std::slice::from_ref(&fast), 10_000)
+            .await
+            .unwrap()[0]
+            .granted,
+        10
+    );
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:b")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let ahead = tollgate_quota::store::now_ms() + 600_000;
+    let _: () = redis::cmd("HSET")
+        .arg(&keys[0])
+        .arg("updated")
+        .arg(ahead.to_string())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    store
+        .lease(
+            "a",
+            &[LeaseItem {
+                wanted: 0,
+                ..fast.clone()
+            }],
+            10_000,
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let granted = store.lease("a", &[fast], 10_000).await.unwrap()[0].granted;
+    assert_eq!(granted, 10, "before: nothing for ten minutes");
+}
+
+#[tokio::test]
+async fn a_redis_clock_stepped_back_keeps_holdings_and_reservations_one_term_at_most() {
+    // What Redis's clock stepping back an hour does: a holder's end lies an hour and a term
+    // ahead. The holder then stops calling: its slots (and its share of the refill rate) are
+    // the others' again a term after the next call, not an hour later.
+    let ttl = 300;
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(200), ColdStart::Full)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(held(&store, "a", slot("k", 10, 0), ttl).await.held, 10);
+    let rated = LeaseItem {
+        requests: 1_000,
+        per_ms: 1_000,
+        burst: 10,
+        wanted: 10,
+        demand: 1_000.0,
+        ..item("r", 10, 10)
+    };
+    let g = store
+        .lease("a", std::slice::from_ref(&rated), ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!((g.granted, g.rate), (10, 1_000.0), "the whole rate is a's");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let hour = tollgate_quota::store::now_ms() + 3_600_000;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for key in keys
+        .iter()
+        .filter(|k| k.ends_with(":s") || k.ends_with(":b"))
+    {
+        let value: String = redis::cmd("HGET")
+            .arg(key)
+            .arg("@a")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        // The last number is the end: slots' "held:wanted:expires", leases' "…:share:until".
+        let (rest, _) = value.rsplit_once(':').unwrap();
+        let _: () = redis::cmd("HSET")
+            .arg(key)
+            .arg("@a")
+            .arg(format!("{rest}:{hour}"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let b_rated = LeaseItem {
+        demand: 0.0,
+        ..rated.clone()
+    };
+    // b's calls now cut a's ends to a term from now…
+    assert_eq!(held(&store, "b", slot("k", 5, 0), ttl).await.held, 0);
+    store
+        .lease("b", std::slice::from_ref(&b_rated), ttl)
+        .await
+        .unwrap();
+    // (Sooner than the slots' hash expires unused, two terms after its last call.)
+    tokio::time::sleep(Duration::from_millis(ttl + 100)).await;
+    // …after which they are b's (before: nothing for an hour).
+    assert_eq!(held(&store, "b", slot("k", 5, 0), ttl).await.held, 5);
+    let g = store.lease("b", &[b_rated], ttl).await.unwrap()[0];
+    assert_eq!(
+        g.granted, 10,
+        "the bucket refilled once a's reservation ended: {g:?}"
+    );
+}
