@@ -3,7 +3,7 @@
 //! parser and the engine. Nothing here may panic on any input.
 
 use crate::config::{Config, HostCaps};
-use crate::engine::{read_answer, read_slot_answer, Call, Engine, Inputs, Step};
+use crate::engine::{read_answer, read_permit_answer, Call, Engine, Inputs, Step};
 use crate::request::{Request, RequestView};
 use tollgate_core::slot::KeyPlacement;
 use tollgate_core::MemoryStore;
@@ -202,9 +202,9 @@ pub fn run_quota_answers(status: &[u8], lease_body: &[u8], slot_body: &[u8], r: 
                 let answer = read_answer(Some(status), Some(lease_body), refills.len());
                 engine.apply_grants(&store, &refills, answer.as_ref(), NOW + 6 * MS);
             }
-            Call::Slots(refills, _) => {
-                let answer = read_slot_answer(Some(status), Some(slot_body), refills.len());
-                engine.apply_slots(&store, &refills, answer.as_ref(), NOW + 6 * MS);
+            Call::Permits(refills, _) => {
+                let answer = read_permit_answer(Some(status), Some(slot_body), refills.len());
+                engine.apply_permits(&store, &refills, answer.as_ref(), NOW + 6 * MS);
             }
             Call::GiveBack(_) => {}
         }

@@ -5,8 +5,8 @@ use crate::allowance::LeaseAllowance;
 use crate::concurrency::Concurrency;
 use crate::fixed_window::FixedWindow;
 use crate::leaky_bucket::LeakyBucket;
+use crate::permits::PermitAllowance;
 use crate::sliding_window::SlidingWindow;
-use crate::slot_lease::SlotAllowance;
 use crate::state::{read_u128, write_u128, Decision, State};
 use crate::token_bucket::TokenBucket;
 use crate::warm_up::WarmUp;
@@ -31,7 +31,7 @@ pub enum Limit {
     /// A global rule's allowance leased from the quota service.
     Lease(LeaseAllowance),
     /// A global concurrency rule's slots leased from the quota service.
-    SlotLease(SlotAllowance),
+    PermitLease(PermitAllowance),
 }
 
 impl Limit {
@@ -44,7 +44,7 @@ impl Limit {
             Self::LeakyBucket(a) => a.decide(state, now_ns, cost),
             Self::Concurrency(a) => a.decide(state, cost),
             Self::Lease(a) => a.decide(state, now_ns, cost),
-            Self::SlotLease(a) => a.decide(state, now_ns, cost),
+            Self::PermitLease(a) => a.decide(state, now_ns, cost),
         }
     }
 
@@ -52,7 +52,7 @@ impl Limit {
     pub fn claims_refill(&self, before: &State, after: &State) -> bool {
         match self {
             Self::Lease(a) => a.claimed(before, after),
-            Self::SlotLease(a) => a.claimed(before, after),
+            Self::PermitLease(a) => a.claimed(before, after),
             _ => false,
         }
     }
@@ -67,7 +67,7 @@ impl Limit {
             Self::LeakyBucket(a) => a.is_idle(state, now_ns),
             Self::Concurrency(_) => Concurrency::is_idle(state),
             Self::Lease(_) => LeaseAllowance::is_idle(state, now_ns / 1_000_000),
-            Self::SlotLease(_) => SlotAllowance::is_idle(state, now_ns / 1_000_000),
+            Self::PermitLease(_) => PermitAllowance::is_idle(state, now_ns / 1_000_000),
         }
     }
 
@@ -76,16 +76,16 @@ impl Limit {
     /// would give back, and how long until it could be admitted again.
     pub fn standing(&self, state: &State, now_ns: u64) -> Standing {
         let capacity = match self.decide(&[0; crate::state::STATE_BYTES], now_ns, 1) {
-            Decision::Allow { remaining, .. } => remaining.saturating_add(1),
+            Decision::Admit { remaining, .. } => remaining.saturating_add(1),
             _ => 0,
         };
         match self.decide(state, now_ns, 1) {
-            Decision::Allow { remaining, .. } => Standing {
+            Decision::Admit { remaining, .. } => Standing {
                 limited: false,
                 spent: capacity.saturating_sub(remaining.saturating_add(1)),
                 retry_after_ns: 0,
             },
-            Decision::Deny { retry_after_ns, .. } => Standing {
+            Decision::Refuse { retry_after_ns, .. } => Standing {
                 limited: true,
                 spent: capacity,
                 retry_after_ns,
@@ -118,7 +118,7 @@ impl Limit {
             Self::LeakyBucket(a) => a.refund(state, cost),
             Self::Concurrency(_) => Concurrency::release(state, cost),
             Self::Lease(_) => LeaseAllowance::refund(state, cost),
-            Self::SlotLease(_) => SlotAllowance::release(state, cost),
+            Self::PermitLease(_) => PermitAllowance::release(state, cost),
         }
     }
 
@@ -131,13 +131,13 @@ impl Limit {
             Self::FixedWindow(a) => Some(a.limit()),
             Self::SlidingWindow(a) => Some(a.limit()),
             Self::Concurrency(a) => Some(a.limit()),
-            Self::SlotLease(a) => Some(a.concurrent),
+            Self::PermitLease(a) => Some(a.concurrent),
             Self::WarmUp(_) | Self::LeakyBucket(_) | Self::Lease(_) => None,
         }
     }
 
-    /// True if an admitted request holds its quota until it ends (`Concurrency`, `SlotLease`).
+    /// True if an admitted request holds its quota until it ends (`Concurrency`, `PermitLease`).
     pub fn is_held(&self) -> bool {
-        matches!(self, Self::Concurrency(_) | Self::SlotLease(_))
+        matches!(self, Self::Concurrency(_) | Self::PermitLease(_))
     }
 }

@@ -28,14 +28,14 @@ impl Concurrency {
         if wanted <= self.limit {
             let mut next = *state;
             write_u64(&mut next, 0, wanted);
-            Decision::Allow {
+            Decision::Admit {
                 state: next,
                 remaining: self.limit - wanted,
                 reset_ns: 0,
                 delay_ns: 0,
             }
         } else {
-            Decision::Deny {
+            Decision::Refuse {
                 retry_after_ns: RETRY_AFTER_NS,
                 remaining: self.limit.saturating_sub(in_flight),
                 reset_ns: RETRY_AFTER_NS,
@@ -69,13 +69,13 @@ mod tests {
         let mut s = [0; STATE_BYTES];
         for _ in 0..2 {
             match c.decide(&s, 1) {
-                Decision::Allow { state, .. } => s = state,
+                Decision::Admit { state, .. } => s = state,
                 d => panic!("{d:?}"),
             }
         }
-        assert!(matches!(c.decide(&s, 1), Decision::Deny { .. }));
+        assert!(matches!(c.decide(&s, 1), Decision::Refuse { .. }));
         s = Concurrency::release(&s, 1);
-        assert!(matches!(c.decide(&s, 1), Decision::Allow { .. }));
+        assert!(matches!(c.decide(&s, 1), Decision::Admit { .. }));
         s = Concurrency::release(&Concurrency::release(&s, 1), 5);
         assert!(Concurrency::is_idle(&s));
     }

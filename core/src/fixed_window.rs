@@ -48,14 +48,14 @@ impl FixedWindow {
             let mut next = [0; STATE_BYTES];
             write_u64(&mut next, 0, window);
             write_u64(&mut next, 8, used);
-            Decision::Allow {
+            Decision::Admit {
                 state: next,
                 remaining: self.limit - used,
                 reset_ns,
                 delay_ns: 0,
             }
         } else {
-            Decision::Deny {
+            Decision::Refuse {
                 retry_after_ns: reset_ns,
                 remaining: self.limit.saturating_sub(count),
                 reset_ns,
@@ -101,7 +101,7 @@ mod tests {
         let after: usize = (0..5).filter(|_| run(&w, &mut s, edge)).count();
         assert_eq!((before, after), (3, 3));
         match w.decide(&s, edge + SEC, 1) {
-            Decision::Deny {
+            Decision::Refuse {
                 retry_after_ns,
                 remaining,
                 ..

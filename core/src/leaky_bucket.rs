@@ -100,7 +100,7 @@ impl LeakyBucket {
         let capacity = u128::from(self.burst) * unit;
         let reset_ns = div_ceil_u64(excess, rate);
         if excess > capacity {
-            return Decision::Deny {
+            return Decision::Refuse {
                 retry_after_ns: div_ceil_u64(excess - capacity, rate),
                 remaining: 0,
                 reset_ns: div_ceil_u64(drained, rate),
@@ -109,7 +109,7 @@ impl LeakyBucket {
         let undelayed = u128::from(self.delay).saturating_mul(unit);
         let delay_ns = div_ceil_u64(excess.saturating_sub(undelayed), rate);
         if delay_ns > self.max_delay_ns {
-            return Decision::Deny {
+            return Decision::Refuse {
                 retry_after_ns: delay_ns - self.max_delay_ns,
                 remaining: 0,
                 reset_ns: div_ceil_u64(drained, rate),
@@ -125,7 +125,7 @@ impl LeakyBucket {
             now_ns.max(read_u64(state, 16))
         };
         write_u64(&mut next, 16, last);
-        Decision::Allow {
+        Decision::Admit {
             state: next,
             remaining: whole(capacity - excess, unit),
             reset_ns,
@@ -157,7 +157,7 @@ mod tests {
         let mut s = [0; STATE_BYTES];
         (0..n)
             .map(|_| match b.decide(&s, NOW, 1) {
-                Decision::Allow {
+                Decision::Admit {
                     state, delay_ns, ..
                 } => {
                     s = state;
@@ -206,23 +206,23 @@ mod tests {
         let b = LeakyBucket::new(1, SEC, 2, u64::MAX, 60 * SEC).unwrap();
         let mut s = [0; STATE_BYTES];
         for _ in 0..3 {
-            if let Decision::Allow { state, .. } = b.decide(&s, NOW, 1) {
+            if let Decision::Admit { state, .. } = b.decide(&s, NOW, 1) {
                 s = state;
             }
         }
-        assert!(matches!(b.decide(&s, NOW, 1), Decision::Deny { .. }));
+        assert!(matches!(b.decide(&s, NOW, 1), Decision::Refuse { .. }));
         let back = NOW - 3_600 * SEC;
         // Before: refused for the hour. Now: room for one, then the rate from the new clock.
-        let Decision::Allow { state, .. } = b.decide(&s, back, 1) else {
+        let Decision::Admit { state, .. } = b.decide(&s, back, 1) else {
             panic!("refused after the step")
         };
         assert!(matches!(
             b.decide(&state, back + SEC / 2, 1),
-            Decision::Deny { .. }
+            Decision::Refuse { .. }
         ));
         assert!(matches!(
             b.decide(&state, back + SEC, 1),
-            Decision::Allow { .. }
+            Decision::Admit { .. }
         ));
     }
 
@@ -240,7 +240,7 @@ mod tests {
         for i in 0..4_000u64 {
             let now = NOW + i * SEC / 4;
             match b.decide(&s, now, 1) {
-                Decision::Allow {
+                Decision::Admit {
                     state, delay_ns, ..
                 } => {
                     assert_eq!(delay_ns, 0, "request {i}");

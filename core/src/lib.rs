@@ -14,9 +14,9 @@ pub mod fixed_window;
 pub mod leaky_bucket;
 pub mod lease;
 pub mod limiter;
+pub mod permits;
 pub mod sliding_window;
 pub mod slot;
-pub mod slot_lease;
 pub mod stash;
 pub mod state;
 pub mod store;
@@ -33,9 +33,9 @@ pub use limiter::{
     admit, release, return_stash, Check, CheckOutcome, CheckOutcomes, Hold, Outcome, SlotEvent,
     Verdict,
 };
+pub use permits::PermitAllowance;
 pub use sliding_window::SlidingWindow;
 pub use slot::{SlotId, SlotTable};
-pub use slot_lease::SlotAllowance;
 pub use stash::{Leftover, Lookup, StashTable};
 pub use state::{Decision, State};
 pub use store::{CasStore, MemoryStore, StoreError};

@@ -58,14 +58,14 @@ impl SlidingWindow {
             write_u64(&mut next, 0, window);
             write_u64(&mut next, 8, current.saturating_add(cost));
             write_u64(&mut next, 16, previous);
-            return Decision::Allow {
+            return Decision::Admit {
                 state: next,
                 remaining: whole(capacity - wanted, period),
                 reset_ns,
                 delay_ns: 0,
             };
         }
-        Decision::Deny {
+        Decision::Refuse {
             retry_after_ns: self.retry_after(current, previous, elapsed, cost),
             remaining: whole(capacity.saturating_sub(estimate), period),
             reset_ns,
@@ -129,7 +129,7 @@ mod tests {
         assert_eq!((before, after), (10, 1));
         // Retry-After is when the estimate makes room: right after one more 10% has passed.
         match w.decide(&s, edge + SEC, 1) {
-            Decision::Deny { retry_after_ns, .. } => assert_eq!(retry_after_ns, SEC),
+            Decision::Refuse { retry_after_ns, .. } => assert_eq!(retry_after_ns, SEC),
             d => panic!("{d:?}"),
         }
         assert!(run(&w, &mut s, edge + 2 * SEC, 1));

@@ -13,7 +13,7 @@ pub type State = [u8; STATE_BYTES];
 /// What an algorithm decided for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    Allow {
+    Admit {
         state: State,
         /// Requests of cost 1 that would still be admitted right now.
         remaining: u64,
@@ -22,7 +22,7 @@ pub enum Decision {
         /// Nanoseconds to hold the request before passing it on (leaky bucket only).
         delay_ns: u64,
     },
-    Deny {
+    Refuse {
         /// Nanoseconds until this request would be admitted (`u64::MAX`: only by a release).
         retry_after_ns: u64,
         remaining: u64,
@@ -85,7 +85,7 @@ pub(crate) fn div_u64(num: u128, den: u128) -> u64 {
 #[cfg(test)]
 pub(crate) fn apply(decision: Decision, state: &mut State) -> bool {
     match decision {
-        Decision::Allow { state: next, .. } => {
+        Decision::Admit { state: next, .. } => {
             *state = next;
             true
         }

@@ -19,14 +19,14 @@ pub struct TokenBucket {
 /// The outcome of one GCRA decision. `tat` is the new theoretical arrival time, in scaled units.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GcraDecision {
-    Allow {
+    Admit {
         tat: u128,
         /// Requests of cost 1 that would still be admitted right now.
         remaining: u64,
         /// Nanoseconds until the bucket is full again.
         reset_ns: u64,
     },
-    Deny {
+    Refuse {
         /// Nanoseconds until this request would conform.
         retry_after_ns: u64,
         remaining: u64,
@@ -92,13 +92,13 @@ impl TokenBucket {
         .max(now);
         let new_tat = base.saturating_add(period.saturating_mul(u128::from(cost)));
         if new_tat <= horizon {
-            GcraDecision::Allow {
+            GcraDecision::Admit {
                 tat: new_tat,
                 remaining: tokens(horizon - new_tat, period),
                 reset_ns: self.unscale_up(new_tat - now),
             }
         } else {
-            GcraDecision::Deny {
+            GcraDecision::Refuse {
                 retry_after_ns: self.unscale_up(new_tat - horizon),
                 remaining: tokens(horizon.saturating_sub(base), period),
                 reset_ns: self.unscale_up(base - now),
@@ -109,25 +109,25 @@ impl TokenBucket {
     /// The GCRA decision over a slot's state (the TAT in its first 16 bytes).
     pub fn decide_state(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
         match self.decide(read_u128(state, 0), now_ns, cost) {
-            GcraDecision::Allow {
+            GcraDecision::Admit {
                 tat,
                 remaining,
                 reset_ns,
             } => {
                 let mut next = *state;
                 write_u128(&mut next, 0, tat);
-                Decision::Allow {
+                Decision::Admit {
                     state: next,
                     remaining,
                     reset_ns,
                     delay_ns: 0,
                 }
             }
-            GcraDecision::Deny {
+            GcraDecision::Refuse {
                 retry_after_ns,
                 remaining,
                 reset_ns,
-            } => Decision::Deny {
+            } => Decision::Refuse {
                 retry_after_ns,
                 remaining,
                 reset_ns,
@@ -170,8 +170,8 @@ mod tests {
 
     fn allowed(d: GcraDecision) -> Option<u128> {
         match d {
-            GcraDecision::Allow { tat, .. } => Some(tat),
-            GcraDecision::Deny { .. } => None,
+            GcraDecision::Admit { tat, .. } => Some(tat),
+            GcraDecision::Refuse { .. } => None,
         }
     }
 
@@ -195,7 +195,7 @@ mod tests {
         let mut tat = 0;
         for i in 0..5 {
             match tb.decide(tat, now, 1) {
-                GcraDecision::Allow {
+                GcraDecision::Admit {
                     tat: t,
                     remaining,
                     reset_ns,
@@ -209,7 +209,7 @@ mod tests {
         }
         assert_eq!(
             tb.decide(tat, now, 1),
-            GcraDecision::Deny {
+            GcraDecision::Refuse {
                 retry_after_ns: SEC / 10,
                 remaining: 0,
                 reset_ns: SEC / 2

@@ -84,7 +84,7 @@ impl WarmUp {
     pub fn decide(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
         let (stored, next_free) = self.resync(state, now_ns);
         if next_free > now_ns {
-            return Decision::Deny {
+            return Decision::Refuse {
                 retry_after_ns: next_free - now_ns,
                 remaining: 0,
                 reset_ns: next_free - now_ns,
@@ -98,7 +98,7 @@ impl WarmUp {
         write_u64(&mut next, 0, (stored - take).to_bits());
         write_u64(&mut next, 8, next_free);
         next[16] = 1;
-        Decision::Allow {
+        Decision::Admit {
             state: next,
             remaining: u64::from(next_free <= now_ns),
             reset_ns: next_free - now_ns,
@@ -138,7 +138,7 @@ mod tests {
         let mut counts = vec![0; seconds as usize];
         for ms in 0..seconds * 1_000 {
             let now = start + ms * 1_000_000;
-            if let Decision::Allow { state, .. } = w.decide(&s, now, 1) {
+            if let Decision::Admit { state, .. } = w.decide(&s, now, 1) {
                 s = state;
                 counts[(ms / 1_000) as usize] += 1;
             }
@@ -163,7 +163,7 @@ mod tests {
         let mut s = [0; STATE_BYTES];
         let t0 = 1_000 * SEC;
         for ms in 0..5_000 {
-            if let Decision::Allow { state, .. } = w.decide(&s, t0 + ms * 1_000_000, 1) {
+            if let Decision::Admit { state, .. } = w.decide(&s, t0 + ms * 1_000_000, 1) {
                 s = state;
             }
         }

@@ -143,7 +143,7 @@ fn run(
             for _ in 0..n {
                 let before = states[proxy];
                 let next = match allowance.decide(&before, now * 1_000_000, 1) {
-                    Decision::Allow { state, .. } => {
+                    Decision::Admit { state, .. } => {
                         admitted += 1;
                         Some(state)
                     }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tollgate_core::lease::{
     merge_refused, ErrorBody, ItemError, LeaseGrant, LeaseRequest, LeaseResponse,
 };
-use tollgate_core::slot_lease::{SlotAnswer, SlotRequest, SlotResponse};
+use tollgate_core::permits::{PermitAnswer, PermitRequest, PermitResponse};
 
 pub struct Service {
     pub store: Store,
@@ -79,7 +79,7 @@ impl Call for LeaseRequest {
     }
 }
 
-impl Call for SlotRequest {
+impl Call for PermitRequest {
     fn instance(&mut self) -> &mut String {
         &mut self.instance
     }
@@ -272,7 +272,7 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
 
 async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Body) -> Response {
     let calls = &service.metrics.slot_calls;
-    let request = match read_call(&service, calls, &headers, body, SlotRequest::problem).await {
+    let request = match read_call(&service, calls, &headers, body, PermitRequest::problem).await {
         Ok(r) => r,
         Err(answer) => return answer,
     };
@@ -304,12 +304,12 @@ async fn slots(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                 service.metrics.set_held(holder, n);
             }
             let answers = fold_refused(&mut problems, results);
-            let Some((items, errors)) = merge_refused(&problems, &answers, SlotAnswer::default())
+            let Some((items, errors)) = merge_refused(&problems, &answers, PermitAnswer::default())
             else {
                 return storage_failed(&service, calls, StoreError::Failed("short answer".into()));
             };
             note_refused(&service, &errors);
-            Json(SlotResponse { items, errors }).into_response()
+            Json(PermitResponse { items, errors }).into_response()
         }
         Err(e) => storage_failed(&service, calls, e),
     }

@@ -71,7 +71,7 @@ impl Config {
         if let (false, Some(qs)) = (host.resume_from_timer, &self.quota_service) {
             let slots = self.rules.iter().position(|r| {
                 r.quota()
-                    .is_some_and(|q| matches!(q.limit, tollgate_core::Limit::SlotLease(_)))
+                    .is_some_and(|q| matches!(q.limit, tollgate_core::Limit::PermitLease(_)))
             });
             if let (Some(i), FirstLease::Wait) = (slots, qs.first_lease) {
                 return Err(err(

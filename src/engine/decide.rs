@@ -1,7 +1,7 @@
 //! Deciding a request's checks: from the worker's stashes where they can, from the shared slots
 //! otherwise (all or nothing), then the stats, logs and headers of the outcome.
 
-use super::{quota_of, saturating_i64, Admitted, CheckInput, Engine, QuotaRef, Rejection, Step};
+use super::{quota_of, saturating_i64, Admitted, CheckInput, Engine, QuotaRef, Refusal, Step};
 use crate::config::Config;
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::RuleStat;
@@ -54,7 +54,7 @@ impl Engine {
                 Lookup::Spent {
                     remaining,
                     reset_ns,
-                } => Verdict::Allowed {
+                } => Verdict::Admitted {
                     remaining,
                     reset_ns,
                     delay_ns: 0,
@@ -64,7 +64,7 @@ impl Engine {
                     reset_ns,
                 } => {
                     refused.get_or_insert(n);
-                    Verdict::Limited {
+                    Verdict::Refused {
                         retry_after_ns,
                         remaining: 0,
                         reset_ns,
@@ -128,7 +128,7 @@ impl Engine {
             };
             let was_asked = asked.contains(&n);
             match result.verdict {
-                Verdict::Allowed {
+                Verdict::Admitted {
                     remaining,
                     reset_ns,
                     ..
@@ -141,10 +141,10 @@ impl Engine {
                     }
                 }
                 // Spent from the stash, but the request goes no further: back into the stash.
-                Verdict::Allowed { .. } if !outcome.admitted && !was_asked => {
+                Verdict::Admitted { .. } if !outcome.admitted && !was_asked => {
                     self.stash.put_back(id, input.slot, input.cost)
                 }
-                Verdict::Limited {
+                Verdict::Refused {
                     retry_after_ns,
                     reset_ns,
                     ..
@@ -178,7 +178,7 @@ impl Engine {
             let rule = which.rule();
             self.count_slot(rule, result.slot);
             let (remaining, reset_secs) = match result.verdict {
-                Verdict::Allowed {
+                Verdict::Admitted {
                     remaining,
                     reset_ns,
                     delay_ns: d,
@@ -192,7 +192,7 @@ impl Engine {
                     }
                     (remaining, ceil_secs(reset_ns))
                 }
-                Verdict::Limited {
+                Verdict::Refused {
                     retry_after_ns,
                     remaining,
                     ..
@@ -231,10 +231,10 @@ impl Engine {
                 self.stats
                     .add(rule, RuleStat::InFlight, saturating_i64(hold.cost));
                 admitted.holds.push((which, hold));
-                if let (super::QuotaRef::Rule(_), Some(tollgate_core::Limit::SlotLease(_))) =
+                if let (super::QuotaRef::Rule(_), Some(tollgate_core::Limit::PermitLease(_))) =
                     (which, self.quota_of(which).map(|q| &q.limit))
                 {
-                    self.watch_slots(rule, input.slot, input.key);
+                    self.watch_permits(rule, input.slot, input.key);
                 }
             }
             let refusing = outcome.rejected_by == Some(n);
@@ -250,7 +250,7 @@ impl Engine {
             reset_secs,
         });
         if let (false, Some(r)) = (outcome.admitted, report) {
-            return Step::Reject(Rejection {
+            return Step::Refuse(Refusal {
                 rule: r.which.rule(),
                 quota: Some(r),
                 retry_after_secs: Some(r.reset_secs),

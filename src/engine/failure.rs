@@ -2,7 +2,7 @@
 //! the wait for a first lease timed out, or a provisional allowance stands in — decided in one
 //! place for leased and strict rules alike.
 
-use super::{CheckInput, Engine, Inputs, QuotaRef, Rejection};
+use super::{CheckInput, Engine, Inputs, QuotaRef, Refusal};
 use crate::config::{FailureMode, FirstLease, QuotaService};
 use crate::stats::RuleStat;
 use smallvec::SmallVec;
@@ -14,12 +14,12 @@ pub(super) enum Undecided {
     /// Quota may still come: ask again later.
     Wait,
     /// `deny`: the request is refused.
-    Reject(Rejection),
+    Refuse(Refusal),
     /// The checks were rewritten (dropped, or pointed at the local stand-in): decide them again.
     Again,
 }
 
-impl Rejection {
+impl Refusal {
     /// A global rule's refusal by failure mode `deny`: retry once the quota service may be back.
     pub(super) fn failure_mode(rule: usize, service: Option<&QuotaService>) -> Self {
         let retry_ms = service.map_or(1_000, |q| q.retry_ms);
@@ -72,7 +72,7 @@ impl Engine {
                     // The service answers but had no quota for this request in time: a refusal,
                     // not a failure (a failed call marks the key, and that is `Fallback`).
                     self.stats.bump(rule, RuleStat::Limited);
-                    return Undecided::Reject(self.no_quota_in_time(rule));
+                    return Undecided::Refuse(self.no_quota_in_time(rule));
                 }
                 _ => continue,
             }
@@ -86,7 +86,7 @@ impl Engine {
                 FailureMode::Allow => dropped.push(n),
                 FailureMode::Deny => {
                     self.stats.bump(rule, RuleStat::Limited);
-                    return Undecided::Reject(Rejection::failure_mode(rule, service));
+                    return Undecided::Refuse(Refusal::failure_mode(rule, service));
                 }
                 FailureMode::Local => self.to_stand_in(input),
             }
@@ -103,14 +103,14 @@ impl Engine {
 
     /// A global rule's refusal of a request that waited its time without quota: retry once a
     /// token can have come back to the global bucket.
-    fn no_quota_in_time(&self, rule: usize) -> Rejection {
+    fn no_quota_in_time(&self, rule: usize) -> Refusal {
         let interval_ms = self
             .config
             .rules
             .get(rule)
             .and_then(|r| r.global())
             .map_or(1_000, |g| g.per_ms.div_ceil(g.requests));
-        Rejection {
+        Refusal {
             rule,
             quota: None,
             retry_after_secs: Some(interval_ms.div_ceil(1_000).max(1)),

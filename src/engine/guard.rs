@@ -2,7 +2,7 @@
 //! before the limits (a request they refuse is charged nothing else), keep a seat while it is
 //! in flight, and learn from its answer: response time, status, the CPU the upstream reports.
 
-use super::{Engine, Rejection};
+use super::{Engine, Refusal};
 use crate::config::{CpuHeader, GuardKind, MissingKey, Rule, DEFAULT_LEVEL};
 use crate::request::{Request, RequestView};
 use crate::stats::RuleStat;
@@ -108,7 +108,7 @@ impl Engine {
             .map_or(DEFAULT_LEVEL, |c| c.level)
     }
 
-    /// Decide the overload rules that apply to `request`: the seats it takes, or the rejection
+    /// Decide the overload rules that apply to `request`: the seats it takes, or the refusal
     /// (then it holds no seat).
     pub fn guard<S: CasStore + ?Sized, V: RequestView>(
         &mut self,
@@ -116,7 +116,7 @@ impl Engine {
         request: &Request<V>,
         now: u64,
         seats: &mut Seats,
-    ) -> Option<Rejection> {
+    ) -> Option<Refusal> {
         let mut level = None;
         for i in 0..self.config.rules.len() {
             let rule = &self.config.rules[i];
@@ -178,7 +178,7 @@ impl Engine {
             }
             self.stats.bump(i, RuleStat::Limited);
             self.abandon(store, std::mem::take(seats), now);
-            return Some(Rejection {
+            return Some(Refusal {
                 rule: i,
                 quota: None,
                 retry_after_secs: Some(retry_after_secs(&self.config.rules[i])),

@@ -1,6 +1,6 @@
 //! The per-request decision, host-independent: gather a request's checks from its view, decide them
 //! against the slots (through the core's `CasStore`) and the worker's stashes, and answer admit,
-//! reject or wait — global rules' leases, strict answers and failure modes included. The host
+//! refuse or wait — global rules' leases, strict answers and failure modes included. The host
 //! layer only gathers what the engine asks for and carries out its answer.
 
 mod decide;
@@ -14,7 +14,7 @@ mod strict;
 mod tests;
 
 pub use guard::{reported_cpu, Seat, Seats};
-pub use lease::{read_answer, read_slot_answer, Call, Refill};
+pub use lease::{read_answer, read_permit_answer, Call, Refill};
 pub use strict::Strict;
 
 use crate::config::{Config, Cost, OverrideAction, Quota};
@@ -108,7 +108,7 @@ pub struct Admitted {
 
 /// Why a request is refused, and what its answer says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rejection {
+pub struct Refusal {
     /// The refusing rule: its response and its `x-tollgate-rule`.
     pub rule: usize,
     pub quota: Option<QuotaReport>,
@@ -119,7 +119,7 @@ pub struct Rejection {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Step {
     Admit(Admitted),
-    Reject(Rejection),
+    Refuse(Refusal),
     /// Some global rule has no quota yet: decide again once it may have some.
     Wait,
 }
@@ -147,7 +147,7 @@ pub struct Engine {
     /// Some rule is an overload rule.
     guarded: bool,
     /// Global concurrency keys this worker has had requests of (renewed on the tick).
-    slot_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
+    permit_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
     /// When the tick looks at them next (ms).
     next_slot_scan_ms: u64,
     dry_run_log: dry_run::DryRunLog,
@@ -175,7 +175,7 @@ impl Engine {
             calls_off_until_ms: 0,
             draws: 0,
             guarded,
-            slot_keys: rustc_hash::FxHashMap::default(),
+            permit_keys: rustc_hash::FxHashMap::default(),
             next_slot_scan_ms: 0,
             placement,
             holds_for_stashes: false,
@@ -219,13 +219,13 @@ impl Engine {
     }
 
     /// Put in `inputs` the checks of every rule that applies to `request`, in rule order; or
-    /// return the rejection that refuses the request outright: a `block` override, or a cost more
+    /// return the refusal that refuses the request outright: a `block` override, or a cost more
     /// than the rule can ever admit.
     pub fn gather<V: RequestView>(
         &mut self,
         request: &Request<V>,
         inputs: &mut Inputs,
-    ) -> Option<Rejection> {
+    ) -> Option<Refusal> {
         inputs.clear();
         for (i, rule) in self.config.rules.iter().enumerate() {
             let Some(own) = rule.quota() else {
@@ -247,7 +247,7 @@ impl Engine {
                         continue;
                     }
                     self.stats.bump(i, RuleStat::Blocked);
-                    return Some(Rejection {
+                    return Some(Refusal {
                         rule: i,
                         quota: None,
                         retry_after_secs: None,
@@ -283,7 +283,7 @@ impl Engine {
                 }
                 self.stats.bump(i, RuleStat::CostExceeded);
                 self.stats.bump(i, RuleStat::Limited);
-                return Some(Rejection {
+                return Some(Refusal {
                     rule: i,
                     quota: None,
                     retry_after_secs: None,
@@ -350,7 +350,7 @@ impl Engine {
             }
             match self.fall_back(inputs, &outcome, timed_out) {
                 failure::Undecided::Wait => return Step::Wait,
-                failure::Undecided::Reject(r) => return Step::Reject(r),
+                failure::Undecided::Refuse(r) => return Step::Refuse(r),
                 failure::Undecided::Again if inputs.is_empty() => {
                     return Step::Admit(Admitted::default())
                 }

@@ -1,7 +1,7 @@
-//! What a decision tells the client: rate-limit headers on admitted responses, and the rejection
+//! What a decision tells the client: rate-limit headers on admitted responses, and the refusal
 //! (status, body, headers) of a refused request.
 
-use super::{Engine, QuotaReport, Rejection};
+use super::{Engine, QuotaReport, Refusal};
 use crate::config::Response;
 use crate::headers::HeaderSet;
 
@@ -23,19 +23,19 @@ impl Engine {
         );
     }
 
-    /// The rejection's response, its headers rendered into `out` after the response's own.
-    pub fn render_rejection(&self, out: &mut HeaderSet, rejection: &Rejection) -> &Response {
-        let response = self.config.response_of(rejection.rule);
+    /// The refusal's response, its headers rendered into `out` after the response's own.
+    pub fn render_rejection(&self, out: &mut HeaderSet, refusal: &Refusal) -> &Response {
+        let response = self.config.response_of(refusal.rule);
         for (name, value) in &response.headers {
             out.push(name, &[value]);
         }
-        if let Some(report) = rejection.quota {
+        if let Some(report) = refusal.quota {
             self.render_report(out, report);
         }
-        if let Some(secs) = rejection.retry_after_secs {
+        if let Some(secs) = refusal.retry_after_secs {
             out.push_number("retry-after", secs);
         }
-        if let Some(rule) = self.config.rules.get(rejection.rule) {
+        if let Some(rule) = self.config.rules.get(refusal.rule) {
             out.push("x-tollgate-rule", &[&rule.name]);
         }
         response

@@ -2,7 +2,7 @@
 //! waits on hosts that can only resume a request from its own callbacks.
 
 use super::decide::stashed_quota;
-use super::{quota_of, CheckInput, Engine, Inputs, QuotaRef, QuotaReport, Rejection, Step};
+use super::{quota_of, CheckInput, Engine, Inputs, QuotaRef, QuotaReport, Refusal, Step};
 use crate::config::FailureMode;
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::{ProcessStat, RuleStat};
@@ -151,7 +151,7 @@ impl Engine {
             let wait_ms = global.map_or(1_000, |gl| {
                 g.cost.max(1).saturating_mul(gl.per_ms) / gl.requests
             });
-            refusal = Some(Rejection {
+            refusal = Some(Refusal {
                 rule,
                 quota: Some(QuotaReport {
                     which: QuotaRef::Rule(rule),
@@ -164,7 +164,7 @@ impl Engine {
         if let Some(r) = refusal {
             self.log_dry_runs(now);
             self.give_back_unspent(&globals, answer, false);
-            return Step::Reject(r);
+            return Step::Refuse(r);
         }
         for (g, grant) in globals.iter().zip(&answer.items) {
             if grant.granted >= g.cost {
@@ -174,7 +174,7 @@ impl Engine {
         let mut step = self.evaluate_at_once(store, &mut locals, now, false);
         // A local rule refused it after all (another request took the last token since the
         // pre-check): its grants go back too.
-        let admitted = !matches!(step, Step::Reject(_));
+        let admitted = !matches!(step, Step::Refuse(_));
         self.give_back_unspent(&globals, answer, admitted);
         // Without a local rule to report, the headers state the global bucket as the service
         // just did: the fewest tokens left of the rules asked.
@@ -238,7 +238,7 @@ impl Engine {
             (FailureMode::Deny, Some(g)) => {
                 let rule = g.which.rule();
                 self.stats.bump(rule, RuleStat::Limited);
-                Step::Reject(Rejection::failure_mode(
+                Step::Refuse(Refusal::failure_mode(
                     rule,
                     self.config.quota_service.as_ref(),
                 ))

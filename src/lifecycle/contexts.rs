@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 
 /// Every context of one VM (one worker's copy of the module). Roots and streams are borrowed
-/// apart: a stream's callback re-entered from a root's (a rejection sent from the tick runs the
+/// apart: a stream's callback re-entered from a root's (a refusal sent from the tick runs the
 /// stream's response and log callbacks at once) still finds its stream.
 pub struct Contexts<H: Host + Clone> {
     host: H,

@@ -7,7 +7,7 @@ use super::queues::Queues;
 use super::quota_call;
 use super::respond::{self, Scratch};
 use crate::config::{Config, HostCaps, LogLevel};
-use crate::engine::{read_answer, read_slot_answer, Call, Engine, Rejection, Step};
+use crate::engine::{read_answer, read_permit_answer, Call, Engine, Refusal, Step};
 use crate::stats::{ProcessStat, RuleStat, Stat};
 use log::{debug, info, warn};
 use std::cell::RefCell;
@@ -66,7 +66,7 @@ impl<H: Host> Plugin<H> {
                             None => match stat {
                                 RuleStat::InFlight => rule.holds_requests_open(),
                                 RuleStat::SlotsHeld => rule.quota().is_some_and(|q| {
-                                    matches!(q.limit, tollgate_core::Limit::SlotLease(_))
+                                    matches!(q.limit, tollgate_core::Limit::PermitLease(_))
                                 }),
                                 s => !s.is_overload(),
                             },
@@ -157,7 +157,7 @@ impl<H: Host> Plugin<H> {
     /// Send the refills this worker's requests claimed, in one call from the root context (its
     /// answer is found by [`Self::sent`]).
     fn send_refills(&self, now: u64) {
-        self.engine.borrow_mut().renew_slots(&self.host, now);
+        self.engine.borrow_mut().renew_permits(&self.host, now);
         let calls = self
             .engine
             .borrow_mut()
@@ -165,7 +165,7 @@ impl<H: Host> Plugin<H> {
         for call in calls {
             let (token, slots, refills) = match call {
                 Call::Lease(refills, request) => (self.call(&request), false, refills),
-                Call::Slots(refills, request) => (self.call_slots(&request), true, refills),
+                Call::Permits(refills, request) => (self.call_permits(&request), true, refills),
                 // Its answer changes nothing here; if it fails, the tokens are lost (stricter).
                 Call::GiveBack(request) => {
                     self.call(&request);
@@ -176,7 +176,7 @@ impl<H: Host> Plugin<H> {
             match (token, slots) {
                 (Some(token), _) => self.queues.borrow_mut().call_sent(token, slots, refills),
                 (None, false) => engine.apply_grants(&self.host, &refills, None, now),
-                (None, true) => engine.apply_slots(&self.host, &refills, None, now),
+                (None, true) => engine.apply_permits(&self.host, &refills, None, now),
             }
         }
     }
@@ -194,7 +194,7 @@ impl<H: Host> Plugin<H> {
     }
 
     /// Start a slot call from the root context; `None` if it could not be made.
-    fn call_slots(&self, request: &tollgate_core::slot_lease::SlotRequest) -> Option<u32> {
+    fn call_permits(&self, request: &tollgate_core::permits::PermitRequest) -> Option<u32> {
         self.add(ProcessStat::QuotaCalls, 1);
         let engine = self.engine.borrow();
         quota_call::call(
@@ -219,8 +219,8 @@ impl<H: Host> Plugin<H> {
         let (status, body) = quota_call::answer_parts(&self.host, num_headers, body_size);
         let mut engine = self.engine.borrow_mut();
         if slots {
-            let answer = read_slot_answer(status.as_deref(), body.as_deref(), refills.len());
-            engine.apply_slots(&self.host, &refills, answer.as_ref(), now);
+            let answer = read_permit_answer(status.as_deref(), body.as_deref(), refills.len());
+            engine.apply_permits(&self.host, &refills, answer.as_ref(), now);
         } else {
             let answer = read_answer(status.as_deref(), body.as_deref(), refills.len());
             engine.apply_grants(&self.host, &refills, answer.as_ref(), now);
@@ -228,14 +228,14 @@ impl<H: Host> Plugin<H> {
     }
 
     /// Refuse the current request.
-    pub fn reject(&self, rejection: &Rejection) {
+    pub fn refuse(&self, refusal: &Refusal) {
         let engine = self.engine.borrow();
-        respond::reject(
+        respond::refuse(
             &self.host,
             &engine,
             &mut self.scratch.borrow_mut(),
             &self.caps,
-            rejection,
+            refusal,
         );
     }
 
@@ -287,7 +287,7 @@ impl<H: Host> Plugin<H> {
                     debug!("cannot resume request {context_id}: {s}");
                 }
             }
-            Step::Reject(r) => self.reject(&r),
+            Step::Refuse(r) => self.refuse(&r),
             Step::Wait => {}
         }
     }

@@ -1,9 +1,9 @@
-//! Carrying out an answer at the host: a rejection sent as a local response, rate-limit headers
+//! Carrying out an answer at the host: a refusal sent as a local response, rate-limit headers
 //! added to an admitted request's response. Both render into buffers the worker reuses.
 
 use super::host::Host;
 use crate::config::HostCaps;
-use crate::engine::{Engine, QuotaReport, Rejection};
+use crate::engine::{Engine, QuotaReport, Refusal};
 use crate::header_map;
 use crate::headers::HeaderSet;
 use log::{debug, error};
@@ -16,16 +16,16 @@ pub struct Scratch {
 }
 
 /// Refuse the current request with its rule's response and headers saying why.
-pub fn reject<H: Host>(
+pub fn refuse<H: Host>(
     host: &H,
     engine: &Engine,
     scratch: &mut Scratch,
     caps: &HostCaps,
-    rejection: &Rejection,
+    refusal: &Refusal,
 ) {
     scratch.headers.clear();
     scratch.wire.clear();
-    let response = engine.render_rejection(&mut scratch.headers, rejection);
+    let response = engine.render_rejection(&mut scratch.headers, refusal);
     let pairs = scratch
         .headers
         .iter()
@@ -38,7 +38,7 @@ pub fn reject<H: Host>(
         false => &response.body,
     };
     if let Err(s) = host.send_local_response(response.status, &scratch.wire, body.as_bytes()) {
-        error!("cannot send the rejection: {s}");
+        error!("cannot send the refusal: {s}");
     }
 }
 

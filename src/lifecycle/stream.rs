@@ -1,5 +1,5 @@
 //! An HTTP context: one request. It gathers the request's inputs through the host layer, asks
-//! the engine, and carries out the answer: go on, a rejection, a hold, a wait, or a call of its
+//! the engine, and carries out the answer: go on, a refusal, a hold, a wait, or a call of its
 //! own; at the end of the stream it gives back what the request held.
 
 use super::calls::Callers;
@@ -66,17 +66,17 @@ impl<H: Host> Stream<H> {
                         .engine
                         .borrow_mut()
                         .guard(&plugin.host, &request, t, &mut self.seats);
-                if let Some(rejection) = shed {
-                    plugin.reject(&rejection);
+                if let Some(refusal) = shed {
+                    plugin.refuse(&refusal);
                     return Action::Pause;
                 }
             }
         }
         let mut inputs = Inputs::new();
         let blocked = plugin.engine.borrow_mut().gather(&request, &mut inputs);
-        if let Some(rejection) = blocked {
+        if let Some(refusal) = blocked {
             self.give_up_seats(&plugin);
-            plugin.reject(&rejection);
+            plugin.refuse(&refusal);
             return Action::Pause;
         }
         if inputs.is_empty() {
@@ -201,7 +201,7 @@ impl<H: Host> Stream<H> {
         self.carry_out(&plugin, step, now, true);
     }
 
-    /// Admit (with its headers, holds and any leaky-bucket hold) or reject the request; resume
+    /// Admit (with its headers, holds and any leaky-bucket hold) or refuse the request; resume
     /// it if it was `paused` and may go on.
     fn carry_out(&mut self, plugin: &Plugin<H>, step: Step, now: u64, paused: bool) -> Action {
         match step {
@@ -225,9 +225,9 @@ impl<H: Host> Stream<H> {
                 }
                 Action::Continue
             }
-            Step::Reject(r) => {
+            Step::Refuse(r) => {
                 self.give_up_seats(plugin);
-                plugin.reject(&r);
+                plugin.refuse(&r);
                 Action::Pause
             }
             Step::Wait => Action::Pause,

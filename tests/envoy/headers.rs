@@ -1,4 +1,4 @@
-//! What clients and operators see: quota headers, Retry-After, the rejection, dry run, metrics.
+//! What clients and operators see: quota headers, Retry-After, the refusal, dry run, metrics.
 
 use crate::harness::{one_rule, statuses, Client, Envoy, Options, Reply};
 use serde_json::json;
@@ -136,7 +136,7 @@ fn dry_run_counts_and_logs_but_never_refuses() {
     let codes: Vec<u16> = (0..6).map(|_| c.get(&envoy.url("/"), &[]).status).collect();
     assert_eq!(codes, [200, 200, 200, 200, 429, 429]);
     assert_eq!(envoy.counter("shadow", "allowed"), 2);
-    // Every would-be rejection counts, also of requests the enforced rule refused.
+    // Every would-be refusal counts, also of requests the enforced rule refused.
     assert_eq!(envoy.counter("shadow", "dry_run_limited"), 4);
     assert_eq!(envoy.counter("shadow", "limited"), 0);
     assert_eq!(envoy.counter("enforced", "allowed"), 4);
@@ -156,7 +156,7 @@ fn dry_run_counts_and_logs_but_never_refuses() {
     let c = Client::new();
     let replies: Vec<Reply> = (0..5).map(|_| c.get(&all_dry.url("/"), &[])).collect();
     assert!(replies.iter().all(|r| r.status == 200));
-    // A would-be rejection still tells the client where it stands.
+    // A would-be refusal still tells the client where it stands.
     assert_eq!(replies[4].header("ratelimit"), Some("\"r\";r=0;t=86400"));
     assert_eq!(all_dry.counter("r", "dry_run_limited"), 2);
     assert_eq!(all_dry.counter("r", "allowed"), 3);

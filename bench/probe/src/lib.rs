@@ -86,6 +86,7 @@ impl HttpContext for Probe {
             cost: 1,
             enforced: true,
             batch,
+            wait_for_stashes: false,
         };
         let mut stash = StashTable::default();
         let mut out = String::new();
@@ -194,7 +195,7 @@ impl HttpContext for Probe {
                 let at = t0 + u64::from(i);
                 if let Lookup::Ask { batch } = stash.lookup(0, slot, 1, 8, at) {
                     let o = admit(&memory, &[check(batch)], at);
-                    if let tollgate_core::Verdict::Allowed {
+                    if let tollgate_core::Verdict::Admitted {
                         remaining,
                         reset_ns,
                         ..

@@ -272,7 +272,7 @@ impl LeaseAllowance {
                 next.mark = now_ms + self.claim_ms;
                 next.mark_flags = 0;
             }
-            return Decision::Allow {
+            return Decision::Admit {
                 state: encode(&next),
                 // What the key has globally, as of the service's last report: the bucket's
                 // remaining tokens plus what this proxy still holds of them; and the time the
@@ -301,7 +301,7 @@ impl LeaseAllowance {
                 .min(p.until - now_ms)
                 .max(1)
                 .saturating_mul(1_000_000);
-            return Decision::Deny {
+            return Decision::Refuse {
                 retry_after_ns: wait_ns,
                 remaining: available,
                 reset_ns: wait_ns,
@@ -329,7 +329,7 @@ impl LeaseAllowance {
             let wait = (p.mark - now_ms)
                 .max(token_back_ms)
                 .saturating_mul(1_000_000);
-            return Decision::Deny {
+            return Decision::Refuse {
                 retry_after_ns: wait,
                 remaining: available,
                 reset_ns: wait,

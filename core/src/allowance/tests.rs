@@ -33,7 +33,7 @@ fn grant(tokens: u64, rate_mtps: u64, at: u64, ttl_ms: u64) -> Grant {
 
 fn allowed(l: &LeaseAllowance, s: &State, at_ms: u64) -> State {
     match l.decide(s, at_ms * MS, 1) {
-        Decision::Allow { state, .. } => state,
+        Decision::Admit { state, .. } => state,
         d => panic!("at {at_ms}: {d:?}"),
     }
 }
@@ -84,7 +84,7 @@ fn a_new_key_claims_a_refill_then_waits_then_spends_its_grant() {
     let mut s = granted;
     for i in 0..10u64 {
         match l.decide(&s, (T0 + 1) * MS, 1) {
-            Decision::Allow {
+            Decision::Admit {
                 state, remaining, ..
             } => {
                 assert_eq!(remaining, 9 - i);
@@ -118,7 +118,7 @@ fn a_rate_lease_accrues_and_refuses_at_once_when_spent() {
     // Spent: refused at once, told when the next token has accrued (at 100 ms).
     assert_eq!(
         l.decide(&s, (T0 + 50) * MS, 1),
-        Decision::Deny {
+        Decision::Refuse {
             retry_after_ns: 50 * MS,
             remaining: 0,
             reset_ns: 50 * MS
@@ -127,7 +127,7 @@ fn a_rate_lease_accrues_and_refuses_at_once_when_spent() {
     s = allowed(&l, &s, T0 + 100);
     assert!(matches!(
         l.decide(&s, (T0 + 150) * MS, 1),
-        Decision::Deny { .. }
+        Decision::Refuse { .. }
     ));
 }
 
@@ -197,7 +197,7 @@ fn running_low_asks_again_only_when_asking_can_get_more() {
     };
     assert!(matches!(
         l.decide(&claimed, (T0 + 201) * MS, 1),
-        Decision::Deny { .. }
+        Decision::Refuse { .. }
     ));
 }
 
@@ -221,7 +221,7 @@ fn exhausted_refuses_failed_falls_back_and_leases_expire() {
     assert!(
         matches!(
             l.decide(&none, T0 * MS, 1),
-            Decision::Deny { retry_after_ns, .. } if retry_after_ns == 62 * MS
+            Decision::Refuse { retry_after_ns, .. } if retry_after_ns == 62 * MS
         ),
         "the service's hint (300 ms), within a sixteenth of a lease"
     );
@@ -246,7 +246,7 @@ fn exhausted_refuses_failed_falls_back_and_leases_expire() {
     let answered = l.grant(&retrying, T0 + 1_002, &grant(5, 0, T0 + 1_000, 1_000));
     assert!(matches!(
         l.decide(&answered, (T0 + 1_003) * MS, 1),
-        Decision::Allow { .. }
+        Decision::Admit { .. }
     ));
     // Tokens held survive a failure until their lease ends, accrual included up to the
     // failure (here no claim was made).
@@ -259,7 +259,7 @@ fn exhausted_refuses_failed_falls_back_and_leases_expire() {
     assert_eq!(l.allowance(&held, T0 + 400), 3, "no more accrual");
     assert!(matches!(
         l.decide(&held, (T0 + 200) * MS, 1),
-        Decision::Allow { .. }
+        Decision::Admit { .. }
     ));
     assert_eq!(
         l.decide(&held, (T0 + 500) * MS, 1),
@@ -293,7 +293,7 @@ fn a_capped_lease_whose_bucket_has_tokens_asks_again_instead_of_refusing() {
     for _ in 0..5 {
         s = allowed(&l, &s, T0);
     }
-    assert!(matches!(l.decide(&s, T0 * MS, 1), Decision::Deny { .. }));
+    assert!(matches!(l.decide(&s, T0 * MS, 1), Decision::Refuse { .. }));
 }
 
 #[test]
@@ -311,7 +311,7 @@ fn a_low_rate_renewed_every_eighth_of_its_term_accrues_whole_tokens() {
     let mut t = T0;
     while t < T0 + 60_000 {
         t += 250;
-        if let Decision::Allow { state, .. } = l.decide(&s, t * MS, 1) {
+        if let Decision::Admit { state, .. } = l.decide(&s, t * MS, 1) {
             admitted += 1;
             s = state;
         }

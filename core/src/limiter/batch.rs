@@ -39,7 +39,7 @@ pub(super) fn stash_take(
         .limit
         .decide(before, now_ns, check.cost.saturating_add(extra))
     {
-        Decision::Allow { state, .. } => {
+        Decision::Admit { state, .. } => {
             let state = match check.limit {
                 Limit::TokenBucket(_) => TokenBucket::with_stash_out(
                     &state,

@@ -50,14 +50,14 @@ pub struct Check<'a> {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
-    Allowed {
+    Admitted {
         remaining: u64,
         reset_ns: u64,
         /// Hold the request this long before passing it on (leaky bucket).
         delay_ns: u64,
     },
     /// The rule refuses (or, for a dry-run rule, would refuse).
-    Limited {
+    Refused {
         retry_after_ns: u64,
         remaining: u64,
         reset_ns: u64,
@@ -165,7 +165,7 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
         (next, cas)
     };
     let (verdict, write) = match check.limit.decide(&current.state, now_ns, check.cost) {
-        Decision::Allow {
+        Decision::Admit {
             mut state,
             remaining,
             reset_ns,
@@ -186,7 +186,7 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
                 state,
             };
             (
-                Verdict::Allowed {
+                Verdict::Admitted {
                     remaining,
                     reset_ns,
                     delay_ns,
@@ -194,15 +194,15 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
                 Some((next, cas)),
             )
         }
-        Decision::Deny { .. } if stashes_may_return(check, &current.state, now_ns) => {
+        Decision::Refuse { .. } if stashes_may_return(check, &current.state, now_ns) => {
             (Verdict::Waiting, None)
         }
-        Decision::Deny {
+        Decision::Refuse {
             retry_after_ns,
             remaining,
             reset_ns,
         } => (
-            Verdict::Limited {
+            Verdict::Refused {
                 retry_after_ns,
                 remaining,
                 reset_ns,
@@ -262,7 +262,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
     for i in 0..checks.len() {
         let check = &checks[i];
         let mut attempts = 0;
-        while let (Verdict::Allowed { .. }, Some((group, cas))) =
+        while let (Verdict::Admitted { .. }, Some((group, cas))) =
             (plans[i].outcome.verdict, plans[i].write)
         {
             attempts += 1;
@@ -291,7 +291,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
         }
         let refused = matches!(
             plans[i].outcome.verdict,
-            Verdict::Limited { .. } | Verdict::Contended
+            Verdict::Refused { .. } | Verdict::Contended
         );
         // A lost race re-decided as "no quota yet" (another request spent a leased allowance's
         // last token meanwhile) leaves the request undecided, exactly as if it had been read so.
@@ -398,7 +398,7 @@ fn worst_refusal(checks: &[Check], plans: &[Plan]) -> Option<usize> {
         .enumerate()
         .filter(|(i, _)| checks[*i].enforced)
         .filter_map(|(i, p)| match p.outcome.verdict {
-            Verdict::Limited { retry_after_ns, .. } => Some((i, retry_after_ns)),
+            Verdict::Refused { retry_after_ns, .. } => Some((i, retry_after_ns)),
             _ => None,
         })
         .max_by_key(|(_, wait)| *wait)

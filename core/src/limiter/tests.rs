@@ -44,7 +44,7 @@ fn check<'a>(r: &'a Rule, key: &str, enforced: bool) -> Check<'a> {
 
 fn remaining(out: &Outcome) -> u64 {
     match out.checks[0].verdict {
-        Verdict::Allowed { remaining, .. } => remaining,
+        Verdict::Admitted { remaining, .. } => remaining,
         v => panic!("{v:?}"),
     }
 }
@@ -84,7 +84,7 @@ fn dry_run_rules_count_but_never_refuse() {
     assert!(outcomes.iter().all(|o| o.admitted));
     let limited = outcomes
         .iter()
-        .filter(|o| matches!(o.checks[0].verdict, Verdict::Limited { .. }))
+        .filter(|o| matches!(o.checks[0].verdict, Verdict::Refused { .. }))
         .count();
     assert_eq!(limited, 2);
 }
@@ -136,7 +136,7 @@ fn limited_keys_are_never_evicted_a_newcomer_shares_the_slot_that_frees_soonest(
     let out = admit(&store, &[check(&r, "e", true)], NOW + 5 * SEC);
     assert_eq!(out.checks[0].slot, SlotEvent::Shared);
     assert!(!out.admitted, "the newcomer is held to a's refusal");
-    let Verdict::Limited { retry_after_ns, .. } = out.checks[0].verdict else {
+    let Verdict::Refused { retry_after_ns, .. } = out.checks[0].verdict else {
         panic!("{out:?}")
     };
     assert_eq!(retry_after_ns, 55 * SEC, "a's token is due at +60 s");
@@ -286,7 +286,7 @@ impl CasStore for RacingStore {
             let mut group = Group::decode(&bytes);
             let tag = check(&racer, "k", true).slot.tag;
             let (i, _, slot) = choose(&racer.limit, &group, tag, NOW);
-            if let Decision::Allow { state, .. } = racer.limit.decide(&slot.state, NOW, 1) {
+            if let Decision::Admit { state, .. } = racer.limit.decide(&slot.state, NOW, 1) {
                 group.slots[i] = Slot { state, ..slot };
             }
             self.inner.write(key, &group.encode(), c)?;

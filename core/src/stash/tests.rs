@@ -155,7 +155,7 @@ impl World {
                 let out = admit(&self.store, &[check], now);
                 let c = out.checks[0];
                 match c.verdict {
-                    Verdict::Allowed {
+                    Verdict::Admitted {
                         remaining,
                         reset_ns,
                         ..
@@ -163,7 +163,7 @@ impl World {
                         self.workers[worker].stash(0, slot, c.stashed, remaining, reset_ns, now);
                         true
                     }
-                    Verdict::Limited {
+                    Verdict::Refused {
                         retry_after_ns,
                         reset_ns,
                         ..

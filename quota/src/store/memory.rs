@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use tollgate_core::lease::{ColdStart, GlobalBucket, LeaseGrant, LeaseItem};
-use tollgate_core::slot_lease::{Holdings, SlotAnswer, SlotItem};
+use tollgate_core::permits::{Holdings, PermitAnswer, PermitItem};
 
 /// The credential an instance name belongs to: a proxy token's name (instances `NAME/...`), or
 /// "" for the shared token (or a service without one).
@@ -186,10 +186,10 @@ impl MemoryStore {
     pub fn slots(
         &self,
         instance: &str,
-        items: &[SlotItem],
+        items: &[PermitItem],
         now_ms: u64,
         ttl_ms: u64,
-    ) -> Result<Answers<SlotAnswer>, StoreError> {
+    ) -> Result<Answers<PermitAnswer>, StoreError> {
         let mut holdings = self.holdings.lock().unwrap_or_else(|e| e.into_inner());
         if self.cold.checks_evidence()
             && items.iter().any(|i| {
@@ -220,7 +220,7 @@ impl MemoryStore {
                 Holdings::default,
             )?;
             let g = held.grant(instance, &item.ask(), now_ms, ttl_ms, settled);
-            Ok(SlotAnswer {
+            Ok(PermitAnswer {
                 held: g.held,
                 share: g.share,
                 free: g.free,

@@ -8,7 +8,7 @@ pub use memory::MemoryStore;
 use redis::RedisStore;
 use std::time::Duration;
 use tollgate_core::lease::{LeaseGrant, LeaseItem};
-use tollgate_core::slot_lease::{SlotAnswer, SlotItem};
+use tollgate_core::permits::{PermitAnswer, PermitItem};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -58,9 +58,9 @@ impl Store {
     pub async fn slots(
         &self,
         instance: &str,
-        items: &[SlotItem],
+        items: &[PermitItem],
         ttl_ms: u64,
-    ) -> Result<Answers<SlotAnswer>, StoreError> {
+    ) -> Result<Answers<PermitAnswer>, StoreError> {
         match self {
             Self::Memory(m) => m.slots(instance, items, now_ms(), ttl_ms),
             Self::Redis(r) => Ok(r.slots(instance, items, ttl_ms).await?.into()),

@@ -60,10 +60,10 @@ fn with_proxy_tokens(max_instances: usize) -> Arc<Service> {
 async fn slot_call(
     svc: &Arc<Service>,
     instance: &str,
-    items: Vec<SlotItem>,
+    items: Vec<PermitItem>,
     auth: &str,
 ) -> (StatusCode, String) {
-    let body = serde_json::to_string(&SlotRequest {
+    let body = serde_json::to_string(&PermitRequest {
         instance: instance.into(),
         items,
     })
@@ -236,7 +236,7 @@ async fn a_proxy_token_cannot_speak_for_another_proxys_instances() {
     // Proxy A holds all 10 slots as instance "proxy-1".
     let (status, text) = slot_call(&svc, "proxy-1", vec![slot("k", 10, 0)], a).await;
     assert_eq!(status, StatusCode::OK, "{text}");
-    let held = |text: &str| serde_json::from_str::<SlotResponse>(text).unwrap().items[0].held;
+    let held = |text: &str| serde_json::from_str::<PermitResponse>(text).unwrap().items[0].held;
     assert_eq!(held(&text), 10);
     // B calls as "proxy-1" keeping nothing (the call that freed A's slots while A used them, a
     // limit of 10 becoming 15), then asks for 5: its calls act as "edge-b/proxy-1".

@@ -205,7 +205,7 @@ async fn auto_cold_start_of_slots_grants_at_once_unless_holdings_were_lost() {
         // After the loss, a newcomer with no evidence asks first: granted (the store cannot know).
         // Then the holder renews with its evidence: it gets back what it keeps, and from then on
         // nothing new is granted for a term.
-        let holder = SlotItem {
+        let holder = PermitItem {
             known_held: 6,
             ..slot("k", 6, 6)
         };

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use testkit::{eventually, free_port, resume_process, stop_process, Redis};
 use tollgate_core::lease::ColdStart;
 use tollgate_core::lease::{LeaseGrant, LeaseItem, LeaseRequest, LeaseResponse};
-use tollgate_core::slot_lease::{SlotAnswer, SlotItem, SlotRequest, SlotResponse};
+use tollgate_core::permits::{PermitAnswer, PermitItem, PermitRequest, PermitResponse};
 use tollgate_quota::credentials::{Credentials, ProxyToken, DEFAULT_MAX_INSTANCES};
 use tollgate_quota::metrics::Metrics;
 use tollgate_quota::service::{router, Service};
@@ -130,8 +130,8 @@ fn known(key: &str, known_ms: u64, remaining: u64) -> LeaseItem {
     }
 }
 
-fn slot(key: &str, wanted: u64, keep: u64) -> SlotItem {
-    SlotItem {
+fn slot(key: &str, wanted: u64, keep: u64) -> PermitItem {
+    PermitItem {
         rule: "r".into(),
         limit_id: "lim".into(),
         key: key.into(),
@@ -142,6 +142,6 @@ fn slot(key: &str, wanted: u64, keep: u64) -> SlotItem {
     }
 }
 
-async fn held(store: &Store, instance: &str, item: SlotItem, ttl: u64) -> SlotAnswer {
+async fn held(store: &Store, instance: &str, item: PermitItem, ttl: u64) -> PermitAnswer {
     store.slots(instance, &[item], ttl).await.unwrap()[0]
 }

@@ -49,8 +49,8 @@ async fn slot_calls_are_checked_served_and_counted_per_instance() {
         Store::Memory(MemoryStore::new(100, ColdStart::Full)),
         Some("t"),
     );
-    let body = |items: Vec<SlotItem>| {
-        serde_json::to_string(&SlotRequest {
+    let body = |items: Vec<PermitItem>| {
+        serde_json::to_string(&PermitRequest {
             instance: "proxy-1".into(),
             items,
         })
@@ -80,14 +80,14 @@ async fn slot_calls_are_checked_served_and_counted_per_instance() {
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{text}");
-    let answers = serde_json::from_str::<SlotResponse>(&text).unwrap().items;
+    let answers = serde_json::from_str::<PermitResponse>(&text).unwrap().items;
     assert_eq!(
         answers.iter().map(|a| a.held).collect::<Vec<_>>(),
         [3, 2],
         "{text}"
     );
     let (status, text) = post(
-        body(vec![SlotItem {
+        body(vec![PermitItem {
             concurrent: 0,
             ..slot("k", 1, 0)
         }]),
@@ -95,8 +95,8 @@ async fn slot_calls_are_checked_served_and_counted_per_instance() {
     )
     .await;
     assert_eq!(status, StatusCode::OK);
-    let answer: SlotResponse = serde_json::from_str(&text).unwrap();
-    assert_eq!(answer.items[0], SlotAnswer::default());
+    let answer: PermitResponse = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer.items[0], PermitAnswer::default());
     assert!(
         answer.errors[0]
             .error

@@ -82,7 +82,7 @@ pub struct Rule {
     pub cost: Cost,
     /// Specific keys (encoded like request keys) with their own treatment.
     pub overrides: Vec<Override>,
-    /// The rule's own rejection response, else the top-level one.
+    /// The rule's own refusal response, else the top-level one.
     pub response: Option<Response>,
     /// The rule's own `dry_run` or the top-level one.
     pub dry_run: bool,
@@ -331,7 +331,7 @@ impl Config {
             + stand_ins.map(|g| g.fallback.table.capacity()).sum::<u64>()
     }
 
-    /// The rejection a rule answers with: its own, else the top-level one.
+    /// The refusal a rule answers with: its own, else the top-level one.
     pub fn response_of(&self, rule: usize) -> &Response {
         self.rules
             .get(rule)
@@ -417,7 +417,7 @@ pub fn describe(limit: &Limit) -> String {
         ),
         Limit::Concurrency(a) => format!("concurrency {} in flight", a.limit()),
         Limit::Lease(a) => format!("global, leases of {}", a.lease_size),
-        Limit::SlotLease(a) => format!("global concurrency {} in flight", a.concurrent),
+        Limit::PermitLease(a) => format!("global concurrency {} in flight", a.concurrent),
     }
 }
 
@@ -434,7 +434,7 @@ fn policy(limit: &Limit) -> (u64, Option<u64>) {
         Limit::LeakyBucket(a) => (a.requests(), a.period_ns()),
         Limit::Concurrency(a) => return (a.limit(), None),
         Limit::Lease(a) => return (a.lease_size, None),
-        Limit::SlotLease(a) => return (a.concurrent, None),
+        Limit::PermitLease(a) => return (a.concurrent, None),
     };
     let (q, w) = policy_of_rate(requests, period_ns);
     (q, Some(w))

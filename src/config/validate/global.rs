@@ -7,7 +7,7 @@ use crate::config::model::{
 use crate::config::{err, ConfigError};
 use std::num::NonZeroU64;
 use tollgate_core::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
-use tollgate_core::{Concurrency, LeaseAllowance, Limit, SlotAllowance, TokenBucket};
+use tollgate_core::{Concurrency, LeaseAllowance, Limit, PermitAllowance, TokenBucket};
 
 /// A claimed refill is given up this long after its call's timeout.
 const CLAIM_GRACE_MS: u64 = 100;
@@ -184,7 +184,7 @@ impl Rule {
                 format!("global limits take at most {MAX_COUNT}"),
             ));
         }
-        let slots = SlotAllowance {
+        let slots = PermitAllowance {
             concurrent,
             headroom: (concurrent / (4 * qs.instances_hint)).max(1),
             // Past the call's timeout, so that its answer or failure always comes first.
@@ -201,7 +201,7 @@ impl Rule {
             (concurrent, 0, concurrent),
             &format!("concurrent/{concurrent}"),
             stand_in,
-            (Limit::SlotLease(slots), "slots"),
+            (Limit::PermitLease(slots), "slots"),
         );
         Ok(())
     }

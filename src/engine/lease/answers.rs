@@ -8,8 +8,8 @@ use log::{debug, warn};
 use smallvec::SmallVec;
 use tollgate_core::lease::{ItemError, LeaseResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
+use tollgate_core::permits::{PermitAnswer, PermitResponse};
 use tollgate_core::slot::{update_slot, Group};
-use tollgate_core::slot_lease::{SlotAnswer, SlotResponse};
 use tollgate_core::{CasStore, Grant, Limit, State};
 
 impl Engine {
@@ -113,7 +113,7 @@ impl Engine {
                 Some(Limit::Lease(a)) => {
                     self.update_allowance(store, refill, |s| a.fail(s, now_ms, retry_ms))
                 }
-                Some(Limit::SlotLease(a)) => {
+                Some(Limit::PermitLease(a)) => {
                     self.update_allowance(store, refill, |s| a.fail(s, now_ms, retry_ms))
                 }
                 _ => {}
@@ -195,12 +195,12 @@ pub fn read_answer(
 }
 
 /// The answer to a slot call, if it is a well-formed one for `items` items.
-pub fn read_slot_answer(
+pub fn read_permit_answer(
     status: Option<&[u8]>,
     body: Option<&[u8]>,
     items: usize,
-) -> Option<SlotResponse> {
-    read_json::<SlotResponse>(status, body)
+) -> Option<PermitResponse> {
+    read_json::<PermitResponse>(status, body)
         .filter(|r| r.items.len() == items)
         .filter(|r| {
             // Refused items answer all zeros: only the others must be sane.
@@ -229,6 +229,6 @@ fn read_json<T: serde::de::DeserializeOwned>(
 }
 
 /// An answer no proxy could act on safely is refused whole.
-fn sane(a: &SlotAnswer) -> bool {
+fn sane(a: &PermitAnswer) -> bool {
     a.share <= 1_000_000_000 && a.held <= 1_000_000_000 && a.ttl_ms > 0 && a.ttl_ms <= 86_400_000
 }

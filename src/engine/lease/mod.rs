@@ -5,13 +5,13 @@
 mod answers;
 mod permits;
 
-pub use answers::{read_answer, read_slot_answer};
+pub use answers::{read_answer, read_permit_answer};
 
 use super::{CheckInput, Engine};
 use siphasher::sip128::{Hasher128, SipHasher24};
 use std::hash::Hasher;
 use tollgate_core::lease::{LeaseItem, LeaseRequest};
-use tollgate_core::slot_lease::SlotRequest;
+use tollgate_core::permits::PermitRequest;
 use tollgate_core::{Ask, CasStore, LeaseAllowance, Limit, Outcome, SlotId, Verdict};
 
 /// Items in one call to the quota service (it takes at most [`tollgate_core::lease::MAX_ITEMS`]).
@@ -28,7 +28,7 @@ const MAX_GIVE_BACKS: usize = ITEMS_PER_CALL;
 /// given back, whose answer changes nothing here.
 pub enum Call {
     Lease(Vec<Refill>, LeaseRequest),
-    Slots(Vec<Refill>, SlotRequest),
+    Permits(Vec<Refill>, PermitRequest),
     GiveBack(LeaseRequest),
 }
 
@@ -49,8 +49,8 @@ impl Engine {
     pub(super) fn record_claims(&mut self, inputs: &[CheckInput], outcome: &Outcome, now: u64) {
         for (input, result) in inputs.iter().zip(&outcome.checks) {
             if result.refill {
-                if self.slot_allowance_of(input.which.rule()).is_some() {
-                    self.watch_slots(input.which.rule(), input.slot, input.key);
+                if self.permit_allowance_of(input.which.rule()).is_some() {
+                    self.watch_permits(input.which.rule(), input.slot, input.key);
                 }
                 let refill = Refill {
                     rule: input.which.rule(),
@@ -60,7 +60,7 @@ impl Engine {
                     ask: Ask::default(),
                 };
                 // A request admitted from the lease it claims more for: a key already served.
-                if matches!(result.verdict, Verdict::Allowed { .. }) {
+                if matches!(result.verdict, Verdict::Admitted { .. }) {
                     self.renewals.push(refill);
                 } else {
                     self.refills.push(refill);
@@ -71,7 +71,7 @@ impl Engine {
 
     /// The calls for the refills claimed since the last ones: one for leased allowances, one for
     /// leased slots, each asking from its keys' states now (one read per key, off the request
-    /// path). Answers go to [`Engine::apply_grants`] and [`Engine::apply_slots`] with the same
+    /// path). Answers go to [`Engine::apply_grants`] and [`Engine::apply_permits`] with the same
     /// refills.
     pub fn take_refills<S: CasStore + ?Sized>(
         &mut self,
@@ -104,10 +104,10 @@ impl Engine {
             if let Some(allowance) = self.allowance_of(r.rule) {
                 r.ask = allowance.ask(&state, now_ms);
                 leases.push(r);
-            } else if let Some(slot) = self.slot_allowance_of(r.rule) {
+            } else if let Some(slot) = self.permit_allowance_of(r.rule) {
                 let ask = slot.ask(&state, now_ms);
                 r.ask.wanted = ask.wanted;
-                if let Some(item) = self.slot_item(r.rule, r.key, &ask) {
+                if let Some(item) = self.permit_item(r.rule, r.key, &ask) {
                     slot_items.push(item);
                     slots.push(r);
                 }
@@ -148,11 +148,11 @@ impl Engine {
             let rest = slots.split_off(slots.len().min(ITEMS_PER_CALL));
             let chunk = std::mem::replace(&mut slots, rest);
             let rest_items = slot_items.split_off(chunk.len());
-            let request = SlotRequest {
+            let request = PermitRequest {
                 instance: instance.to_owned(),
                 items: std::mem::replace(&mut slot_items, rest_items),
             };
-            calls.push(Call::Slots(chunk, request));
+            calls.push(Call::Permits(chunk, request));
         }
         calls
     }

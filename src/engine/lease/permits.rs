@@ -3,15 +3,15 @@
 
 use super::Refill;
 use crate::engine::Engine;
+use tollgate_core::permits::{PermitAsk, PermitItem, PermitResponse};
 use tollgate_core::slot::update_slot;
-use tollgate_core::slot_lease::{SlotAsk, SlotItem, SlotResponse};
-use tollgate_core::{Ask, CasStore, Limit, SlotAllowance, SlotId};
+use tollgate_core::{Ask, CasStore, Limit, PermitAllowance, SlotId};
 
 /// How often a worker looks at the global concurrency keys it knows (renewals are due halfway
 /// through a lease's term, seconds away).
-const SLOT_SCAN_MS: u64 = 100;
+const PERMIT_SCAN_MS: u64 = 100;
 /// Most global concurrency keys a worker keeps in view (those with its requests in flight).
-const MAX_SLOT_KEYS: usize = 65_536;
+const MAX_PERMIT_KEYS: usize = 65_536;
 
 /// What the tick's look at a global concurrency key found.
 enum Renewal {
@@ -22,22 +22,22 @@ enum Renewal {
 
 impl Engine {
     /// The slot allowance of a global concurrency rule.
-    pub(in crate::engine) fn slot_allowance_of(&self, rule: usize) -> Option<&SlotAllowance> {
+    pub(in crate::engine) fn permit_allowance_of(&self, rule: usize) -> Option<&PermitAllowance> {
         match &self.config.rules.get(rule)?.quota()?.limit {
-            Limit::SlotLease(l) => Some(l),
+            Limit::PermitLease(l) => Some(l),
             _ => None,
         }
     }
 
-    pub(in crate::engine) fn slot_item(
+    pub(in crate::engine) fn permit_item(
         &self,
         rule: usize,
         key: u128,
-        ask: &SlotAsk,
-    ) -> Option<SlotItem> {
+        ask: &PermitAsk,
+    ) -> Option<PermitItem> {
         let r = self.config.rules.get(rule)?;
         let global = r.global()?;
-        Some(SlotItem {
+        Some(PermitItem {
             rule: r.name.clone(),
             limit_id: global.limit_id.clone(),
             key: format!("{:032x}", self.service_key(key)),
@@ -49,27 +49,28 @@ impl Engine {
     }
 
     /// Keep a global concurrency key in view: its lease is renewed (or given back) on the tick.
-    pub(in crate::engine) fn watch_slots(&mut self, rule: usize, slot: SlotId, key: u128) {
-        if self.slot_keys.len() < MAX_SLOT_KEYS || self.slot_keys.contains_key(&(rule, slot)) {
-            self.slot_keys.insert((rule, slot), key);
+    pub(in crate::engine) fn watch_permits(&mut self, rule: usize, slot: SlotId, key: u128) {
+        if self.permit_keys.len() < MAX_PERMIT_KEYS || self.permit_keys.contains_key(&(rule, slot))
+        {
+            self.permit_keys.insert((rule, slot), key);
         }
     }
 
     /// The tick's look at the global concurrency keys in view: claim the calls that are due
     /// (renewals, more slots for full leases, keys given back) and stop watching idle keys.
-    pub fn renew_slots<S: CasStore + ?Sized>(&mut self, store: &S, now: u64) {
+    pub fn renew_permits<S: CasStore + ?Sized>(&mut self, store: &S, now: u64) {
         let now_ms = now / 1_000_000;
         // A next scan further ahead than one period: the clock stepped back; scan now.
-        let stepped = self.next_slot_scan_ms > now_ms.saturating_add(SLOT_SCAN_MS);
-        if self.slot_keys.is_empty() || (now_ms < self.next_slot_scan_ms && !stepped) {
+        let stepped = self.next_slot_scan_ms > now_ms.saturating_add(PERMIT_SCAN_MS);
+        if self.permit_keys.is_empty() || (now_ms < self.next_slot_scan_ms && !stepped) {
             return;
         }
-        self.next_slot_scan_ms = now_ms + SLOT_SCAN_MS;
+        self.next_slot_scan_ms = now_ms + PERMIT_SCAN_MS;
         let mut idle = Vec::new();
         let mut claimed = Vec::new();
-        for (&(rule, slot), &key) in &self.slot_keys {
+        for (&(rule, slot), &key) in &self.permit_keys {
             let quota = self.config.rules.get(rule).and_then(|r| r.quota());
-            let (Some(allowance), Some(quota)) = (self.slot_allowance_of(rule).copied(), quota)
+            let (Some(allowance), Some(quota)) = (self.permit_allowance_of(rule).copied(), quota)
             else {
                 idle.push((rule, slot));
                 continue;
@@ -87,7 +88,7 @@ impl Engine {
                         s.state = next;
                         (true, Renewal::Claimed)
                     }
-                    None if SlotAllowance::is_idle(&s.state, now_ms) => (false, Renewal::Idle),
+                    None if PermitAllowance::is_idle(&s.state, now_ms) => (false, Renewal::Idle),
                     None => (false, Renewal::NotDue),
                 },
             );
@@ -105,17 +106,17 @@ impl Engine {
             }
         }
         for k in idle {
-            self.slot_keys.remove(&k);
+            self.permit_keys.remove(&k);
         }
         self.renewals.extend(claimed);
     }
 
     /// Write a slot call's answer (`None`: the call failed) into the keys' leases.
-    pub fn apply_slots<S: CasStore + ?Sized>(
+    pub fn apply_permits<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
         refills: &[Refill],
-        answer: Option<&SlotResponse>,
+        answer: Option<&PermitResponse>,
         now_ns: u64,
     ) {
         let now_ms = now_ns / 1_000_000;
@@ -128,7 +129,7 @@ impl Engine {
             if refused.contains(&n) {
                 continue;
             }
-            let Some(slots) = self.slot_allowance_of(refill.rule).copied() else {
+            let Some(slots) = self.permit_allowance_of(refill.rule).copied() else {
                 continue;
             };
             self.update_allowance(store, refill, |state| {

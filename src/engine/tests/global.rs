@@ -33,7 +33,7 @@ fn a_global_key_waits_for_its_first_lease_then_spends_it() {
     let (refills, _) = rig.lease_call(NOW).unwrap();
     rig.engine
         .apply_grants(&rig.store, &refills, Some(&grant(0)), NOW);
-    let r = reject(rig.step(&u, NOW));
+    let r = refusal_of(rig.step(&u, NOW));
     assert_eq!(r.rule, 0);
 }
 
@@ -53,7 +53,7 @@ fn a_rate_lease_admits_at_its_rate_and_refuses_beyond_it_at_once() {
         .apply_grants(&rig.store, &refills, Some(&answer), NOW);
     // Nothing accrued yet, and the global bucket is empty: refused at once (not held), told to
     // come back when a token has.
-    let r = reject(rig.step(&u, NOW + 50 * MS));
+    let r = refusal_of(rig.step(&u, NOW + 50 * MS));
     assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)));
     // 10 per second: 12 of 100 requests sent over 1.2 s.
     let admitted = (1..=100)
@@ -112,7 +112,7 @@ fn an_item_the_service_refuses_fails_its_key_alone() {
     rig.engine
         .apply_grants(&rig.store, &refills, Some(&answer), NOW);
     // The refused item's key (u's, claimed first) takes the failure mode (deny); v is served.
-    assert_eq!(reject(rig.step(&u, NOW)).retry_after_secs, Some(1));
+    assert_eq!(refusal_of(rig.step(&u, NOW)).retry_after_secs, Some(1));
     admit(rig.step(&v, NOW));
     assert_eq!(
         rig.engine
@@ -134,7 +134,7 @@ fn failure_modes_decide_when_the_quota_service_fails() {
         assert_eq!(rig.admitted(&u, NOW, 50), admitted, "{mode}");
         assert!(rig.stat(0, RuleStat::Fallback) >= 1, "{mode}");
         if mode == "deny" {
-            let r = reject(rig.step(&u, NOW));
+            let r = refusal_of(rig.step(&u, NOW));
             assert_eq!(r.retry_after_secs, Some(1));
         }
     }
@@ -152,7 +152,7 @@ fn a_wait_without_quota_in_time_is_refused_and_provisional_quota_spends_at_once(
             Step::Wait
         );
         let timed_out = rig.engine.evaluate(&rig.store, &mut inputs, NOW, true);
-        let r = reject(timed_out);
+        let r = refusal_of(timed_out);
         // 60 s / 100 requests: a token comes back within 1 s.
         assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)), "{mode}");
         assert_eq!(rig.stat(0, RuleStat::Limited), 1);
@@ -252,7 +252,7 @@ fn a_flood_of_new_keys_goes_in_calls_the_service_takes_and_a_limited_key_stays_l
         }
     }
     assert_eq!((sent, ticks), (5_001, 3));
-    reject(rig.step(&victim, NOW + 4 * MS));
+    refusal_of(rig.step(&victim, NOW + 4 * MS));
     admit(rig.step(&user("new-4999".into()), NOW + 4 * MS));
     assert_eq!(
         rig.stat(0, RuleStat::Fallback),

@@ -1,7 +1,7 @@
 //! Global concurrency: permits leased from the service, renewed, given back and failed.
 
 use super::*;
-use tollgate_core::slot_lease::{SlotAnswer, SlotResponse};
+use tollgate_core::permits::{PermitAnswer, PermitResponse};
 
 const RULE: &str = r#"{"rules":[{"name":"c","scope":"global","algorithm":"concurrency",
     "key":["header:x-user"],"limit":{"concurrent":10}}],
@@ -12,19 +12,19 @@ impl Rig {
     fn slot_call(
         &mut self,
         now: u64,
-    ) -> Option<(Vec<Refill>, tollgate_core::slot_lease::SlotRequest)> {
+    ) -> Option<(Vec<Refill>, tollgate_core::permits::PermitRequest)> {
         self.engine
             .take_refills(&self.store, "me", now)
             .into_iter()
             .find_map(|c| match c {
-                Call::Slots(r, request) => Some((r, request)),
+                Call::Permits(r, request) => Some((r, request)),
                 Call::Lease(..) | Call::GiveBack(_) => None,
             })
     }
 
     fn answer_slots(&mut self, refills: &[Refill], held: u64, now: u64) {
-        let answer = SlotResponse {
-            items: vec![SlotAnswer {
+        let answer = PermitResponse {
+            items: vec![PermitAnswer {
                 held,
                 share: 10,
                 free: 10 - held,
@@ -33,7 +33,7 @@ impl Rig {
             errors: Vec::new(),
         };
         self.engine
-            .apply_slots(&self.store, refills, Some(&answer), now);
+            .apply_permits(&self.store, refills, Some(&answer), now);
     }
 }
 
@@ -59,7 +59,7 @@ fn a_key_waits_for_its_first_slots_then_admits_up_to_them_and_renews_on_the_tick
     // concurrency rule would.
     rig.answer_slots(&refills, 4, NOW + 5 * MS);
     holds.push(admit(rig.step(&u, NOW + 6 * MS)).holds);
-    let r = reject(rig.step(&u, NOW + 6 * MS));
+    let r = refusal_of(rig.step(&u, NOW + 6 * MS));
     assert_eq!(r.retry_after_secs, Some(1));
     // Requests end: their slots are free here at once.
     for h in holds.drain(..) {
@@ -67,11 +67,11 @@ fn a_key_waits_for_its_first_slots_then_admits_up_to_them_and_renews_on_the_tick
     }
     assert_eq!(rig.stat(0, RuleStat::InFlight), 0);
     // Halfway through the term, nothing in use: the key is given back.
-    rig.engine.renew_slots(&rig.store, NOW + 5_010 * MS);
+    rig.engine.renew_permits(&rig.store, NOW + 5_010 * MS);
     let (refills, call) = rig.slot_call(NOW + 5_010 * MS).expect("renewal");
     assert_eq!((call.items[0].wanted, call.items[0].keep), (0, 0));
     rig.answer_slots(&refills, 0, NOW + 5_011 * MS);
-    rig.engine.renew_slots(&rig.store, NOW + 5_200 * MS);
+    rig.engine.renew_permits(&rig.store, NOW + 5_200 * MS);
     assert!(
         rig.slot_call(NOW + 5_200 * MS).is_none(),
         "idle: nothing to renew"
@@ -85,7 +85,8 @@ fn a_failed_call_applies_the_failure_mode_once_the_lease_ends() {
     let u = req(&[("x-user", b"u")]);
     assert_eq!(rig.step(&u, NOW), Step::Wait);
     let (refills, _) = rig.slot_call(NOW).unwrap();
-    rig.engine.apply_slots(&rig.store, &refills, None, NOW + MS);
+    rig.engine
+        .apply_permits(&rig.store, &refills, None, NOW + MS);
     // No lease: the local stand-in (10 / 2 in flight) decides.
     let admitted: Vec<_> = (0..7)
         .map(|_| rig.step(&u, NOW + 2 * MS))

@@ -10,7 +10,7 @@ fn a_token_bucket_admits_its_burst_then_refuses_with_the_time_to_wait() {
         let a = admit(rig.step(&alice, NOW));
         assert_eq!(a.report.map(|r| r.remaining), Some(left));
     }
-    let r = reject(rig.step(&alice, NOW));
+    let r = refusal_of(rig.step(&alice, NOW));
     assert_eq!((r.rule, r.retry_after_secs), (0, Some(60)));
     // Another key has its own bucket.
     assert_eq!(rig.admitted(&req(&[("x-user", b"bob")]), NOW, 5), 3);
@@ -72,7 +72,7 @@ fn windows_warm_up_and_leaky_buckets_follow_their_formulas() {
         .map(|_| admit(rig.step(&at(b"/lb"), NOW)).delay_ns)
         .collect();
     assert_eq!(delays, [0, 100_000_000, 200_000_000, 300_000_000]);
-    assert!(matches!(rig.step(&at(b"/lb"), NOW), Step::Reject(_)));
+    assert!(matches!(rig.step(&at(b"/lb"), NOW), Step::Refuse(_)));
     assert_eq!(rig.stat(3, RuleStat::Delayed), 3);
 }
 
@@ -84,7 +84,7 @@ fn concurrency_holds_until_released() {
     let first = admit(rig.step(&r, NOW));
     let second = admit(rig.step(&r, NOW));
     assert_eq!(first.holds.len(), 1);
-    assert!(matches!(rig.step(&r, NOW), Step::Reject(_)));
+    assert!(matches!(rig.step(&r, NOW), Step::Refuse(_)));
     assert_eq!(rig.stat(0, RuleStat::InFlight), 2);
     rig.engine.release(&rig.store, first.holds, NOW);
     assert!(matches!(rig.step(&r, NOW), Step::Admit(_)));
@@ -117,7 +117,7 @@ fn overrides_dry_run_and_all_or_nothing() {
         &Request::new(&from("10.0.0.3:1"), trusted),
         &mut Inputs::new(),
     );
-    assert!(matches!(blocked, Some(Rejection { rule: 0, .. })));
+    assert!(matches!(blocked, Some(Refusal { rule: 0, .. })));
     assert_eq!(rig.admitted(&from("10.0.0.4:1"), NOW, 8), 5);
     // "narrow" refuses its second request, which then charges "ip" nothing.
     let narrow = Req {
@@ -202,11 +202,11 @@ fn a_request_refused_while_another_worker_stashes_tokens_waits_for_them() {
         b.stats.pending(Stat::Rule(0, RuleStat::Allowed)) as u64,
         20 - 2
     );
-    assert!(reject(rest.unwrap()).retry_after_secs.is_some());
+    assert!(refusal_of(rest.unwrap()).retry_after_secs.is_some());
     // A request that cannot be held again (its configuration goes away) is decided at once.
     let (_, _, mut waiting, a, mut b) = drain_beside_a_stash(true);
     let now = b.evaluate_at_once(&a.store, &mut waiting, NOW + 3 * MS, true);
-    assert!(matches!(now, Step::Reject(_)), "{now:?}");
+    assert!(matches!(now, Step::Refuse(_)), "{now:?}");
 }
 
 #[test]
@@ -214,7 +214,7 @@ fn where_the_host_cannot_hold_a_request_it_is_refused_at_once() {
     // nginx: the bound docs/architecture.md states (at most 20 ms, at the end of a burst).
     let (stashed, step, ..) = drain_beside_a_stash(false);
     assert!(stashed > 0);
-    assert!(matches!(step, Step::Reject(_)), "{step:?}");
+    assert!(matches!(step, Step::Refuse(_)), "{step:?}");
 }
 
 #[test]
@@ -230,7 +230,7 @@ fn a_cost_no_bucket_can_hold_is_refused_without_a_retry_after() {
         .gather(&Request::new(&five, trusted), &mut Inputs::new());
     assert_eq!(
         refused,
-        Some(Rejection {
+        Some(Refusal {
             rule: 0,
             quota: None,
             retry_after_secs: None
@@ -240,11 +240,11 @@ fn a_cost_no_bucket_can_hold_is_refused_without_a_retry_after() {
     // A cost the bucket can hold: refused while it refills, with the true wait.
     let two = req(&[("x-cost", b"2")]);
     assert!(matches!(rig.step(&two, NOW), Step::Admit(_)));
-    let r = reject(rig.step(&two, NOW));
+    let r = refusal_of(rig.step(&two, NOW));
     assert_eq!(r.retry_after_secs, Some(2));
     assert!(matches!(rig.step(&two, NOW + 2 * SEC), Step::Admit(_)));
     // x-cost: 0 costs the minimum, 1.
     let zero = req(&[("x-cost", b"0")]);
     assert!(matches!(rig.step(&zero, NOW + 3 * SEC), Step::Admit(_)));
-    assert!(matches!(rig.step(&zero, NOW + 3 * SEC), Step::Reject(_)));
+    assert!(matches!(rig.step(&zero, NOW + 3 * SEC), Step::Refuse(_)));
 }

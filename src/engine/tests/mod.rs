@@ -89,7 +89,7 @@ impl Rig {
             .into_iter()
             .find_map(|c| match c {
                 Call::Lease(r, request) => Some((r, request)),
-                Call::Slots(..) | Call::GiveBack(_) => None,
+                Call::Permits(..) | Call::GiveBack(_) => None,
             })
     }
 
@@ -105,9 +105,9 @@ fn admit(step: Step) -> Admitted {
     }
 }
 
-fn reject(step: Step) -> Rejection {
+fn refusal_of(step: Step) -> Refusal {
     match step {
-        Step::Reject(r) => r,
+        Step::Refuse(r) => r,
         other => panic!("not rejected: {other:?}"),
     }
 }

@@ -3,14 +3,14 @@
 use super::*;
 
 impl Rig {
-    fn guard(&mut self, r: &Req, now: u64) -> Result<Seats, Rejection> {
+    fn guard(&mut self, r: &Req, now: u64) -> Result<Seats, Refusal> {
         let trusted = self.engine.config().client_ip;
         let mut seats = Seats::new();
         match self
             .engine
             .guard(&self.store, &Request::new(r, trusted), now, &mut seats)
         {
-            Some(rejection) => Err(rejection),
+            Some(refusal) => Err(refusal),
             None => Ok(seats),
         }
     }
@@ -60,10 +60,10 @@ fn an_overloaded_upstream_sheds_the_default_level_first_with_503_and_retry_after
         high += 1;
     }
     assert_eq!(high, 20);
-    let rejection = rig.guard(&req(&[]), now).expect_err("shed");
-    assert_eq!(rejection.retry_after_secs, Some(1));
+    let refusal = rig.guard(&req(&[]), now).expect_err("shed");
+    assert_eq!(refusal.retry_after_secs, Some(1));
     let mut out = HeaderSet::default();
-    let response = rig.engine.render_rejection(&mut out, &rejection);
+    let response = rig.engine.render_rejection(&mut out, &refusal);
     assert_eq!(response.status, 503);
     assert_eq!(rig.stat(0, RuleStat::Level1Shed), 2);
     assert_eq!(rig.stat(0, RuleStat::Level3Shed), 1);

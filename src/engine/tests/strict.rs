@@ -26,7 +26,7 @@ fn strict_grants_a_request_will_not_spend_go_back_on_the_next_tick() {
         rig.engine
             .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW),
     );
-    reject(
+    refusal_of(
         rig.engine
             .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW),
     );
@@ -34,7 +34,7 @@ fn strict_grants_a_request_will_not_spend_go_back_on_the_next_tick() {
     // back as well.
     let mut costly = s.clone();
     costly.globals[0].cost = 3;
-    reject(
+    refusal_of(
         rig.engine
             .finish_strict(&rig.store, costly, Some(&grant(2)), NOW),
     );
@@ -98,21 +98,21 @@ fn strict_answers_grant_refuse_or_fall_back() {
     let step = rig
         .engine
         .finish_strict(&rig.store, s.clone(), Some(&grant(1)), NOW);
-    assert_eq!(reject(step).rule, 1);
+    assert_eq!(refusal_of(step).rule, 1);
     // From now on the local rule refuses before any call: no global quota is spent on it.
     let step = rig.engine.local_refusal(&rig.store, &s.locals, NOW);
-    let r = reject(step.expect("refused before the call"));
+    let r = refusal_of(step.expect("refused before the call"));
     assert_eq!((r.rule, r.retry_after_secs), (1, Some(3600)));
     assert_eq!(rig.stat(1, RuleStat::Limited), 2);
     // Short: refused by the global rule, with the time a token takes (60 s / 100 = 0.6 s → 1).
-    let r = reject(
+    let r = refusal_of(
         rig.engine
             .finish_strict(&rig.store, s.clone(), Some(&grant(0)), NOW),
     );
     assert_eq!((r.rule, r.retry_after_secs), (0, Some(1)));
     assert_eq!(r.quota.map(|q| (q.remaining, q.reset_secs)), Some((7, 30)));
     // Failed: deny.
-    let r = reject(rig.engine.finish_strict(&rig.store, s, None, NOW));
+    let r = refusal_of(rig.engine.finish_strict(&rig.store, s, None, NOW));
     assert_eq!(r.retry_after_secs, Some(1));
 
     for (mode, admitted) in [("allow", 10), ("local", 10)] {

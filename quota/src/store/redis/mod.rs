@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::sync::RwLock;
 use std::time::Duration;
 use tollgate_core::lease::{ColdStart, LeaseGrant, LeaseItem};
-use tollgate_core::slot_lease::{SlotAnswer, SlotItem};
+use tollgate_core::permits::{PermitAnswer, PermitItem};
 pub struct RedisStore {
     conn: Connection,
     lease_script: Script,
@@ -231,15 +231,15 @@ impl RedisStore {
     pub async fn slots(
         &self,
         instance: &str,
-        items: &[SlotItem],
+        items: &[PermitItem],
         ttl_ms: u64,
-    ) -> Result<Vec<SlotAnswer>, StoreError> {
+    ) -> Result<Vec<PermitAnswer>, StoreError> {
         let answers = self
             .serve(&self.slots_script, instance, items, ttl_ms)
             .await?;
         Ok(answers
             .into_iter()
-            .map(|a| SlotAnswer {
+            .map(|a| PermitAnswer {
                 held: a[0],
                 share: a[1],
                 free: a[2],

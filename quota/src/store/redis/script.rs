@@ -2,7 +2,7 @@
 
 use redis::aio::ConnectionManager;
 use tollgate_core::lease::LeaseItem;
-use tollgate_core::slot_lease::SlotItem;
+use tollgate_core::permits::PermitItem;
 pub(super) const LEASE_LUA: &str = include_str!("lease.lua");
 pub(super) const SLOTS_LUA: &str = include_str!("slots.lua");
 /// Helpers both scripts use, prepended to each.
@@ -54,7 +54,7 @@ impl Scripted for LeaseItem {
     }
 }
 
-impl Scripted for SlotItem {
+impl Scripted for PermitItem {
     const SUFFIX: &'static str = ":s";
     const ANSWER: usize = 3;
     fn tag(&self) -> String {

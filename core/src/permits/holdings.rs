@@ -1,6 +1,6 @@
 //! The service's side: the holdings of one key, and the step that serves an instance's ask.
 
-use super::SlotAsk;
+use super::PermitAsk;
 use crate::fair_share::max_min_fair;
 
 /// One instance's holding at one key.
@@ -21,17 +21,17 @@ pub struct Holdings {
 
 /// The answer for one key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SlotGrant {
-    /// Slots the instance holds now, until `ttl_ms` from the call.
+pub struct PermitGrant {
+    /// Permits the instance holds now, until `ttl_ms` from the call.
     pub held: u64,
-    /// Its max-min fair share: above it, it should let slots go as its requests end.
+    /// Its max-min fair share: above it, it should let permits go as its requests end.
     pub share: u64,
-    /// Slots no instance holds.
+    /// Permits no instance holds.
     pub free: u64,
 }
 
 impl Holdings {
-    /// True if `instance` says it holds `known_held` slots of the key (its lease still lasting)
+    /// True if `instance` says it holds `known_held` permits of the key (its lease still lasting)
     /// while the store has no holding of it: the store lost them.
     pub fn contradicts(
         holdings: Option<&Self>,
@@ -52,7 +52,7 @@ impl Holdings {
         self.entries.retain(|h| h.expires_ms > now_ms);
     }
 
-    /// Slots held by all instances.
+    /// Permits held by all instances.
     pub fn total(&self) -> u64 {
         self.entries.iter().map(|h| h.held).sum()
     }
@@ -65,13 +65,13 @@ impl Holdings {
     pub fn grant(
         &mut self,
         instance: &str,
-        ask: &SlotAsk,
+        ask: &PermitAsk,
         now_ms: u64,
         ttl_ms: u64,
         settled: bool,
-    ) -> SlotGrant {
+    ) -> PermitGrant {
         // Expiring more than a term from now: the clock stepped back. A term from now at most
-        // (else a stopped holder's slots stay held for the step's length).
+        // (else a stopped holder's permits stay held for the step's length).
         let latest = now_ms.saturating_add(ttl_ms);
         for h in &mut self.entries {
             h.expires_ms = h.expires_ms.min(latest);
@@ -128,7 +128,7 @@ impl Holdings {
             h.held = held;
             h.expires_ms = now_ms.saturating_add(ttl_ms).max(1);
         }
-        SlotGrant {
+        PermitGrant {
             held,
             share,
             free: ask.limit.saturating_sub(others + held),

@@ -1,6 +1,6 @@
-//! A proxy's side: its lease of one key's slots, in the key's slot state, shared by its workers.
+//! A proxy's side: its lease of one key's permits, in the key's slot state, shared by its workers.
 
-use super::{SlotAnswer, SlotAsk};
+use super::{PermitAnswer, PermitAsk};
 use crate::state::{
     read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State, CLOCK_SKEW_MS,
 };
@@ -20,23 +20,23 @@ const DENIED: u64 = 1 << 62;
 /// Without flags, the mark is when a claimed call is given up.
 const WHEN: u64 = DENIED - 1;
 
-/// A proxy's lease of one key's slots, in the key's 32 bytes of slot state, shared by the
-/// process's workers: slots held (as the service last answered), slots in use here, the fair
-/// share (the most it uses; above it, slots go back as requests end), requests that waited for a
+/// A proxy's lease of one key's permits, in the key's 32 bytes of slot state, shared by the
+/// process's workers: permits held (as the service last answered), permits in use here, the fair
+/// share (the most it uses; above it, permits go back as requests end), requests that waited for a
 /// first lease, half the lease's term (units of 10 ms), the lease's end (ms), and a mark (a call
 /// in flight, a failed one's retry time, or a denial's).
 ///
-/// Requests are admitted while the slots in use stay below `min(held, share)` and the lease
+/// Requests are admitted while the permits in use stay below `min(held, share)` and the lease
 /// lasts: no call per request. After a failed call the failure mode decides new requests until
 /// the retry: the rest of the lease's term is the grace of the requests in flight. The process's tick renews a lease halfway through its term, asks
 /// for more when it is full (at most once per `denied_ms` while the service has none), and gives
 /// the key back once nothing is in use. A call says what the proxy keeps using until its answer
 /// comes: until then it admits no more than that.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SlotAllowance {
+pub struct PermitAllowance {
     /// The limit: requests in flight across all proxies.
     pub concurrent: u64,
-    /// Slots asked for beyond those in use.
+    /// Permits asked for beyond those in use.
     pub headroom: u64,
     /// A claimed call is given up (and may be claimed again) after this long.
     pub claim_ms: u64,
@@ -56,7 +56,7 @@ pub(super) struct Parts {
     in_use: u64,
     share: u64,
     waited: u64,
-    /// The last answer left room: slots were free and this proxy was under its share.
+    /// The last answer left room: permits were free and this proxy was under its share.
     room: bool,
     /// The last call failed: the failure mode decides until a call succeeds.
     failing: bool,
@@ -100,7 +100,7 @@ impl Parts {
         now_ms < self.lease_end_ms
     }
 
-    /// The most slots in use here now.
+    /// The most permits in use here now.
     fn cap(&self, now_ms: u64) -> u64 {
         if self.leased(now_ms) {
             self.held.min(self.share)
@@ -122,7 +122,7 @@ impl Parts {
     }
 }
 
-impl SlotAllowance {
+impl PermitAllowance {
     /// The state as read at `now_ms` after a backward step of the clock: a lease that ends
     /// further ahead than one term is not trusted (it ends now: new requests ask again, the tick
     /// declares what is in use, and the service, whose term is running by its own clock, renews
@@ -164,7 +164,7 @@ impl SlotAllowance {
         let cap = p.cap(now_ms);
         if p.in_use.saturating_add(cost) <= cap {
             p.in_use += cost;
-            return Decision::Allow {
+            return Decision::Admit {
                 state: p.encode(),
                 remaining: cap - p.in_use,
                 reset_ns: 0,
@@ -182,7 +182,7 @@ impl SlotAllowance {
             } else {
                 0
             };
-            return Decision::Deny {
+            return Decision::Refuse {
                 retry_after_ns: wait_ms.max(1_000) * 1_000_000,
                 remaining: 0,
                 reset_ns: 0,
@@ -253,13 +253,13 @@ impl SlotAllowance {
     }
 
     /// What a call asks for the key, from its state when the call goes out.
-    pub fn ask(&self, state: &State, now_ms: u64) -> SlotAsk {
+    pub fn ask(&self, state: &State, now_ms: u64) -> PermitAsk {
         let p = Parts::decode(state);
         let (wanted, keep) = self.wanted_and_keep(&p, now_ms);
         // Evidence only while the lease surely lasts at the service too (it began there after
         // it began here).
         let lasting = p.lease_end_ms.saturating_sub(now_ms) > EVIDENCE_MARGIN_MS;
-        SlotAsk {
+        PermitAsk {
             limit: self.concurrent,
             wanted,
             keep,
@@ -272,14 +272,14 @@ impl SlotAllowance {
         &self,
         state: &State,
         now_ms: u64,
-        answer: &SlotAnswer,
+        answer: &PermitAnswer,
         claimed_ms: u64,
         wanted: u64,
     ) -> State {
         let mut p = Parts::decode(state);
         p.failing = false;
         let wants = p.in_use.saturating_add(p.waited) > 0;
-        // Asking again may get more: slots are free, and this answer gave all that was asked
+        // Asking again may get more: permits are free, and this answer gave all that was asked
         // without putting the proxy above its share.
         p.room = answer.free > 0
             && answer.held < self.concurrent
@@ -315,7 +315,7 @@ impl SlotAllowance {
         p.encode()
     }
 
-    /// The end of a request that held `cost` slots.
+    /// The end of a request that held `cost` permits.
     pub fn release(state: &State, cost: u64) -> State {
         let mut p = Parts::decode(state);
         p.in_use = p.in_use.saturating_sub(cost);
@@ -328,7 +328,7 @@ impl SlotAllowance {
         p.in_use == 0 && (p.held == 0 || !p.leased(now_ms)) && !p.calling(now_ms)
     }
 
-    /// Slots in use here.
+    /// Permits in use here.
     pub fn in_use(state: &State) -> u64 {
         Parts::decode(state).in_use
     }

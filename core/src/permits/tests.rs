@@ -7,8 +7,8 @@ use proptest::prelude::*;
 
 const TTL: u64 = 10_000;
 
-fn ask(wanted: u64, keep: u64) -> SlotAsk {
-    SlotAsk {
+fn ask(wanted: u64, keep: u64) -> PermitAsk {
+    PermitAsk {
         limit: 10,
         wanted,
         keep,
@@ -99,12 +99,12 @@ proptest! {
 
 const MS: u64 = 1_000_000;
 
-fn wk(ask: SlotAsk) -> (u64, u64) {
+fn wk(ask: PermitAsk) -> (u64, u64) {
     (ask.wanted, ask.keep)
 }
 
-fn allowance() -> SlotAllowance {
-    SlotAllowance {
+fn allowance() -> PermitAllowance {
+    PermitAllowance {
         concurrent: 10,
         headroom: 1,
         claim_ms: 300,
@@ -114,8 +114,8 @@ fn allowance() -> SlotAllowance {
     }
 }
 
-fn answer(held: u64, share: u64, free: u64) -> SlotAnswer {
-    SlotAnswer {
+fn answer(held: u64, share: u64, free: u64) -> PermitAnswer {
+    PermitAnswer {
         held,
         share,
         free,
@@ -123,9 +123,9 @@ fn answer(held: u64, share: u64, free: u64) -> SlotAnswer {
     }
 }
 
-fn admitted(a: &SlotAllowance, s: &mut State, now_ms: u64) -> bool {
+fn admitted(a: &PermitAllowance, s: &mut State, now_ms: u64) -> bool {
     match a.decide(s, now_ms * MS, 1) {
-        Decision::Allow { state, .. } => {
+        Decision::Admit { state, .. } => {
             *s = state;
             true
         }
@@ -155,7 +155,10 @@ fn a_cold_key_waits_for_its_first_lease_then_admits_up_to_it_without_calls() {
     s = a.grant(&s, 1_005, &answer(3, 10, 7), 1_000, 0);
     assert!((0..3).all(|_| admitted(&a, &mut s, 1_010)));
     // Full: refused at once; the tick asks for more.
-    assert!(matches!(a.decide(&s, 1_011 * MS, 1), Decision::Deny { .. }));
+    assert!(matches!(
+        a.decide(&s, 1_011 * MS, 1),
+        Decision::Refuse { .. }
+    ));
     let claim = a.renewal(&s, 1_012).expect("full: ask for more");
     assert_eq!(wk(a.ask(&claim, 1_012)), (4, 3));
     s = a.grant(&claim, 1_013, &answer(4, 10, 6), 1_012, 0);
@@ -171,13 +174,13 @@ fn renewals_come_halfway_and_an_idle_key_is_given_back() {
     let claim = a.renewal(&s, TTL / 2).expect("halfway");
     assert_eq!(a.renewal(&claim, TTL / 2 + 1), None, "one call at a time");
     s = a.grant(&claim, TTL / 2 + 2, &answer(2, 10, 8), TTL / 2, 0);
-    s = SlotAllowance::release(&s, 1);
+    s = PermitAllowance::release(&s, 1);
     let claim = a.renewal(&s, TTL).expect("halfway again");
     assert_eq!(wk(a.ask(&claim, TTL)), (0, 0), "nothing in use: given back");
     // While the call is out, it admits no more than it said it keeps.
     assert!(!admitted(&a, &mut claim.clone(), TTL + 1));
     s = a.grant(&claim, TTL + 2, &answer(0, 0, 10), TTL, 0);
-    assert!(SlotAllowance::is_idle(&s, TTL + 3));
+    assert!(PermitAllowance::is_idle(&s, TTL + 3));
     assert!(matches!(
         a.decide(&s, (TTL + 3) * MS, 1),
         Decision::Wait { .. }
@@ -221,7 +224,7 @@ fn a_clock_stepped_back_renews_at_once_instead_of_keeping_slots_past_their_term(
 
 #[test]
 fn a_failed_renewal_applies_the_failure_mode_at_once_and_the_lease_is_grace_for_what_runs() {
-    let a = SlotAllowance {
+    let a = PermitAllowance {
         retry_ms: TTL,
         ..allowance()
     };
@@ -283,7 +286,7 @@ fn a_key_that_got_nothing_refuses_at_once_until_it_may_ask_again() {
         panic!()
     };
     let s = a.grant(&s, 5, &answer(0, 5, 0), 0, 0);
-    let Decision::Deny { retry_after_ns, .. } = a.decide(&s, 10 * MS, 1) else {
+    let Decision::Refuse { retry_after_ns, .. } = a.decide(&s, 10 * MS, 1) else {
         panic!("held")
     };
     assert_eq!(retry_after_ns, 1_000 * MS);
@@ -303,21 +306,21 @@ fn an_answer_without_room_is_not_asked_again_before_the_denial_ends() {
 
 #[test]
 fn a_full_lease_with_room_waits_for_more_where_the_host_can_resume() {
-    let answer = |held, share, free| SlotAnswer {
+    let answer = |held, share, free| PermitAnswer {
         held,
         share,
         free,
         ttl_ms: TTL,
     };
     for waits in [true, false] {
-        let a = SlotAllowance {
+        let a = PermitAllowance {
             waits_for_more: waits,
             ..allowance()
         };
         // 3 held, the service has 7 free and this proxy's share is the whole limit.
         let mut s = a.grant(&[0; 32], 1_000, &answer(3, 10, 7), 1_000, 3);
         for _ in 0..3 {
-            let Decision::Allow { state, .. } = a.decide(&s, 1_001 * MS, 1) else {
+            let Decision::Admit { state, .. } = a.decide(&s, 1_001 * MS, 1) else {
                 panic!("within the lease");
             };
             s = state;
@@ -334,10 +337,10 @@ fn a_full_lease_with_room_waits_for_more_where_the_host_can_resume() {
                 let full = a.grant(&c, 1_002, &answer(3, 10, 0), 1_001, 5);
                 assert!(matches!(
                     a.decide(&full, 1_003 * MS, 1),
-                    Decision::Deny { .. }
+                    Decision::Refuse { .. }
                 ));
             }
-            Decision::Deny { .. } if !waits => {}
+            Decision::Refuse { .. } if !waits => {}
             d => panic!("waits_for_more {waits}: {d:?}"),
         }
     }
@@ -352,20 +355,20 @@ proptest! {
         events in prop::collection::vec((0usize..3, 0u8..5, 0u64..400), 1..400),
         waits_for_more in any::<bool>(),
     ) {
-        let a = SlotAllowance {
+        let a = PermitAllowance {
             waits_for_more,
             ..allowance()
         };
         let mut service = Holdings::default();
         let mut states = [[0u8; 32]; 3];
-        let mut calls: [Option<(u64, SlotAsk)>; 3] = [None; 3];
+        let mut calls: [Option<(u64, PermitAsk)>; 3] = [None; 3];
         let mut now = 1_000;
         for (who, what, step) in events {
             now += step;
             let s = &mut states[who];
             match what {
                 0 => {
-                    if let Decision::Allow { state, .. } | Decision::Wait { claim: Some(state) } =
+                    if let Decision::Admit { state, .. } | Decision::Wait { claim: Some(state) } =
                         a.decide(s, now * MS, 1)
                     {
                         if a.claimed(s, &state) {
@@ -374,7 +377,7 @@ proptest! {
                         *s = state;
                     }
                 }
-                1 => *s = SlotAllowance::release(s, 1.min(SlotAllowance::in_use(s))),
+                1 => *s = PermitAllowance::release(s, 1.min(PermitAllowance::in_use(s))),
                 2 => {
                     if let Some(claimed) = a.renewal(s, now) {
                         *s = claimed;
@@ -384,7 +387,7 @@ proptest! {
                 3 => {
                     if let Some((at, ask)) = calls[who].take() {
                         let g = service.grant(&who.to_string(), &ask, now, TTL, true);
-                        let answer = SlotAnswer { held: g.held, share: g.share, free: g.free, ttl_ms: TTL };
+                        let answer = PermitAnswer { held: g.held, share: g.share, free: g.free, ttl_ms: TTL };
                         *s = a.grant(s, now, &answer, at, ask.wanted);
                     }
                 }
@@ -397,9 +400,9 @@ proptest! {
             // Slots in use by proxies whose lease stands, against the limit.
             let in_use: u64 = states
                 .iter()
-                .map(SlotAllowance::in_use)
+                .map(PermitAllowance::in_use)
                 .sum();
-            let lapsed = states.iter().any(|s| !Parts::decode(s).leased(now) && SlotAllowance::in_use(s) > 0);
+            let lapsed = states.iter().any(|s| !Parts::decode(s).leased(now) && PermitAllowance::in_use(s) > 0);
             if !lapsed {
                 prop_assert!(in_use <= 10, "{in_use} in use: {states:?} {service:?}");
             }

@@ -1,0 +1,329 @@
+//! The global bucket of one key and its lease step: fair shares of the burst and of the refill
+//! rate among the instances that hold it, reservations, give-backs, cold starts and clock steps.
+
+use super::api::{LeaseGrant, LeaseItem};
+use crate::fair_share::max_min_fair;
+
+/// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in
+/// milli-tokens per second × ms).
+pub const MIN_RESERVED_MTPS_MS: u128 = 2 * 1_000_000;
+
+/// Milli-tokens per second: the unit rate shares are divided in (whole numbers, so that the
+/// memory and Redis stores round alike).
+pub fn rate_mtps(requests: u64, per_ms: u64) -> u64 {
+    u64::try_from(u128::from(requests) * 1_000_000 / u128::from(per_ms.max(1))).unwrap_or(u64::MAX)
+}
+
+/// An instance's standing at one bucket: what it last asked for, and the refill rate reserved for
+/// it. Sorted by instance; the empty name stands for the proxies of before a cold start.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Holder {
+    pub instance: String,
+    /// Tokens it asked for with its last call (its demand on the burst).
+    pub wanted: u64,
+    /// The refill rate it asked for with its last call (milli-tokens per second).
+    pub demand: u64,
+    pub asked_ms: u64,
+    /// The refill rate reserved for it (milli-tokens per second), from its last call until
+    /// `until_ms`: the bucket does not refill by that much meanwhile.
+    pub share: u64,
+    pub until_ms: u64,
+    /// Tokens granted to it and not given back since it became a holder: the most it may give
+    /// back (so giving back never fills the bucket beyond what the instance took from it).
+    pub outstanding: u64,
+}
+
+/// One global bucket: tokens refill at `requests / per_ms` up to `burst`, less the refill rate
+/// reserved for instances (rate leases); recent demands of each instance decide fair shares.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GlobalBucket {
+    pub tokens: f64,
+    pub updated_ms: u64,
+    pub holders: Vec<Holder>,
+    /// From then on it is as good as new (full, no live demand, nothing reserved): it can go.
+    pub idle_at_ms: u64,
+}
+
+/// How a store starts buckets it does not know: new ones, or ones it forgot (a restart, a Redis
+/// that lost its data).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColdStart {
+    /// Full, unless the store is known to have lost buckets: the call carries an instance's
+    /// evidence of the bucket, or an earlier call showed that this store (or this Redis slot)
+    /// forgot buckets instances were using. Then as `Conservative`. A new deployment serves its
+    /// limits at once; a restart that lost state holds them.
+    Auto { epoch_ms: u64 },
+    /// As if, at the store's start (`epoch_ms`), every bucket had just been emptied and its whole
+    /// refill rate leased for one lease TTL: a restart admits nothing that the limit would not
+    /// have admitted had the store never stopped. So does a new deployment, for a while.
+    Conservative { epoch_ms: u64 },
+    /// New buckets start full: a restart can admit up to a burst (and a lease TTL of refill)
+    /// more per key.
+    Full,
+}
+
+impl ColdStart {
+    /// How a bucket the store does not know starts: `lost` if the store is known to have lost
+    /// buckets (by this call's evidence or an earlier one's).
+    pub fn for_new(self, lost: bool) -> Self {
+        match self {
+            Self::Auto { epoch_ms } if lost => Self::Conservative { epoch_ms },
+            Self::Auto { .. } => Self::Full,
+            other => other,
+        }
+    }
+
+    /// Whether buckets the store knows are checked against instances' evidence (not when
+    /// buckets start full by choice).
+    pub fn checks_evidence(self) -> bool {
+        self != Self::Full
+    }
+
+    /// When the store's memory begins (`None`: never conservative).
+    pub fn epoch_ms(self) -> Option<u64> {
+        match self {
+            Self::Auto { epoch_ms } | Self::Conservative { epoch_ms } => Some(epoch_ms),
+            Self::Full => None,
+        }
+    }
+}
+
+impl GlobalBucket {
+    /// A bucket the store does not know, first asked for at `now_ms` (`cold` as resolved by
+    /// [`ColdStart::for_new`]; `Auto` starts full).
+    pub fn new(item: &LeaseItem, now_ms: u64, ttl_ms: u64, cold: ColdStart) -> Self {
+        match cold {
+            ColdStart::Full | ColdStart::Auto { .. } => Self {
+                tokens: item.burst as f64,
+                updated_ms: now_ms,
+                holders: Vec::new(),
+                idle_at_ms: now_ms,
+            },
+            // Empty at the epoch, with the whole rate held by the proxies of before; the first
+            // lease refills it from there (long after the epoch: full, as if never lost).
+            ColdStart::Conservative { epoch_ms } => Self {
+                tokens: 0.0,
+                updated_ms: epoch_ms.min(now_ms),
+                holders: vec![Holder {
+                    instance: String::new(),
+                    // Rounded up: all of the refill, never a fraction less.
+                    share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+                    asked_ms: epoch_ms,
+                    until_ms: epoch_ms.saturating_add(ttl_ms),
+                    ..Holder::default()
+                }],
+                idle_at_ms: 0,
+            },
+        }
+    }
+
+    /// Add what flowed in since the last update: the refill rate less what was reserved.
+    fn refill(&mut self, item: &LeaseItem, now_ms: u64) {
+        // Updated after now: the clock stepped back. The step counts as no time (else nothing
+        // would flow in until the clock caught up).
+        self.updated_ms = self.updated_ms.min(now_ms);
+        let rate = item.requests as f64 / item.per_ms as f64;
+        let elapsed = now_ms.saturating_sub(self.updated_ms) as f64;
+        let reserved: f64 = self
+            .holders
+            .iter()
+            .map(|h| {
+                let overlap = h.until_ms.min(now_ms).saturating_sub(self.updated_ms);
+                (h.share as f64 / 1e6).min(rate) * overlap as f64
+            })
+            .sum();
+        let inflow = (elapsed * rate - reserved).max(0.0);
+        self.tokens = (self.tokens + inflow).min(item.burst as f64);
+        self.updated_ms = self.updated_ms.max(now_ms);
+    }
+
+    /// Check the bucket against the item's evidence at `now_ms`: if it holds more tokens than
+    /// it can ([`LeaseItem::evidence_bound`]), the store lost writes (or lost the bucket and made
+    /// it anew): it restarts empty, its whole rate held for one lease TTL (for leases of before
+    /// that only their holders know). True if so.
+    pub fn reconcile(&mut self, item: &LeaseItem, now_ms: u64, ttl_ms: u64) -> bool {
+        self.refill(item, now_ms);
+        let Some(bound) = item.evidence_bound() else {
+            return false;
+        };
+        if self.tokens <= bound {
+            return false;
+        }
+        self.tokens = 0.0;
+        let before = Holder {
+            instance: String::new(),
+            share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+            asked_ms: now_ms,
+            until_ms: now_ms.saturating_add(ttl_ms),
+            ..Holder::default()
+        };
+        match self.holders.first_mut() {
+            Some(h) if h.instance.is_empty() => *h = before,
+            _ => self.holders.insert(0, before),
+        }
+        self.idle_at_ms = self.idle_at_ms.max(now_ms.saturating_add(ttl_ms));
+        true
+    }
+
+    /// Forget holders that neither asked within `ttl_ms` nor hold a reservation.
+    fn forget(&mut self, now_ms: u64, ttl_ms: u64) {
+        self.holders
+            .retain(|h| h.asked_ms.saturating_add(ttl_ms) > now_ms || h.until_ms > now_ms);
+    }
+
+    /// Serve one lease item for `instance` at `now_ms`.
+    ///
+    /// Tokens: never more than the bucket holds, nor the instance's max-min fair share of `burst`
+    /// among the instances that asked within `ttl_ms`. Rate: the instance's max-min fair share of
+    /// the refill rate by the rates they asked for, never more than is not reserved for others; it
+    /// replaces the instance's previous reservation and holds for `ttl_ms`.
+    pub fn lease(
+        &mut self,
+        instance: &str,
+        item: &LeaseItem,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> LeaseGrant {
+        let rate_mtps = rate_mtps(item.requests, item.per_ms);
+        // Asked after now, or reserved for more than a term from now: the clock stepped back.
+        // A term from now at most (else the share stays reserved for the step's length).
+        for h in &mut self.holders {
+            h.asked_ms = h.asked_ms.min(now_ms);
+            h.until_ms = h.until_ms.min(now_ms.saturating_add(ttl_ms));
+        }
+        self.refill(item, now_ms);
+        self.forget(now_ms, ttl_ms);
+        let outstanding = self
+            .holders
+            .iter()
+            .find(|h| h.instance == instance)
+            .map_or(0, |h| h.outstanding);
+        let returned = item.returned.min(outstanding);
+        self.tokens = (self.tokens + returned as f64).min(item.burst as f64);
+        self.holders.retain(|h| h.instance != instance);
+        let demand = item.demand_mtps().min(rate_mtps);
+        let at = self
+            .holders
+            .partition_point(|h| h.instance.as_str() < instance);
+        self.holders.insert(
+            at,
+            Holder {
+                instance: instance.to_owned(),
+                wanted: item.wanted,
+                demand,
+                asked_ms: now_ms,
+                share: 0,
+                until_ms: now_ms,
+                outstanding: outstanding - returned,
+            },
+        );
+        let live = |h: &Holder| h.asked_ms.saturating_add(ttl_ms) > now_ms;
+        let of_live = |f: fn(&Holder) -> u64| -> Vec<u64> {
+            self.holders
+                .iter()
+                .map(|h| if live(h) { f(h) } else { 0 })
+                .collect()
+        };
+        let fair_tokens = max_min_fair(item.burst, &of_live(|h| h.wanted))[at];
+        let fair_rate = max_min_fair(rate_mtps, &of_live(|h| h.demand))[at];
+        let reserved = self.reserved_at(now_ms);
+        let share = demand
+            .min(fair_rate)
+            .min(rate_mtps.saturating_sub(reserved));
+        // A share that cannot accrue a few tokens within the lease is no share: what accrues
+        // is lost at the lease's end. The bucket refills by it instead, and the instance asks
+        // for its tokens (`retry_ms` says when one comes).
+        let share = if u128::from(share) * u128::from(ttl_ms) < MIN_RESERVED_MTPS_MS {
+            0
+        } else {
+            share
+        };
+
+        let available = self.tokens.floor().max(0.0) as u64;
+        let granted = item.wanted.min(fair_tokens).min(available);
+        self.tokens -= granted as f64;
+        self.holders[at].outstanding = self.holders[at].outstanding.saturating_add(granted);
+        if share > 0 {
+            self.holders[at].share = share;
+            self.holders[at].until_ms = now_ms.saturating_add(ttl_ms);
+        }
+        let asked = item.wanted > 0 || demand > 0;
+        let (reset_ms, retry_ms) = self.timing(item, now_ms, asked && granted == 0 && share == 0);
+        self.idle_at_ms = self
+            .holders
+            .iter()
+            .map(|h| h.until_ms.max(h.asked_ms.saturating_add(ttl_ms)))
+            .fold(now_ms.saturating_add(reset_ms), u64::max);
+        LeaseGrant {
+            granted,
+            ttl_ms,
+            remaining: self.tokens.floor().max(0.0) as u64,
+            reset_ms,
+            rate: share as f64 / 1_000.0,
+            retry_ms,
+            returned,
+        }
+    }
+
+    /// The refill rate reserved at `now_ms` (milli-tokens per second).
+    fn reserved_at(&self, now_ms: u64) -> u64 {
+        self.holders
+            .iter()
+            .filter(|h| h.until_ms > now_ms)
+            .map(|h| h.share)
+            .sum()
+    }
+
+    /// Milliseconds until the bucket is full (its unreserved refill first, its whole rate once
+    /// the reservations end), and, for an instance that got nothing, until asking again can get
+    /// something (a token flows in, or a reservation ends).
+    fn timing(&self, item: &LeaseItem, now_ms: u64, got_nothing: bool) -> (u64, u64) {
+        let rate = item.requests as f64 / item.per_ms as f64;
+        let reserved = self.reserved_at(now_ms);
+        let free = (rate - reserved as f64 / 1e6).max(0.0);
+        let last_until = self
+            .holders
+            .iter()
+            .map(|h| h.until_ms.saturating_sub(now_ms))
+            .max()
+            .unwrap_or(0);
+        let missing = (item.burst as f64 - self.tokens).max(0.0);
+        let reset = if missing == 0.0 {
+            0.0
+        } else if free > 0.0 && missing / free <= last_until as f64 {
+            missing / free
+        } else {
+            let by_then = free * last_until as f64;
+            last_until as f64 + (missing - by_then).max(0.0) / rate
+        };
+        let retry = if got_nothing {
+            let token = (1.0 - self.tokens.fract().max(0.0)) / rate;
+            let first_free = if free > 0.0 {
+                (1.0 - self.tokens.fract().max(0.0)) / free
+            } else {
+                f64::INFINITY
+            };
+            let ends = self
+                .holders
+                .iter()
+                .filter(|h| h.until_ms > now_ms && h.share > 0)
+                .map(|h| (h.until_ms - now_ms) as f64)
+                .fold(f64::INFINITY, f64::min);
+            let soonest = first_free.min(ends);
+            let retry = if soonest.is_finite() {
+                soonest.max(token)
+            } else {
+                token
+            };
+            retry.ceil().max(1.0)
+        } else {
+            0.0
+        };
+        (reset.ceil() as u64, retry as u64)
+    }
+
+    /// True once nothing distinguishes it from a new bucket: it can go.
+    pub fn is_idle(&self, now_ms: u64) -> bool {
+        self.idle_at_ms <= now_ms
+    }
+}
