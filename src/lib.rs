@@ -19,6 +19,7 @@ pub mod lifecycle;
 pub mod network;
 pub mod request;
 pub mod stats;
+pub mod usage;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;

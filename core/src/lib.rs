@@ -15,6 +15,7 @@ pub mod leaky_bucket;
 pub mod lease;
 pub mod limiter;
 pub mod permits;
+pub mod settle;
 pub mod sliding_window;
 pub mod slot;
 pub mod stash;

@@ -7,6 +7,9 @@ use crate::state::{read_u128, read_u64, write_u128, write_u64, Decision, State};
 
 /// Where a bucket's state keeps until when tokens it handed to worker stashes may come back.
 const STASH_OUT_AT: usize = 16;
+/// Where it keeps the latest `tat` a settlement charged beyond the bucket (ns): up to it, a `tat`
+/// past the horizon is debt, not a clock that stepped back ([`crate::settle`]).
+pub(crate) const OWED_UNTIL_AT: usize = 24;
 
 /// A token bucket of capacity `burst`, refilled with `requests` tokens per `period_ns`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -56,11 +59,11 @@ impl TokenBucket {
         self.burst
     }
 
-    fn scaled(&self, ns: u64) -> u128 {
+    pub(crate) fn scaled(&self, ns: u64) -> u128 {
         u128::from(ns) * u128::from(self.requests)
     }
 
-    fn unscale_up(&self, scaled: u128) -> u64 {
+    pub(crate) fn unscale_up(&self, scaled: u128) -> u64 {
         let r = u128::from(self.requests);
         u64::try_from(scaled.div_ceil(r)).unwrap_or(u64::MAX)
     }
@@ -77,14 +80,26 @@ impl TokenBucket {
 
     /// Decide a request of `cost` tokens at `now_ns` against stored `tat` (0 for a fresh bucket).
     pub fn decide(&self, tat: u128, now_ns: u64, cost: u64) -> GcraDecision {
+        self.decide_owing(tat, 0, now_ns, cost)
+    }
+
+    /// [`Self::decide`] for a bucket a settlement may have put in debt until `owed_until_ns`.
+    pub fn decide_owing(
+        &self,
+        tat: u128,
+        owed_until_ns: u64,
+        now_ns: u64,
+        cost: u64,
+    ) -> GcraDecision {
         let now = self.scaled(now_ns);
         let horizon = now.saturating_add(self.capacity());
         let period = u128::from(self.period_ns);
-        // A `tat` beyond the horizon is no bucket's: the clock stepped back. Read it as a bucket
-        // with one token left, so the key is admitted at its rate from now on, never refused for
-        // the length of the step (a refusal writes nothing, so reading it as empty would refuse
-        // until the clock caught up).
-        let base = if tat > horizon {
+        // A `tat` beyond the horizon (and beyond any debt) is no bucket's: the clock stepped
+        // back. Read it as a bucket with one token left, so the key is admitted at its rate from
+        // now on, never refused for the length of the step (a refusal writes nothing, so reading
+        // it as empty would refuse until the clock caught up).
+        let owed = self.scaled(owed_until_ns);
+        let base = if tat > horizon && tat > owed {
             horizon.saturating_sub(period)
         } else {
             tat
@@ -108,7 +123,8 @@ impl TokenBucket {
 
     /// The GCRA decision over a slot's state (the TAT in its first 16 bytes).
     pub fn decide_state(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
-        match self.decide(read_u128(state, 0), now_ns, cost) {
+        let owed_until = read_u64(state, OWED_UNTIL_AT);
+        match self.decide_owing(read_u128(state, 0), owed_until, now_ns, cost) {
             GcraDecision::Admit {
                 tat,
                 remaining,

@@ -1,0 +1,269 @@
+//! What an LLM API's response says it used: the token usage in a JSON body or in a stream of
+//! server-sent events (OpenAI chat and responses, Anthropic, Gemini), read chunk by chunk as the
+//! body passes, within a bound on the bytes kept, never delaying it.
+
+use serde_json::Value;
+
+/// Tokens a response reported, as far as it has been read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input: Option<u64>,
+    pub output: Option<u64>,
+    pub total: Option<u64>,
+}
+
+impl Usage {
+    /// True once any count was read.
+    pub fn is_known(&self) -> bool {
+        self.input.is_some() || self.output.is_some() || self.total.is_some()
+    }
+
+    /// The total: as reported, else input and output added.
+    pub fn total(&self) -> Option<u64> {
+        self.total.or(match (self.input, self.output) {
+            (None, None) => None,
+            (i, o) => Some(i.unwrap_or(0).saturating_add(o.unwrap_or(0))),
+        })
+    }
+
+    /// Take what `v` (one JSON document: a body, or one event's data) reports. Counts only grow:
+    /// a stream reports running totals (Anthropic's `message_delta`), or the same usage again.
+    fn read(&mut self, v: &Value) {
+        let found = [
+            v.get("usage"),
+            v.get("response").and_then(|r| r.get("usage")),
+            v.get("message").and_then(|m| m.get("usage")),
+        ];
+        for usage in found.into_iter().flatten() {
+            let count = |names: &[&str]| names.iter().find_map(|n| usage.get(*n)?.as_u64());
+            grow(&mut self.input, count(&["prompt_tokens", "input_tokens"]));
+            grow(
+                &mut self.output,
+                count(&["completion_tokens", "output_tokens"]),
+            );
+            grow(&mut self.total, count(&["total_tokens"]));
+        }
+        if let Some(meta) = v.get("usageMetadata") {
+            let count = |name: &str| meta.get(name).and_then(Value::as_u64);
+            grow(&mut self.input, count("promptTokenCount"));
+            grow(&mut self.output, count("candidatesTokenCount"));
+            grow(&mut self.total, count("totalTokenCount"));
+        }
+    }
+}
+
+fn grow(slot: &mut Option<u64>, seen: Option<u64>) {
+    if let Some(n) = seen {
+        *slot = Some(slot.map_or(n, |old| old.max(n)));
+    }
+}
+
+/// Reads a response body's usage as it passes. A JSON body is kept (up to `max_bytes`) and read
+/// at its end; an event stream is read event by event, keeping only the line being received (a
+/// line longer than `max_bytes` is skipped).
+#[derive(Debug)]
+pub struct UsageReader {
+    stream: bool,
+    max_bytes: usize,
+    kept: Vec<u8>,
+    /// The current line grew past `max_bytes`: skip to its end.
+    skipping: bool,
+    /// A JSON body grew past `max_bytes`: it is not read.
+    overflowed: bool,
+    usage: Usage,
+}
+
+impl UsageReader {
+    /// A reader for a body of `content_type` (`text/event-stream` is a stream; anything else is
+    /// read as one JSON document).
+    pub fn new(content_type: Option<&[u8]>, max_bytes: usize) -> Self {
+        let stream = content_type
+            .is_some_and(|t| t.len() >= 17 && t[..17].eq_ignore_ascii_case(b"text/event-stream"));
+        Self {
+            stream,
+            max_bytes,
+            kept: Vec::new(),
+            skipping: false,
+            overflowed: false,
+            usage: Usage::default(),
+        }
+    }
+
+    /// Read the next bytes of the body.
+    pub fn push(&mut self, mut chunk: &[u8]) {
+        if !self.stream {
+            if self.kept.len().saturating_add(chunk.len()) > self.max_bytes {
+                self.overflowed = true;
+                self.kept = Vec::new();
+            }
+            if !self.overflowed {
+                self.kept.extend_from_slice(chunk);
+            }
+            return;
+        }
+        while let Some(end) = chunk.iter().position(|&b| b == b'\n') {
+            let (line, rest) = chunk.split_at(end);
+            let fits = self.kept.len().saturating_add(line.len()) <= self.max_bytes;
+            if !self.skipping && fits {
+                if self.kept.is_empty() {
+                    self.line(line);
+                } else {
+                    // The line's start came in an earlier chunk.
+                    let mut kept = std::mem::take(&mut self.kept);
+                    kept.extend_from_slice(line);
+                    self.line(&kept);
+                    kept.clear();
+                    self.kept = kept;
+                }
+            }
+            self.kept.clear();
+            self.skipping = false;
+            chunk = rest.get(1..).unwrap_or_default();
+        }
+        if self.skipping || self.kept.len().saturating_add(chunk.len()) > self.max_bytes {
+            self.skipping = true;
+            self.kept.clear();
+        } else {
+            self.kept.extend_from_slice(chunk);
+        }
+    }
+
+    /// One line of an event stream: a `data:` line is one JSON document (or `[DONE]`).
+    fn line(&mut self, line: &[u8]) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        if let Ok(v) = serde_json::from_slice::<Value>(data) {
+            self.usage.read(&v);
+        }
+    }
+
+    /// The body ended (or was cut): what it reported.
+    pub fn finish(&mut self) -> Usage {
+        if self.stream {
+            if !self.skipping && !self.kept.is_empty() {
+                let kept = std::mem::take(&mut self.kept);
+                self.line(&kept);
+            }
+        } else if !self.overflowed {
+            if let Ok(v) = serde_json::from_slice::<Value>(&self.kept) {
+                self.usage.read(&v);
+            }
+            self.kept = Vec::new();
+        }
+        self.usage
+    }
+
+    /// What was read so far.
+    pub fn usage(&self) -> Usage {
+        self.usage
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SSE: Option<&[u8]> = Some(b"text/event-stream; charset=utf-8");
+    const JSON: Option<&[u8]> = Some(b"application/json");
+
+    fn read_in(content_type: Option<&[u8]>, body: &str, cuts: &[usize]) -> Usage {
+        let mut r = UsageReader::new(content_type, 64 * 1024);
+        let mut at = 0;
+        for &cut in cuts {
+            let cut = cut.clamp(at, body.len());
+            r.push(&body.as_bytes()[at..cut]);
+            at = cut;
+        }
+        r.push(&body.as_bytes()[at..]);
+        r.finish()
+    }
+
+    const OPENAI_CHAT_STREAM: &str = "data: {\"id\":\"c\",\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n\
+        data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":30,\"total_tokens\":42}}\n\n\
+        data: [DONE]\n\n";
+    const OPENAI_RESPONSES_STREAM: &str = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n\
+        event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":7,\"output_tokens\":20,\"total_tokens\":27}}}\n\n";
+    const ANTHROPIC_STREAM: &str = "event: message_start\r\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\r\n\r\n\
+        event: content_block_delta\r\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hello\"}}\r\n\r\n\
+        event: message_delta\r\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\r\n\r\n\
+        event: message_stop\r\ndata: {\"type\":\"message_stop\"}\r\n\r\n";
+    const GEMINI_STREAM: &str = "data: {\"candidates\":[],\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":2,\"totalTokenCount\":10}}\r\n\r\n\
+        data: {\"candidates\":[],\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":40,\"totalTokenCount\":48}}\r\n\r\n";
+
+    #[test]
+    fn each_format_reports_its_usage_in_a_stream_and_in_a_body() {
+        let cases: [(&str, Option<&[u8]>, Usage); 6] = [
+            (OPENAI_CHAT_STREAM, SSE, usage(12, 30, Some(42))),
+            (OPENAI_RESPONSES_STREAM, SSE, usage(7, 20, Some(27))),
+            (ANTHROPIC_STREAM, SSE, usage(25, 15, None)),
+            (GEMINI_STREAM, SSE, usage(8, 40, Some(48))),
+            (
+                r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#,
+                JSON,
+                usage(3, 4, Some(7)),
+            ),
+            (
+                r#"{"content":[],"usage":{"input_tokens":5,"output_tokens":6}}"#,
+                None,
+                usage(5, 6, None),
+            ),
+        ];
+        for (body, kind, want) in cases {
+            assert_eq!(read_in(kind, body, &[]), want, "{body}");
+        }
+        assert_eq!(usage(25, 15, None).total(), Some(40));
+    }
+
+    fn usage(input: u64, output: u64, total: Option<u64>) -> Usage {
+        Usage {
+            input: Some(input),
+            output: Some(output),
+            total,
+        }
+    }
+
+    #[test]
+    fn a_body_past_the_bound_is_not_read_and_a_long_line_is_skipped() {
+        let body = r#"{"usage":{"total_tokens":9}}"#;
+        let mut r = UsageReader::new(JSON, 10);
+        r.push(body.as_bytes());
+        assert!(!r.finish().is_known());
+        let long = format!("data: {{\"pad\":\"{}\"}}\n", "x".repeat(100));
+        let mut r = UsageReader::new(SSE, 64);
+        r.push(long.as_bytes());
+        r.push(b"data: {\"usage\":{\"total_tokens\":9}}\n");
+        assert_eq!(r.finish().total, Some(9));
+    }
+
+    proptest! {
+        /// However the host cuts the stream into chunks, the usage read is the same.
+        #[test]
+        fn chunking_never_changes_the_usage(mut cuts in proptest::collection::vec(0usize..700, 0..12)) {
+            cuts.sort_unstable();
+            for (body, want) in [
+                (OPENAI_CHAT_STREAM, usage(12, 30, Some(42))),
+                (ANTHROPIC_STREAM, usage(25, 15, None)),
+                (GEMINI_STREAM, usage(8, 40, Some(48))),
+            ] {
+                prop_assert_eq!(read_in(SSE, body, &cuts), want);
+            }
+        }
+
+        /// Any bytes: read without panicking, within the bound.
+        #[test]
+        fn any_bytes_are_read_without_panicking(
+            chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..80), 0..8),
+            stream in any::<bool>(),
+        ) {
+            let mut r = UsageReader::new(stream.then_some(b"text/event-stream".as_slice()), 100);
+            for c in &chunks {
+                r.push(c);
+                prop_assert!(r.kept.len() <= 100);
+            }
+            let _ = r.finish();
+        }
+    }
+}
