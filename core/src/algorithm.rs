@@ -1,15 +1,15 @@
 //! The algorithms behind one interface: a decision is a pure function of a slot's state bytes, the
 //! time and the request's cost, returning the state to write.
 
-use crate::allowance::LeaseAllowance;
-use crate::concurrency::Concurrency;
-use crate::fixed_window::FixedWindow;
-use crate::leaky_bucket::LeakyBucket;
-use crate::permits::PermitAllowance;
-use crate::sliding_window::SlidingWindow;
+use crate::global::allowance::LeaseAllowance;
+use crate::global::permits::PermitAllowance;
+use crate::local::concurrency::Concurrency;
+use crate::local::fixed_window::FixedWindow;
+use crate::local::leaky_bucket::LeakyBucket;
+use crate::local::sliding_window::SlidingWindow;
+use crate::local::token_bucket::TokenBucket;
+use crate::local::warm_up::WarmUp;
 use crate::state::{read_u128, write_u128, Decision, State};
-use crate::token_bucket::TokenBucket;
-use crate::warm_up::WarmUp;
 
 /// How far a key's state is from fresh ([`Limit::standing`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use proptest::prelude::*;
-use tollgate_core::lease::{rate_mtps, ColdStart, GlobalBucket, LeaseItem};
+use tollgate_core::global::lease::{rate_mtps, ColdStart, GlobalBucket, LeaseItem};
 use tollgate_core::{Ask, Decision, Grant, LeaseAllowance, State};
 
 const REQUESTS: u64 = 50;
@@ -55,7 +55,7 @@ impl Service {
         proxy: usize,
         item: &LeaseItem,
         now: u64,
-    ) -> tollgate_core::lease::LeaseGrant {
+    ) -> tollgate_core::global::lease::LeaseGrant {
         if self.loss_ms == Some(now) {
             self.bucket = None;
             self.cold = ColdStart::Auto { epoch_ms: now };

@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::Request;
 use std::sync::Arc;
 use std::time::Duration;
-use tollgate_core::lease::ColdStart;
+use tollgate_core::global::lease::ColdStart;
 use tower::ServiceExt;
 
 /// The statuses a call may be answered with: anything else (or a panic) is a bug.

@@ -4,7 +4,7 @@ use clap::Parser;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tollgate_core::lease::ColdStart;
+use tollgate_core::global::lease::ColdStart;
 use tollgate_quota::credentials::{Credentials, ProxyToken};
 use tollgate_quota::metrics::Metrics;
 use tollgate_quota::server::{serve, ServerLimits};

@@ -14,10 +14,10 @@ use prometheus_client::metrics::family::Family;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tollgate_core::lease::{
+use tollgate_core::global::lease::{
     merge_refused, ErrorBody, ItemError, LeaseGrant, LeaseRequest, LeaseResponse,
 };
-use tollgate_core::permits::{PermitAnswer, PermitRequest, PermitResponse};
+use tollgate_core::global::permits::{PermitAnswer, PermitRequest, PermitResponse};
 
 pub struct Service {
     pub store: Store,

@@ -8,10 +8,10 @@ use crate::request::{Request, RequestView};
 use crate::stats::RuleStat;
 use log::debug;
 use smallvec::SmallVec;
-use tollgate_core::adaptive::{self, Adaptive, Admission, Window, FLOWS, MILLI};
 use tollgate_core::limiter::MAX_CAS_ATTEMPTS;
+use tollgate_core::overload::adaptive::{self, Adaptive, Admission, Window, FLOWS, MILLI};
+use tollgate_core::overload::throttle::{draw, Counts, SreThrottle};
 use tollgate_core::store::UpdateError;
-use tollgate_core::throttle::{draw, Counts, SreThrottle};
 use tollgate_core::CasStore;
 
 /// What a request holds of one overload rule while it is in flight.

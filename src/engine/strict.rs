@@ -7,7 +7,7 @@ use crate::config::FailureMode;
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::{ProcessStat, RuleStat};
 use smallvec::SmallVec;
-use tollgate_core::lease::{LeaseItem, LeaseResponse};
+use tollgate_core::global::lease::{LeaseItem, LeaseResponse};
 use tollgate_core::limiter::{preview, Check, SlotEvent, INLINE_RULES};
 use tollgate_core::{Ask, CasStore};
 

@@ -182,7 +182,7 @@ impl<H: Host> Plugin<H> {
     }
 
     /// Start a lease call from the current context; `None` if it could not be made.
-    pub fn call(&self, request: &tollgate_core::lease::LeaseRequest) -> Option<u32> {
+    pub fn call(&self, request: &tollgate_core::global::lease::LeaseRequest) -> Option<u32> {
         self.add(ProcessStat::QuotaCalls, 1);
         let engine = self.engine.borrow();
         quota_call::call(
@@ -194,7 +194,7 @@ impl<H: Host> Plugin<H> {
     }
 
     /// Start a slot call from the root context; `None` if it could not be made.
-    fn call_permits(&self, request: &tollgate_core::permits::PermitRequest) -> Option<u32> {
+    fn call_permits(&self, request: &tollgate_core::global::permits::PermitRequest) -> Option<u32> {
         self.add(ProcessStat::QuotaCalls, 1);
         let engine = self.engine.borrow();
         quota_call::call(

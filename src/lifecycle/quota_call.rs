@@ -7,7 +7,7 @@ use crate::config::QuotaService;
 use crate::engine::read_answer;
 use crate::header_map;
 use log::{error, warn};
-use tollgate_core::lease::LeaseResponse;
+use tollgate_core::global::lease::LeaseResponse;
 
 /// Start a call to `path` (`/v1/lease`, `/v1/slots`); its answer comes to the calling context's
 /// call-response callback. `None` if the call could not be made.

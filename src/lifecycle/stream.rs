@@ -12,7 +12,7 @@ use crate::request::Request;
 use crate::stats::ProcessStat;
 use log::{debug, warn};
 use std::rc::Rc;
-use tollgate_core::lease::LeaseRequest;
+use tollgate_core::global::lease::LeaseRequest;
 
 pub struct Stream<H: Host> {
     id: u32,

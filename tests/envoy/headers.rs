@@ -207,5 +207,5 @@ fn logs_a_summary_per_load_and_a_debug_line_per_decision() {
     let envoy = Envoy::start_with(&json!({"rules": rules, "log_level": "debug"}), &opts);
     statuses(&envoy.url("/"), &[], 1);
     assert!(envoy.log_shows("rule a key "));
-    assert!(envoy.log_shows("Allowed { remaining: 4"));
+    assert!(envoy.log_shows("Admitted { remaining: 4"));
 }

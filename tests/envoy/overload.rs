@@ -141,7 +141,7 @@ fn secret_separating(names: &[&str]) -> String {
     let flow = |secret: &str, name: &str| {
         let key = tollgate::key::encode_key(std::iter::once(Some(name.as_bytes())));
         KeyPlacement::from_secret(secret.as_bytes()).hash(&key)
-            % tollgate_core::adaptive::FLOWS as u128
+            % tollgate_core::overload::adaptive::FLOWS as u128
     };
     (0..)
         .map(|n| format!("flows-apart-secret-{n}"))

@@ -3,8 +3,8 @@
 
 use super::Check;
 use crate::algorithm::Limit;
+use crate::local::token_bucket::TokenBucket;
 use crate::state::Decision;
-use crate::token_bucket::TokenBucket;
 
 /// True if a refused token bucket has tokens out in worker stashes that may still come back, and
 /// they could make the request fit: deciding now would refuse a request another worker's stash

@@ -2,10 +2,10 @@
 
 use super::*;
 use crate::algorithm::Standing;
-use crate::concurrency::Concurrency;
+use crate::local::concurrency::Concurrency;
+use crate::local::token_bucket::TokenBucket;
 use crate::slot::WAYS;
 use crate::store::MemoryStore;
-use crate::token_bucket::TokenBucket;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
@@ -327,7 +327,7 @@ fn a_lost_race_is_retried_and_a_refusal_found_then_refunds_the_others() {
 
 #[test]
 fn a_race_lost_to_the_last_leased_token_leaves_the_request_undecided() {
-    use crate::allowance::LeaseAllowance;
+    use crate::global::allowance::LeaseAllowance;
     let inner = MemoryStore::new();
     let a = rule(&inner, "a", 1, 10, 4);
     let lease = LeaseAllowance {
@@ -443,7 +443,7 @@ fn concurrency_holds_until_released_and_counts_return_to_zero_under_contention()
 
 #[test]
 fn a_key_waiting_for_its_first_lease_is_evicted_last() {
-    use crate::allowance::LeaseAllowance;
+    use crate::global::allowance::LeaseAllowance;
     let store = MemoryStore::new();
     let lease = LeaseAllowance {
         lease_size: 2,
@@ -486,7 +486,7 @@ fn a_key_waiting_for_its_first_lease_is_evicted_last() {
 
 #[test]
 fn global_rules_wait_for_a_claimed_refill_without_charging_the_others() {
-    use crate::allowance::LeaseAllowance;
+    use crate::global::allowance::LeaseAllowance;
     let store = MemoryStore::new();
     let local = rule(&store, "local", 1, 100, 4);
     let lease = LeaseAllowance {

@@ -3,9 +3,9 @@
 use super::*;
 use crate::algorithm::Limit;
 use crate::limiter::{admit, return_stash, Check, Verdict};
+use crate::local::token_bucket::TokenBucket;
 use crate::slot::SlotTable;
 use crate::store::{CasStore, MemoryStore};
-use crate::token_bucket::TokenBucket;
 use proptest::prelude::*;
 
 const MS: u64 = 1_000_000;
@@ -191,7 +191,7 @@ impl World {
 
 #[test]
 fn a_leased_allowance_is_stashed_and_spent_exactly() {
-    use crate::allowance::LeaseAllowance;
+    use crate::global::allowance::LeaseAllowance;
     let mut w = World::new(1, 1, 2);
     let lease = LeaseAllowance {
         lease_size: 100,

@@ -4,8 +4,8 @@ use super::{Answers, ItemResult, StoreError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use tollgate_core::lease::{ColdStart, GlobalBucket, LeaseGrant, LeaseItem};
-use tollgate_core::permits::{Holdings, PermitAnswer, PermitItem};
+use tollgate_core::global::lease::{ColdStart, GlobalBucket, LeaseGrant, LeaseItem};
+use tollgate_core::global::permits::{Holdings, PermitAnswer, PermitItem};
 
 /// The credential an instance name belongs to: a proxy token's name (instances `NAME/...`), or
 /// "" for the shared token (or a service without one).

@@ -7,8 +7,8 @@ pub mod redis;
 pub use memory::MemoryStore;
 use redis::RedisStore;
 use std::time::Duration;
-use tollgate_core::lease::{LeaseGrant, LeaseItem};
-use tollgate_core::permits::{PermitAnswer, PermitItem};
+use tollgate_core::global::lease::{LeaseGrant, LeaseItem};
+use tollgate_core::global::permits::{PermitAnswer, PermitItem};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -183,7 +183,7 @@ async fn a_thousand_items_on_redis_take_one_round_trip_within_the_storage_timeou
 
 #[tokio::test]
 async fn extreme_limits_answer_alike_in_both_stores_and_beyond_them_neither_serves() {
-    use tollgate_core::lease::{MAX_COUNT, MAX_PER_MS};
+    use tollgate_core::global::lease::{MAX_COUNT, MAX_PER_MS};
     let redis = Redis::start();
     let timeout = Duration::from_millis(200);
     let on_redis = Store::Redis(

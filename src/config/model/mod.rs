@@ -256,7 +256,9 @@ impl Config {
                 overload::GuardKind::Adaptive { estimator, .. } => estimator.signal().cpu,
                 _ => None,
             });
-            if let Some(cpu) = cpu.filter(|c| c.threshold >= tollgate_core::adaptive::MILLI) {
+            if let Some(cpu) =
+                cpu.filter(|c| c.threshold >= tollgate_core::overload::adaptive::MILLI)
+            {
                 out.push(format!(
                     "rules[{i}].adaptive.cpu.threshold is {}: the CPU signal comes on only if \
                      the upstream reports more than that (utilisation is at most 1 in ORCA's \

@@ -3,8 +3,8 @@
 
 use super::{KeyPart, Match};
 use crate::config::period::format_duration;
-use tollgate_core::adaptive::{Adaptive, LEVELS, MILLI};
-use tollgate_core::throttle::{SreThrottle, K_SCALE};
+use tollgate_core::overload::adaptive::{Adaptive, LEVELS, MILLI};
+use tollgate_core::overload::throttle::{SreThrottle, K_SCALE};
 use tollgate_core::SlotTable;
 /// Windows per adaptive or throttle rule when `max_keys` is not given.
 pub const DEFAULT_GUARD_KEYS: u32 = 100;

@@ -6,7 +6,7 @@ use crate::config::model::{
 };
 use crate::config::{err, ConfigError};
 use std::num::NonZeroU64;
-use tollgate_core::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
+use tollgate_core::global::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
 use tollgate_core::{Concurrency, LeaseAllowance, Limit, PermitAllowance, TokenBucket};
 
 /// A claimed refill is given up this long after its call's timeout.

@@ -9,8 +9,8 @@ use crate::config::model::overload::{
 use crate::config::model::KeyPart;
 use crate::config::syntax::is_token;
 use crate::config::{err, ConfigError};
-use tollgate_core::adaptive::{Adaptive, Cpu, Signal, LEVELS, MILLI};
-use tollgate_core::throttle::{SreThrottle, K_SCALE};
+use tollgate_core::overload::adaptive::{Adaptive, Cpu, Signal, LEVELS, MILLI};
+use tollgate_core::overload::throttle::{SreThrottle, K_SCALE};
 use tollgate_core::SlotTable;
 /// A fraction in thousandths, checked to lie in `range` (inclusive).
 fn milli(

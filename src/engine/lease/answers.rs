@@ -6,9 +6,9 @@ use crate::engine::{saturating_i64, Engine};
 use crate::stats::ProcessStat;
 use log::{debug, warn};
 use smallvec::SmallVec;
-use tollgate_core::lease::{ItemError, LeaseResponse};
+use tollgate_core::global::lease::{ItemError, LeaseResponse};
+use tollgate_core::global::permits::{PermitAnswer, PermitResponse};
 use tollgate_core::limiter::MAX_RELEASE_ATTEMPTS;
-use tollgate_core::permits::{PermitAnswer, PermitResponse};
 use tollgate_core::slot::{update_slot, Group};
 use tollgate_core::{CasStore, Grant, Limit, State};
 

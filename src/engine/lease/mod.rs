@@ -10,11 +10,11 @@ pub use answers::{read_answer, read_permit_answer};
 use super::{CheckInput, Engine};
 use siphasher::sip128::{Hasher128, SipHasher24};
 use std::hash::Hasher;
-use tollgate_core::lease::{LeaseItem, LeaseRequest};
-use tollgate_core::permits::PermitRequest;
+use tollgate_core::global::lease::{LeaseItem, LeaseRequest};
+use tollgate_core::global::permits::PermitRequest;
 use tollgate_core::{Ask, CasStore, LeaseAllowance, Limit, Outcome, SlotId, Verdict};
 
-/// Items in one call to the quota service (it takes at most [`tollgate_core::lease::MAX_ITEMS`]).
+/// Items in one call to the quota service (it takes at most [`tollgate_core::global::lease::MAX_ITEMS`]).
 pub const ITEMS_PER_CALL: usize = 250;
 
 /// Calls one tick (or one request) sends at most; further refills wait for the next.

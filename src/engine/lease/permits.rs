@@ -3,7 +3,7 @@
 
 use super::Refill;
 use crate::engine::Engine;
-use tollgate_core::permits::{PermitAsk, PermitItem, PermitResponse};
+use tollgate_core::global::permits::{PermitAsk, PermitItem, PermitResponse};
 use tollgate_core::slot::update_slot;
 use tollgate_core::{Ask, CasStore, Limit, PermitAllowance, SlotId};
 

@@ -103,7 +103,7 @@ fn an_item_the_service_refuses_fails_its_key_alone() {
     assert_eq!(call.items.len(), 2);
     let mut answer = grant(5);
     answer.items = vec![LeaseGrant::default(), grant(5).items[0]];
-    answer.errors = vec![tollgate_core::lease::ItemError {
+    answer.errors = vec![tollgate_core::global::lease::ItemError {
         item: 0,
         error: "items[0]: key must be 1 to 128 bytes".into(),
     }];

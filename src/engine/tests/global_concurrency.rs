@@ -1,7 +1,7 @@
 //! Global concurrency: permits leased from the service, renewed, given back and failed.
 
 use super::*;
-use tollgate_core::permits::{PermitAnswer, PermitResponse};
+use tollgate_core::global::permits::{PermitAnswer, PermitResponse};
 
 const RULE: &str = r#"{"rules":[{"name":"c","scope":"global","algorithm":"concurrency",
     "key":["header:x-user"],"limit":{"concurrent":10}}],
@@ -12,7 +12,7 @@ impl Rig {
     fn slot_call(
         &mut self,
         now: u64,
-    ) -> Option<(Vec<Refill>, tollgate_core::permits::PermitRequest)> {
+    ) -> Option<(Vec<Refill>, tollgate_core::global::permits::PermitRequest)> {
         self.engine
             .take_refills(&self.store, "me", now)
             .into_iter()

@@ -4,7 +4,7 @@
 use super::*;
 use crate::headers::HeaderSet;
 use crate::stats::Stat;
-use tollgate_core::lease::{LeaseGrant, LeaseResponse};
+use tollgate_core::global::lease::{LeaseGrant, LeaseResponse};
 use tollgate_core::MemoryStore;
 
 const SEC: u64 = 1_000_000_000;
@@ -83,7 +83,7 @@ impl Rig {
     fn lease_call(
         &mut self,
         now: u64,
-    ) -> Option<(Vec<Refill>, tollgate_core::lease::LeaseRequest)> {
+    ) -> Option<(Vec<Refill>, tollgate_core::global::lease::LeaseRequest)> {
         self.engine
             .take_refills(&self.store, "me", now)
             .into_iter()

@@ -18,7 +18,7 @@ local function hdel_all(key, fields)
   end
 end
 
--- Max-min fair division (core/src/fair_share.rs) of `capacity` among the first `n` demands:
+-- Max-min fair division (core/src/global/fair_share.rs) of `capacity` among the first `n` demands:
 -- the allocation of demand `at`. Remainders go to the earliest unsatisfied.
 local function max_min_fair(capacity, d, n, at)
   local total = 0

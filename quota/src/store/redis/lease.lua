@@ -1,5 +1,5 @@
 -- All items of one lease call (or, on a Redis Cluster, those whose keys share one slot),
--- atomically: the same step as GlobalBucket::new and GlobalBucket::lease in core/src/lease.rs,
+-- atomically: the same step as GlobalBucket::new and GlobalBucket::lease in core/src/global/lease.rs,
 -- with the same arithmetic in the same order, so both stores grant alike.
 -- ARGV: instance, ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items,
 --   then ten per item: the bucket hash (`tokens` in millionths, `updated`, and per holder

@@ -22,8 +22,8 @@ use script::{eval_or_load, Script, Scripted, LEASE_LUA, SLOTS_LUA};
 use std::collections::BTreeMap;
 use std::sync::RwLock;
 use std::time::Duration;
-use tollgate_core::lease::{ColdStart, LeaseGrant, LeaseItem};
-use tollgate_core::permits::{PermitAnswer, PermitItem};
+use tollgate_core::global::lease::{ColdStart, LeaseGrant, LeaseItem};
+use tollgate_core::global::permits::{PermitAnswer, PermitItem};
 pub struct RedisStore {
     conn: Connection,
     lease_script: Script,

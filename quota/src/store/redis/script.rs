@@ -1,8 +1,8 @@
 //! The Lua scripts a call runs, and what each kind of item tells them.
 
 use redis::aio::ConnectionManager;
-use tollgate_core::lease::LeaseItem;
-use tollgate_core::permits::PermitItem;
+use tollgate_core::global::lease::LeaseItem;
+use tollgate_core::global::permits::PermitItem;
 pub(super) const LEASE_LUA: &str = include_str!("lease.lua");
 pub(super) const SLOTS_LUA: &str = include_str!("slots.lua");
 /// Helpers both scripts use, prepended to each.

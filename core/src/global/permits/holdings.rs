@@ -1,7 +1,7 @@
 //! The service's side: the holdings of one key, and the step that serves an instance's ask.
 
 use super::PermitAsk;
-use crate::fair_share::max_min_fair;
+use crate::global::fair_share::max_min_fair;
 
 /// One instance's holding at one key.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //!
 //! State: window index + 1, current count, previous count. O(1), and no 2× burst at window edges.
 
-use crate::fixed_window::whole;
+use crate::local::fixed_window::whole;
 use crate::state::{div_ceil_u64, read_u64, write_u64, Decision, State, STATE_BYTES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -9,8 +9,8 @@
 //! of the requests in flight at `t` over their reservations — nothing more when each reservation
 //! is the request's maximum.
 
+use crate::local::token_bucket::{TokenBucket, OWED_UNTIL_AT};
 use crate::state::{read_u128, read_u64, write_u128, write_u64, State};
-use crate::token_bucket::{TokenBucket, OWED_UNTIL_AT};
 
 impl TokenBucket {
     /// The bucket's `state` after a request that reserved `reserved` tokens turned out to cost

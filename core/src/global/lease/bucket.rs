@@ -2,7 +2,7 @@
 //! rate among the instances that hold it, reservations, give-backs, cold starts and clock steps.
 
 use super::api::{LeaseGrant, LeaseItem};
-use crate::fair_share::max_min_fair;
+use crate::global::fair_share::max_min_fair;
 
 /// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in
 /// milli-tokens per second × ms).

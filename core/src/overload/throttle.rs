@@ -1,7 +1,7 @@
 //! Success-rate throttle (Google SRE client-side throttling): refuse with probability
 //! `max(0, (requests − k × accepts) / (requests + 1))` over a sliding window.
 //!
-//! Counts use the two-window estimate of [`crate::sliding_window`]: the previous window weighs
+//! Counts use the two-window estimate of [`crate::local::sliding_window`]: the previous window weighs
 //! what is left of it. Every request counts, refused ones too (the SRE formula's `requests` are the
 //! attempts): a backend that stops accepting is asked less and less, and still probed. A request
 //! that goes through counts when its answer comes (with its accept, if any): a decision to let one
@@ -10,7 +10,7 @@
 //! Priorities: requests are counted per level, and the formula's share of refusals falls on the
 //! lowest level first: a level is refused only what the levels below it cannot make up.
 
-use crate::adaptive::LEVELS;
+use crate::overload::adaptive::LEVELS;
 
 /// `k` is kept in thousandths.
 pub const K_SCALE: u64 = 1_000;

@@ -8,7 +8,7 @@ use crate::state::{read_u128, read_u64, write_u128, write_u64, Decision, State};
 /// Where a bucket's state keeps until when tokens it handed to worker stashes may come back.
 const STASH_OUT_AT: usize = 16;
 /// Where it keeps the latest `tat` a settlement charged beyond the bucket (ns): up to it, a `tat`
-/// past the horizon is debt, not a clock that stepped back ([`crate::settle`]).
+/// past the horizon is debt, not a clock that stepped back ([`crate::local::settle`]).
 pub(crate) const OWED_UNTIL_AT: usize = 24;
 
 /// A token bucket of capacity `burst`, refilled with `requests` tokens per `period_ns`.

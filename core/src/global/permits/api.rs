@@ -1,7 +1,7 @@
 //! The permit API (`POST /v1/slots`), shared by the filter and the service, and what an
 //! instance asks of one key.
 
-use crate::lease::{call_problem, names_problem, MAX_COUNT};
+use crate::global::lease::{call_problem, names_problem, MAX_COUNT};
 use serde::{Deserialize, Serialize};
 
 /// `POST /v1/slots`: one instance's holdings of some keys, renewed, grown or given back.
@@ -43,7 +43,7 @@ pub struct PermitResponse {
     /// Items the service refused (their answers are all zero): the caller treats each as a
     /// failed call for that key alone.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub errors: Vec<crate::lease::ItemError>,
+    pub errors: Vec<crate::global::lease::ItemError>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -4,7 +4,7 @@
 //! State: excess (u128, in units where one request is `period_ns`, draining `requests` per ns),
 //! last update (ns). Exact integer arithmetic, like the token bucket.
 
-use crate::fixed_window::whole;
+use crate::local::fixed_window::whole;
 use crate::state::{
     div_ceil_u64, read_u128, read_u64, write_u128, write_u64, Decision, State, CLOCK_SKEW_MS,
     STATE_BYTES,
