@@ -90,6 +90,18 @@ fn call_response_header(name: &str) -> Option<Vec<u8>> {
     map_value(abi::MAP_HTTP_CALL_RESPONSE_HEADERS, name)
 }
 
+/// The current chunk of the response body, read in the body callback.
+fn response_body(size: usize) -> Option<Vec<u8>> {
+    returned(|data, out_size| {
+        // SAFETY: out-pointers valid for one write each.
+        unsafe {
+            abi::proxy_get_buffer_bytes(abi::BUFFER_HTTP_RESPONSE_BODY, 0, size, data, out_size)
+        }
+    })
+    .ok()
+    .flatten()
+}
+
 /// The body of the answer to an HTTP call, read in its response callback.
 fn call_response_body(size: usize) -> Option<Vec<u8>> {
     returned(|data, out_size| {
@@ -327,6 +339,9 @@ impl Host for WasmHost {
     }
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         response_header(name)
+    }
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        response_body(size)
     }
     fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status> {
         add_response_header(name, value)

@@ -28,6 +28,13 @@ pub enum RuleStat {
     InFlight,
     /// Global concurrency rules: slots held from the quota service, as last answered.
     SlotsHeld,
+    /// Rules that settle after the response: tokens reserved by admitted requests, the tokens
+    /// their responses said they cost, the unused tokens refunded, and the excess charged
+    /// beyond reservations (debt where the bucket had no more).
+    Reserved,
+    Settled,
+    Refunded,
+    Charged,
     /// Overload rules: admitted and shed requests per priority level.
     Level0Allowed,
     Level1Allowed,
@@ -43,7 +50,7 @@ pub enum RuleStat {
 }
 
 impl RuleStat {
-    pub const ALL: [Self; 26] = [
+    pub const ALL: [Self; 30] = [
         Self::Allowed,
         Self::Limited,
         Self::Delayed,
@@ -60,6 +67,10 @@ impl RuleStat {
         Self::StashReturned,
         Self::InFlight,
         Self::SlotsHeld,
+        Self::Reserved,
+        Self::Settled,
+        Self::Refunded,
+        Self::Charged,
         Self::Level0Allowed,
         Self::Level1Allowed,
         Self::Level2Allowed,
@@ -112,6 +123,10 @@ impl RuleStat {
             Self::StashReturned => "stash_returned",
             Self::InFlight => "in_flight",
             Self::SlotsHeld => "slots_held",
+            Self::Reserved => "reserved",
+            Self::Settled => "settled",
+            Self::Refunded => "refunded",
+            Self::Charged => "charged",
             Self::Level0Allowed => "level_0_allowed",
             Self::Level1Allowed => "level_1_allowed",
             Self::Level2Allowed => "level_2_allowed",
@@ -135,6 +150,14 @@ impl RuleStat {
     /// Gauges whose values are absolute (set, not changed by deltas).
     pub fn is_absolute(self) -> bool {
         matches!(self, Self::SlotsHeld | Self::Estimate | Self::Signal)
+    }
+
+    /// Stats only rules that settle after the response have.
+    pub fn is_settle(self) -> bool {
+        matches!(
+            self,
+            Self::Reserved | Self::Settled | Self::Refunded | Self::Charged
+        )
     }
 
     /// Stats only overload rules have.

@@ -2,7 +2,7 @@
 //! server-sent events (OpenAI chat and responses, Anthropic, Gemini), read chunk by chunk as the
 //! body passes, within a bound on the bytes kept, never delaying it.
 
-use serde_json::Value;
+use serde::Deserialize;
 
 /// Tokens a response reported, as far as it has been read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -26,30 +26,66 @@ impl Usage {
         })
     }
 
-    /// Take what `v` (one JSON document: a body, or one event's data) reports. Counts only grow:
-    /// a stream reports running totals (Anthropic's `message_delta`), or the same usage again.
-    fn read(&mut self, v: &Value) {
-        let found = [
-            v.get("usage"),
-            v.get("response").and_then(|r| r.get("usage")),
-            v.get("message").and_then(|m| m.get("usage")),
-        ];
-        for usage in found.into_iter().flatten() {
-            let count = |names: &[&str]| names.iter().find_map(|n| usage.get(*n)?.as_u64());
-            grow(&mut self.input, count(&["prompt_tokens", "input_tokens"]));
+    /// Take what `doc` (one JSON document: a body, or one event's data) reports. Counts only
+    /// grow: a stream reports running totals (Anthropic's `message_delta`), or the same again.
+    fn read(&mut self, doc: &Document) {
+        let nested =
+            [&doc.response, &doc.message].map(|n| n.as_ref().and_then(|n| n.usage.as_ref()));
+        for counts in [doc.usage.as_ref(), nested[0], nested[1]]
+            .into_iter()
+            .flatten()
+        {
+            grow(
+                &mut self.input,
+                counts.prompt_tokens.or(counts.input_tokens),
+            );
             grow(
                 &mut self.output,
-                count(&["completion_tokens", "output_tokens"]),
+                counts.completion_tokens.or(counts.output_tokens),
             );
-            grow(&mut self.total, count(&["total_tokens"]));
+            grow(&mut self.total, counts.total_tokens);
         }
-        if let Some(meta) = v.get("usageMetadata") {
-            let count = |name: &str| meta.get(name).and_then(Value::as_u64);
-            grow(&mut self.input, count("promptTokenCount"));
-            grow(&mut self.output, count("candidatesTokenCount"));
-            grow(&mut self.total, count("totalTokenCount"));
+        if let Some(meta) = &doc.usage_metadata {
+            grow(&mut self.input, meta.prompt_token_count);
+            grow(&mut self.output, meta.candidates_token_count);
+            grow(&mut self.total, meta.total_token_count);
         }
     }
+}
+
+/// The parts of a response document that may carry usage; everything else is skipped unread.
+#[derive(Deserialize, Default)]
+struct Document {
+    usage: Option<Counts>,
+    /// OpenAI's responses API (`response.completed`).
+    response: Option<Nested>,
+    /// Anthropic's `message_start`.
+    message: Option<Nested>,
+    /// Gemini.
+    #[serde(rename = "usageMetadata")]
+    usage_metadata: Option<GeminiCounts>,
+}
+
+#[derive(Deserialize)]
+struct Nested {
+    usage: Option<Counts>,
+}
+
+#[derive(Deserialize)]
+struct Counts {
+    prompt_tokens: Option<u64>,
+    input_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+    total_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct GeminiCounts {
+    prompt_token_count: Option<u64>,
+    candidates_token_count: Option<u64>,
+    total_token_count: Option<u64>,
 }
 
 fn grow(slot: &mut Option<u64>, seen: Option<u64>) {
@@ -134,8 +170,8 @@ impl UsageReader {
         let Some(data) = line.strip_prefix(b"data:") else {
             return;
         };
-        if let Ok(v) = serde_json::from_slice::<Value>(data) {
-            self.usage.read(&v);
+        if let Ok(doc) = serde_json::from_slice::<Document>(data) {
+            self.usage.read(&doc);
         }
     }
 
@@ -147,8 +183,8 @@ impl UsageReader {
                 self.line(&kept);
             }
         } else if !self.overflowed {
-            if let Ok(v) = serde_json::from_slice::<Value>(&self.kept) {
-                self.usage.read(&v);
+            if let Ok(doc) = serde_json::from_slice::<Document>(&self.kept) {
+                self.usage.read(&doc);
             }
             self.kept = Vec::new();
         }

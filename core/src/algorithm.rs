@@ -122,6 +122,17 @@ impl Limit {
         }
     }
 
+    /// The state after a request that took `reserved` turned out to cost `actual`: a token
+    /// bucket refunds the difference or charges the excess as debt ([`crate::local::settle`]);
+    /// other limits take refunds only (an excess cannot be charged to them).
+    pub fn settle(&self, state: &State, now_ns: u64, reserved: u64, actual: u64) -> State {
+        match self {
+            Self::TokenBucket(a) => a.settle_state(state, now_ns, reserved, actual),
+            _ if actual < reserved => self.refund(state, now_ns, reserved - actual),
+            _ => *state,
+        }
+    }
+
     /// The largest cost a request can ever be admitted with, where there is one: a request that
     /// costs more is refused however long it waits. (Leaky buckets take cost 1, a warming bucket
     /// admits any cost once it may admit at all, a leased allowance is bounded by its global rule.)

@@ -19,8 +19,8 @@ pub use algorithm::{Limit, Standing};
 pub use global::allowance::{Ask, Grant, LeaseAllowance};
 pub use global::permits::PermitAllowance;
 pub use limiter::{
-    admit, release, return_stash, Check, CheckOutcome, CheckOutcomes, Hold, Outcome, SlotEvent,
-    Verdict,
+    admit, release, return_stash, settle, Check, CheckOutcome, CheckOutcomes, Hold, Outcome,
+    SlotEvent, Verdict,
 };
 pub use local::concurrency::Concurrency;
 pub use local::fixed_window::FixedWindow;

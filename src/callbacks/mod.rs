@@ -81,6 +81,11 @@ pub extern "C" fn proxy_on_response_headers(
 }
 
 #[no_mangle]
+pub extern "C" fn proxy_on_response_body(context_id: u32, size: usize, end: u32) -> u32 {
+    action(CONTEXTS.with(|c| c.response_body(context_id, size, end != 0)))
+}
+
+#[no_mangle]
 pub extern "C" fn proxy_on_log(context_id: u32) {
     #[cfg(feature = "probe")]
     let _t = crate::probe::start("log");
@@ -120,11 +125,6 @@ pub extern "C" fn proxy_on_request_body(_context_id: u32, _size: usize, _end: u3
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(_context_id: u32, _trailers: usize) -> u32 {
-    abi::ACTION_CONTINUE
-}
-
-#[no_mangle]
-pub extern "C" fn proxy_on_response_body(_context_id: u32, _size: usize, _end: u32) -> u32 {
     abi::ACTION_CONTINUE
 }
 

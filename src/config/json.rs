@@ -121,6 +121,79 @@ pub(super) struct RawRule {
     pub adaptive: Option<RawAdaptive>,
     /// Settings of algorithm "sre_throttle".
     pub sre_throttle: Option<RawThrottle>,
+    /// The cost known only after the response: `cost` is then what the request reserves, and
+    /// the difference is settled when the response has told its cost (token buckets).
+    pub settle: Option<RawSettle>,
+}
+
+/// Where a response's cost comes from: exactly one of `statuses`, `header`, `body_bytes`,
+/// `usage`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Settle"))]
+pub(super) struct RawSettle {
+    /// The request costs its reservation if the response status is one of these (`401`,
+    /// `"4xx"`), else nothing: "5 failed logins per 15 minutes".
+    pub statuses: Option<Vec<StatusPattern>>,
+    /// A response header holding the cost as a whole number (`x-usage-tokens`).
+    pub header: Option<String>,
+    /// The response body's bytes.
+    #[serde(default)]
+    pub body_bytes: bool,
+    /// The token usage an LLM API reports in its JSON body or its event stream (OpenAI,
+    /// Anthropic, Gemini): `"total"`, `"input"`, `"output"`, or `{"input": W, "output": W}`.
+    pub usage: Option<RawUsage>,
+    /// The most body bytes kept to read a JSON body's usage, or one event of a stream
+    /// (default 1 MiB).
+    pub max_body_bytes: Option<u64>,
+}
+
+/// Which usage counts.
+// Parsed by hand: serde's untagged enums cost the module tens of kilobytes and say less.
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(untagged, rename = "Usage"))]
+pub(super) enum RawUsage {
+    Count(UsageCount),
+    Weighted(RawWeights),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "UsageWeights"))]
+pub(super) struct RawWeights {
+    pub input: f64,
+    pub output: f64,
+}
+
+impl<'de> Deserialize<'de> for RawUsage {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = RawUsage;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("\"total\", \"input\", \"output\" or {\"input\": W, \"output\": W}")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<RawUsage, E> {
+                UsageCount::deserialize(de::value::StrDeserializer::new(s)).map(RawUsage::Count)
+            }
+            fn visit_map<M: de::MapAccess<'de>>(self, map: M) -> Result<RawUsage, M::Error> {
+                RawWeights::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(RawUsage::Weighted)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+pub enum UsageCount {
+    Total,
+    Input,
+    Output,
 }
 
 /// Tokens a request takes: a whole number, or from a request header.

@@ -187,7 +187,7 @@ fn global_rules() {
 #[test]
 fn documented_examples_parse() {
     let mut seen = 0;
-    for doc in ["README.md", "docs/configuration.md"] {
+    for doc in ["README.md", "docs/configuration.md", "docs/llm-budgets.md"] {
         let path = format!("{}/{doc}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
         for block in text.split("```json").skip(1) {
@@ -199,6 +199,27 @@ fn documented_examples_parse() {
         }
     }
     assert!(seen >= 10, "{seen} examples");
+}
+
+/// The plugin configuration inside the LLM guide's Envoy configuration is valid, and the Envoy
+/// configuration is YAML.
+#[test]
+fn the_llm_guides_envoy_configuration_carries_a_valid_plugin_configuration() {
+    let path = format!("{}/docs/llm-budgets.md", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let yaml = text
+        .split("```yaml")
+        .nth(1)
+        .unwrap()
+        .split("```")
+        .next()
+        .unwrap();
+    let envoy: serde_yaml_ng::Value = serde_yaml_ng::from_str(yaml).unwrap();
+    let wasm = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"][0]["typed_config"]["config"];
+    let plugin = wasm["configuration"]["value"].as_str().unwrap();
+    let config = Config::parse(plugin.as_bytes()).unwrap();
+    assert!(config.rules[0].settle.is_some());
 }
 
 #[test]
@@ -390,6 +411,34 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].cost: leaky_bucket requests cost 1",
         ),
         (
+            r#"{"rules":[{"name":"r","settle":{"statuses":[401],"body_bytes":true},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].settle: give exactly one of statuses, header, body_bytes or usage",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"sliding_window","settle":{"statuses":[401]},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].settle: only token_bucket rules (without warmup) settle",
+        ),
+        (
+            r#"{"rules":[{"name":"r","settle":{"usage":"total"},"worker_batch":4,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].worker_batch: a rule that settles after the response",
+        ),
+        (
+            r#"{"rules":[{"name":"r","settle":{"usage":"most"},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].settle.usage",
+        ),
+        (
+            r#"{"rules":[{"name":"r","settle":{"header":"x y"},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].settle.header: not a header name",
+        ),
+        (
+            r#"{"rules":[{"name":"r","settle":{"statuses":[700]},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].settle.statuses[0]: 700 is not an HTTP status",
+        ),
+        (
+            r#"{"rules":[{"name":"r","settle":{"usage":{"input":1,"output":-2}},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].settle.usage.output: a weight from 0 to 1000000",
+        ),
+        (
             r#"{"rules":[{"name":"r","key":["client_ip"],"overrides":[{"values":["a","b"],"unlimited":true}],"limit":{"requests":1,"per":"1s"}}]}"#,
             "rules[0].overrides[0].values: gives 2 value(s) for a key of 1 part(s)",
         ),
@@ -532,4 +581,27 @@ fn overrides_match_ipv4_mapped_addresses_as_ipv4() {
         c.rules[0].overrides[0].key,
         crate::key::encode_key([Some(&b"10.0.0.1"[..])].into_iter())
     );
+}
+
+#[test]
+fn a_rule_settles_its_cost_from_the_response_and_stashes_nothing() {
+    let c = parse(
+        r#"{"rules":[{"name":"llm","key":["header:x-api-key"],"limit":{"requests":10000,"per":"1m"},
+            "cost":{"header":"x-max-tokens","default":500,"max":4000},
+            "settle":{"usage":{"input":1,"output":3},"max_body_bytes":65536}}]}"#,
+    )
+    .unwrap();
+    let r = &c.rules[0];
+    assert_eq!(r.worker_batch, 0);
+    let settle = r.settle.as_ref().unwrap();
+    assert_eq!(settle.max_body_bytes, 65_536);
+    let SettleFrom::Usage(cost) = settle.from else {
+        panic!("{settle:?}")
+    };
+    let usage = crate::usage::Usage {
+        input: Some(100),
+        output: Some(10),
+        total: Some(110),
+    };
+    assert_eq!(cost.of(&usage), Some(130));
 }

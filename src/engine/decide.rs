@@ -185,6 +185,7 @@ impl Engine {
                 } => {
                     if outcome.admitted {
                         self.stats.bump(rule, RuleStat::Allowed);
+                        self.reserve(&mut admitted.reservations, input);
                         if d > 0 && input.enforced {
                             self.stats.bump(rule, RuleStat::Delayed);
                             admitted.delay_ns = admitted.delay_ns.max(d);

@@ -9,12 +9,14 @@ mod failure;
 mod guard;
 mod lease;
 mod reply;
+mod settle;
 mod strict;
 #[cfg(test)]
 mod tests;
 
 pub use guard::{reported_cpu, Seat, Seats};
 pub use lease::{read_answer, read_permit_answer, Call, Refill};
+pub use settle::{Reservation, Reservations, ResponseSeen};
 pub use strict::Strict;
 
 use crate::config::{Config, Cost, OverrideAction, Quota};
@@ -102,6 +104,8 @@ pub struct QuotaReport {
 pub struct Admitted {
     pub report: Option<QuotaReport>,
     pub holds: Holds,
+    /// What the request reserved of rules that settle its cost after the response.
+    pub reservations: Reservations,
     /// Hold the request this long before passing it on (leaky buckets).
     pub delay_ns: u64,
 }

@@ -95,6 +95,12 @@ impl<H: Host + Clone> Contexts<H> {
         self.with_stream(context_id, Action::Continue, Stream::on_response_headers)
     }
 
+    pub fn response_body(&self, context_id: u32, size: usize, end: bool) -> Action {
+        self.with_stream(context_id, Action::Continue, |s| {
+            s.on_response_body(size, end)
+        })
+    }
+
     /// The stream's last callback before it is deleted.
     pub fn log(&self, context_id: u32) {
         self.with_stream(context_id, (), |s| s.end_of_stream(&self.callers));

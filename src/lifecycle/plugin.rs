@@ -68,6 +68,7 @@ impl<H: Host> Plugin<H> {
                                 RuleStat::SlotsHeld => rule.quota().is_some_and(|q| {
                                     matches!(q.limit, tollgate_core::Limit::PermitLease(_))
                                 }),
+                                s if s.is_settle() => rule.settle.is_some(),
                                 s => !s.is_overload(),
                             },
                             Some(g) => rule_has(g, stat),

@@ -7,9 +7,12 @@ use super::host::{Action, Host, HostRequest};
 use super::plugin::Plugin;
 use super::queues::Waiting;
 use super::quota_call;
-use crate::engine::{Holds, Inputs, QuotaReport, Seats, Step, Strict, WAIT_GRACE_MS};
+use crate::engine::{
+    Holds, Inputs, QuotaReport, Reservations, ResponseSeen, Seats, Step, Strict, WAIT_GRACE_MS,
+};
 use crate::request::Request;
 use crate::stats::ProcessStat;
+use crate::usage::UsageReader;
 use log::{debug, warn};
 use std::rc::Rc;
 use tollgate_core::global::lease::LeaseRequest;
@@ -21,6 +24,10 @@ pub struct Stream<H: Host> {
     report: Option<QuotaReport>,
     /// Quota held until the stream ends (concurrency rules).
     holds: Holds,
+    /// What it reserved of rules that settle after the response, and what the response showed.
+    reservations: Reservations,
+    seen: ResponseSeen,
+    usage: Option<UsageReader>,
     /// Set while the request is held by a leaky bucket.
     held_until: Option<u64>,
     /// The call this request waits for, with its checks.
@@ -39,6 +46,9 @@ impl<H: Host> Stream<H> {
             plugin,
             report: None,
             holds: Holds::new(),
+            reservations: Reservations::new(),
+            seen: ResponseSeen::default(),
+            usage: None,
             held_until: None,
             own_call: None,
             seats: Seats::new(),
@@ -209,6 +219,7 @@ impl<H: Host> Stream<H> {
                 self.forwarded = true;
                 self.report = a.report;
                 self.holds.extend(a.holds);
+                self.reservations.extend(a.reservations);
                 // The configuration was checked against the host: only hosts that can resume
                 // from the timer get delays.
                 if a.delay_ns > 0 && plugin.caps.resume_from_timer {
@@ -238,6 +249,11 @@ impl<H: Host> Stream<H> {
         self.take_resumed();
         if let (Some(report), Some(plugin)) = (self.report.take(), &self.plugin) {
             plugin.add_quota_headers(report);
+        }
+        if !self.reservations.is_empty() {
+            if let Some(plugin) = self.plugin.clone() {
+                self.note_response(&plugin);
+            }
         }
         if !self.seats.is_empty() {
             if let Some(plugin) = self.plugin.clone() {
@@ -288,11 +304,75 @@ impl<H: Host> Stream<H> {
             self.forwarded = true;
             self.report = a.report;
             self.holds.extend(a.holds);
+            self.reservations.extend(a.reservations);
             if a.delay_ns > 0 {
                 // Its hold was queued by the tick.
                 self.held_until = queues.held_until(self.id);
             }
         }
+    }
+
+    /// What the response's headers say of the cost its reservations settle.
+    fn note_response(&mut self, plugin: &Plugin<H>) {
+        self.seen.status = plugin
+            .host
+            .response_header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse().ok());
+        let engine = plugin.engine.borrow();
+        self.seen.headers = self
+            .reservations
+            .iter()
+            .map(|r| {
+                let value = plugin.host.response_header(engine.settle_header(r)?)?;
+                std::str::from_utf8(&value).ok()?.trim().parse().ok()
+            })
+            .collect();
+        if let Some(max) = engine.usage_bytes(&self.reservations) {
+            let content_type = plugin.host.response_header("content-type");
+            self.usage = Some(UsageReader::new(content_type.as_deref(), max));
+        }
+    }
+
+    /// A chunk of the response body (`size` bytes; `end`: the last): counted and read for the
+    /// usage it reports where a reservation needs it. The body is never held.
+    pub fn on_response_body(&mut self, size: usize, end: bool) -> Action {
+        if self.reservations.is_empty() {
+            return Action::Continue;
+        }
+        self.seen.body_bytes = self
+            .seen
+            .body_bytes
+            .saturating_add(u64::try_from(size).unwrap_or(u64::MAX));
+        if let (Some(reader), Some(plugin)) = (self.usage.as_mut(), &self.plugin) {
+            if size > 0 {
+                if let Some(chunk) = plugin.host.response_body(size) {
+                    reader.push(&chunk);
+                }
+            }
+        }
+        if end {
+            self.settle();
+        }
+        Action::Continue
+    }
+
+    /// Settle the reservations with what the response showed (exactly once).
+    fn settle(&mut self) {
+        if self.reservations.is_empty() {
+            return;
+        }
+        let Some(plugin) = self.plugin.clone() else {
+            return;
+        };
+        if let Some(reader) = self.usage.as_mut() {
+            self.seen.usage = reader.finish();
+        }
+        let reservations = std::mem::take(&mut self.reservations);
+        let now = plugin.host.now_ns().unwrap_or(0);
+        plugin
+            .engine
+            .borrow_mut()
+            .settle_costs(&plugin.host, reservations, &self.seen, now);
     }
 
     /// Give back held quota and leave the queues: however the stream ended, exactly once.
@@ -317,6 +397,7 @@ impl<H: Host> Stream<H> {
             callers.forget(token);
         }
         self.give_up_seats(&plugin);
+        self.settle();
         if !self.holds.is_empty() {
             let now = plugin.host.now_ns().unwrap_or(0);
             let holds = std::mem::take(&mut self.holds);

@@ -33,6 +33,9 @@ pub struct Options {
     pub second_plugin: Option<Value>,
     /// A cluster `app` on this port of 127.0.0.1, routed for paths under `/app`.
     pub app_port: Option<u16>,
+    /// Routes of the main listener before its catch-all (e.g. direct responses with a status or
+    /// a body a test needs).
+    pub routes: Vec<Value>,
 }
 
 impl Default for Options {
@@ -47,6 +50,7 @@ impl Default for Options {
             module: None,
             second_plugin: None,
             app_port: None,
+            routes: Vec::new(),
         }
     }
 }
@@ -107,6 +111,9 @@ fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
         routes.push(
             json!({"match": {"prefix": "/app"}, "route": {"cluster": "app", "timeout": "30s"}}),
         );
+    }
+    if name == "main" {
+        routes.extend(opts.routes.iter().cloned());
     }
     routes.push(json!({"match": {"prefix": "/"},
                        "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}));

@@ -23,4 +23,5 @@ mod module;
 mod overload;
 mod plugins;
 mod quick_starts;
+mod settle;
 mod state;

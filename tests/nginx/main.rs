@@ -639,3 +639,57 @@ fn a_global_concurrency_limit_holds_across_two_workers() {
     let refused = Nginx::expect_refusal(&waiting);
     assert!(refused.contains("first_lease"), "{refused}");
 }
+
+/// nginx with `plugin` on `/login` and `/v1/chat`, each proxied to a location of the same server
+/// that answers: 401 unless `x-password: right`, and an event stream with a usage of 300.
+fn settling_nginx(plugin: &Value) -> Nginx {
+    let stream = "data: {\\\"choices\\\":[],\\\"usage\\\":{\\\"prompt_tokens\\\":100,\\\"completion_tokens\\\":200,\\\"total_tokens\\\":300}}\\n\\ndata: [DONE]\\n\\n";
+    let conf = format!(
+        "worker_processes 2;\nevents {{ worker_connections 1024; }}\n\
+         wasm {{\n  module tollgate {};\n  shm_kv * 16m eviction=none;\n}}\n\
+         http {{\n  server {{\n    listen 127.0.0.1:PORT;\n    \
+         location ~ ^/(login|v1/chat)$ {{\n      proxy_wasm tollgate {};\n      \
+         proxy_pass http://127.0.0.1:PORT/answer/$1;\n    }}\n    \
+         location = /answer/login {{\n      if ($http_x_password = right) {{ return 200 \"welcome\\n\"; }}\n      \
+         return 401 \"no\\n\";\n    }}\n    \
+         location = /answer/v1/chat {{\n      default_type text/event-stream;\n      return 200 \"{stream}\";\n    }}\n  }}\n}}\n",
+        harness::wasm_path().display(),
+        harness::nginx_string(plugin),
+    );
+    Nginx::start_conf(&conf, harness::Backend::start(), 2)
+}
+
+#[test]
+fn failed_logins_and_streamed_usage_settle_after_the_response_in_nginx() {
+    nginx_or_skip!();
+    let nginx = settling_nginx(&json!({"rules": [
+        {"name": "logins", "match": {"path": "/login"}, "key": ["client_ip"],
+         "limit": {"requests": 5, "per": "15m"}, "settle": {"statuses": [401]}},
+        {"name": "llm", "match": {"path": "/v1/chat"}, "key": ["header:x-api-key"],
+         "limit": {"requests": 1000, "per": "1m"}, "cost": 100, "settle": {"usage": "total"}}
+    ]}));
+    let client = Client::new();
+    let login = nginx.url("/login");
+    for _ in 0..10 {
+        assert_eq!(client.get(&login, &[("x-password", "right")]).status, 200);
+    }
+    for n in 0..5 {
+        assert_eq!(
+            client.get(&login, &[("x-password", "wrong")]).status,
+            401,
+            "failure {n}"
+        );
+    }
+    assert_eq!(client.get(&login, &[("x-password", "wrong")]).status, 429);
+    let chat = nginx.url("/v1/chat");
+    let key = [("x-api-key", "team-a")];
+    for n in 0..4 {
+        let reply = client.get(&chat, &key);
+        assert_eq!(reply.status, 200, "request {n}");
+        assert!(reply.body.contains("total_tokens"));
+    }
+    let refused = client.get(&chat, &key);
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("retry-after"), Some("18"));
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}

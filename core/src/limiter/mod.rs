@@ -359,6 +359,30 @@ pub fn release<S: CasStore + ?Sized>(
     )
 }
 
+/// Settle a request that reserved `reserved` of `limit` in the key tagged `slot.tag` and turned
+/// out to cost `actual` ([`Limit::settle`]); nothing if the slot has changed hands since.
+/// `Err` only if the store failed or every attempt lost a race.
+pub fn settle<S: CasStore + ?Sized>(
+    store: &S,
+    limit: &Limit,
+    table: &SlotTable,
+    slot: SlotId,
+    (reserved, actual): (u64, u64),
+    now_ns: u64,
+) -> Result<(), StoreError> {
+    let key = table.store_key(slot.group);
+    let find = |group: &Group| group.slots.iter().position(|s| s.tag == slot.tag);
+    let settled = update_slot(store, key.as_str(), MAX_RELEASE_ATTEMPTS, find, |s| {
+        s.state = limit.settle(&s.state, now_ns, reserved, actual);
+        (true, ())
+    });
+    match settled {
+        Ok(_) => Ok(()),
+        Err(UpdateError::Contended) => Err(StoreError::CasMismatch),
+        Err(UpdateError::Unavailable(e)) => Err(StoreError::Unavailable(e)),
+    }
+}
+
 /// Give back `tokens` a worker stashed for the key tagged `slot.tag` and did not spend, unless
 /// its slot has changed hands since. `Err` only if the store failed or every attempt lost a race.
 pub fn return_stash<S: CasStore + ?Sized>(

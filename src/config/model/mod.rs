@@ -92,6 +92,58 @@ pub struct Rule {
     /// `worker_batch` is the default, not given: hosts that cannot hold a request stash nothing
     /// ([`Config::fit_host`]).
     pub worker_batch_by_default: bool,
+    /// A cost known only after the response: `cost` is the reservation, settled then.
+    pub settle: Option<Settle>,
+}
+
+/// Where a rule's cost known after the response comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settle {
+    pub from: SettleFrom,
+    /// Body bytes kept at most to read a usage: a JSON body, or one event of a stream.
+    pub max_body_bytes: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum SettleFrom {
+    /// The reservation if the status is one of these, else nothing.
+    Statuses(overload::StatusSet),
+    /// A response header's whole number.
+    Header(String),
+    /// The response body's bytes.
+    BodyBytes,
+    /// The usage an LLM API reports.
+    Usage(UsageCost),
+}
+
+/// What of a reported usage is the cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageCost {
+    /// The total reported (else input and output added).
+    Total,
+    /// Thousandths of a token per input and per output token.
+    Weighted { input_milli: u64, output_milli: u64 },
+}
+
+impl UsageCost {
+    /// The cost of `usage`, if it reported what this counts.
+    pub fn of(&self, usage: &crate::usage::Usage) -> Option<u64> {
+        match *self {
+            Self::Total => usage.total(),
+            Self::Weighted {
+                input_milli,
+                output_milli,
+            } => {
+                let (i, o) = (usage.input, usage.output);
+                if (i.is_none() || input_milli == 0) && (o.is_none() || output_milli == 0) {
+                    return None;
+                }
+                let milli = u128::from(i.unwrap_or(0)) * u128::from(input_milli)
+                    + u128::from(o.unwrap_or(0)) * u128::from(output_milli);
+                Some(u64::try_from(milli.div_ceil(1_000)).unwrap_or(u64::MAX))
+            }
+        }
+    }
 }
 
 /// A rule's kind: one per place its state lives, so that no rule is two at once.

@@ -188,17 +188,8 @@ fn throttle_kind(raw: &RawThrottle, path: &str) -> Result<GuardKind, ConfigError
     let window_ns = raw.window.map_or(10_000_000_000, |p| p.ns);
     let throttle =
         SreThrottle::new(k * K_SCALE / MILLI, window_ns).ok_or_else(|| err(&at, "invalid"))?;
-    let mut failures = StatusSet::EMPTY;
     let default = [StatusPattern::Class("5xx".into()), StatusPattern::Code(429)];
-    for p in raw.failure_statuses.as_deref().unwrap_or(&default) {
-        match p {
-            StatusPattern::Code(c) => failures.insert(usize::from(*c)),
-            StatusPattern::Class(c) => {
-                let base = usize::from(c.as_bytes()[0] - b'0') * 100;
-                (base..base + 100).for_each(|s| failures.insert(s));
-            }
-        }
-    }
+    let failures = status_set(raw.failure_statuses.as_deref().unwrap_or(&default));
     Ok(GuardKind::Throttle { throttle, failures })
 }
 
@@ -258,4 +249,19 @@ pub(super) fn priorities(raw: Vec<RawPriority>) -> Result<Priorities, ConfigErro
         classes,
         shares: result,
     })
+}
+
+/// The statuses `patterns` name (codes, and classes such as `"5xx"`).
+pub(super) fn status_set(patterns: &[StatusPattern]) -> StatusSet {
+    let mut set = StatusSet::EMPTY;
+    for p in patterns {
+        match p {
+            StatusPattern::Code(c) => set.insert(usize::from(*c)),
+            StatusPattern::Class(c) => {
+                let base = usize::from(c.as_bytes()[0] - b'0') * 100;
+                (base..base + 100).for_each(|s| set.insert(s));
+            }
+        }
+    }
+    set
 }

@@ -2,11 +2,13 @@
 
 use super::clients::client_network;
 use super::limit::LimitParams;
-use crate::config::json::{Algorithm, RawCost, RawResponse, RawRule, Scope};
-use crate::config::model::RuleKind;
+use super::overload::status_set;
+use crate::config::json::{
+    Algorithm, RawCost, RawResponse, RawRule, RawSettle, RawUsage, Scope, UsageCount,
+};
 use crate::config::model::{
-    Cost, KeyPart, Override, OverrideAction, Quota, Rule, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS,
-    DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
+    Cost, KeyPart, Override, OverrideAction, Quota, Rule, RuleKind, Settle, SettleFrom, UsageCost,
+    DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
 };
 use crate::config::syntax::is_token;
 use crate::config::{err, ConfigError};
@@ -80,7 +82,16 @@ impl RawRule {
             "worker_batch",
             "algorithm \"token_bucket\" (no warmup)",
         )?;
+        if self.settle.is_some() && self.worker_batch.is_some_and(|n| n > 0) {
+            return Err(err(
+                format!("{path}.worker_batch"),
+                "a rule that settles after the response takes every reservation from its shared \
+                 bucket: worker_batch must be 0",
+            ));
+        }
         let worker_batch = match self.worker_batch {
+            // Reservations and settlements go to the shared bucket, where debt is kept.
+            None if self.settle.is_some() => 0,
             Some(n) if n > MAX_WORKER_BATCH => {
                 return Err(err(
                     format!("{path}.worker_batch"),
@@ -142,6 +153,24 @@ impl RawRule {
                     min: h.min,
                     max,
                 }
+            }
+        };
+        let settle = match self.settle {
+            None => None,
+            Some(raw) => {
+                if !matches!(limit, tollgate_core::Limit::TokenBucket(_)) {
+                    return Err(err(
+                        format!("{path}.settle"),
+                        "only token_bucket rules (without warmup) settle a cost after the response",
+                    ));
+                }
+                if self.scope == Scope::Global {
+                    return Err(err(
+                        format!("{path}.settle"),
+                        "not supported on global rules yet",
+                    ));
+                }
+                Some(raw.validate(&format!("{path}.settle"))?)
             }
         };
         if algorithm == Algorithm::LeakyBucket && !matches!(cost, Cost::Fixed(1)) {
@@ -228,6 +257,7 @@ impl RawRule {
             dry_run: self.dry_run || dry_run_all,
             worker_batch,
             worker_batch_by_default: self.worker_batch.is_none() && worker_batch > 0,
+            settle,
         })
     }
 
@@ -259,6 +289,7 @@ impl RawRule {
             dry_run: self.dry_run || dry_run_all,
             worker_batch: 0,
             worker_batch_by_default: false,
+            settle: None,
         })
     }
 }
@@ -271,4 +302,71 @@ pub(super) fn check_key(key: &[KeyPart], path: &str) -> Result<(), ConfigError> 
         }
     }
     Ok(())
+}
+
+impl RawSettle {
+    fn validate(self, path: &str) -> Result<Settle, ConfigError> {
+        const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+        const MOST_BODY_BYTES: u64 = 64 << 20;
+        let max_body_bytes = self.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
+        if !(1..=MOST_BODY_BYTES).contains(&max_body_bytes) {
+            return Err(err(
+                format!("{path}.max_body_bytes"),
+                format!("from 1 to {MOST_BODY_BYTES}"),
+            ));
+        }
+        let given = usize::from(self.statuses.is_some())
+            + usize::from(self.header.is_some())
+            + usize::from(self.body_bytes)
+            + usize::from(self.usage.is_some());
+        if given != 1 {
+            return Err(err(
+                path,
+                "give exactly one of statuses, header, body_bytes or usage",
+            ));
+        }
+        let from = if let Some(patterns) = self.statuses {
+            if patterns.is_empty() {
+                return Err(err(format!("{path}.statuses"), "must not be empty"));
+            }
+            SettleFrom::Statuses(status_set(&patterns))
+        } else if let Some(header) = self.header {
+            if !is_token(&header) {
+                return Err(err(format!("{path}.header"), "not a header name"));
+            }
+            SettleFrom::Header(header.to_ascii_lowercase())
+        } else if self.body_bytes {
+            SettleFrom::BodyBytes
+        } else {
+            let weight = |w: f64, field: &str| {
+                if w.is_finite() && (0.0..=1_000_000.0).contains(&w) {
+                    Ok((w * 1_000.0).round() as u64)
+                } else {
+                    Err(err(
+                        format!("{path}.usage.{field}"),
+                        "a weight from 0 to 1000000",
+                    ))
+                }
+            };
+            SettleFrom::Usage(match self.usage {
+                Some(RawUsage::Count(UsageCount::Input)) => UsageCost::Weighted {
+                    input_milli: 1_000,
+                    output_milli: 0,
+                },
+                Some(RawUsage::Count(UsageCount::Output)) => UsageCost::Weighted {
+                    input_milli: 0,
+                    output_milli: 1_000,
+                },
+                Some(RawUsage::Weighted(w)) => UsageCost::Weighted {
+                    input_milli: weight(w.input, "input")?,
+                    output_milli: weight(w.output, "output")?,
+                },
+                Some(RawUsage::Count(UsageCount::Total)) | None => UsageCost::Total,
+            })
+        };
+        Ok(Settle {
+            from,
+            max_body_bytes: usize::try_from(max_body_bytes).unwrap_or(usize::MAX),
+        })
+    }
 }

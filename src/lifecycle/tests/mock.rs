@@ -50,6 +50,8 @@ struct State {
     continued: RefCell<Vec<u32>>,
     calls: RefCell<Vec<SentCall>>,
     next_token: Cell<u32>,
+    /// The response body chunk being delivered.
+    body_chunk: RefCell<Vec<u8>>,
     /// The answer being delivered: headers and body.
     answer: RefCell<Option<(Headers, Vec<u8>)>>,
     metric_names: RefCell<Vec<String>>,
@@ -122,6 +124,10 @@ impl Host for MockHost {
             self.0.response_headers.borrow().get(&self.0.current.get()),
             name,
         )
+    }
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        let chunk = self.0.body_chunk.borrow();
+        Some(chunk[..size.min(chunk.len())].to_vec())
     }
     fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status> {
         self.0
@@ -294,6 +300,36 @@ impl Proxy {
         );
         self.host.0.current.set(id);
         self.contexts.response_headers(id)
+    }
+
+    /// The upstream answers request `id` with `status`, `headers` and a body in `chunks`, then
+    /// the stream ends.
+    pub fn upstream_streams(
+        &self,
+        id: u32,
+        status: u32,
+        headers: &[(&str, &str)],
+        chunks: &[&[u8]],
+    ) {
+        let mut all = vec![(":status".to_string(), status.to_string().into_bytes())];
+        all.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())),
+        );
+        self.host.0.response_headers.borrow_mut().insert(id, all);
+        self.host.0.current.set(id);
+        self.contexts.response_headers(id);
+        for (n, chunk) in chunks.iter().enumerate() {
+            *self.host.0.body_chunk.borrow_mut() = chunk.to_vec();
+            self.host.0.current.set(id);
+            let last = n + 1 == chunks.len();
+            assert_eq!(
+                self.contexts.response_body(id, chunk.len(), last),
+                Action::Continue
+            );
+        }
+        self.end(id);
     }
 
     /// The stream ends normally: its log callback, then its deletion.

@@ -292,3 +292,77 @@ fn a_strict_requests_own_call_finds_it_however_the_host_delivers_the_answer() {
         );
     }
 }
+
+#[test]
+fn failed_logins_cost_their_reservation_and_successful_ones_nothing() {
+    let config = r#"{"rules":[{"name":"logins","key":["client_ip"],
+        "limit":{"requests":5,"per":"15m"},"settle":{"statuses":[401,403]}}]}"#;
+    for caps in BOTH {
+        let mut proxy = Proxy::new(caps, config);
+        for _ in 0..20 {
+            let (id, action) = proxy.request(&[]);
+            assert_eq!(
+                action,
+                Action::Continue,
+                "{}: successes are free",
+                caps.name
+            );
+            proxy.upstream_streams(id, 200, &[], &[b"welcome"]);
+        }
+        for n in 0..5 {
+            let (id, action) = proxy.request(&[]);
+            assert_eq!(action, Action::Continue, "{}: failure {n}", caps.name);
+            proxy.upstream_streams(id, 401, &[], &[b"no"]);
+        }
+        let (id, action) = proxy.request(&[]);
+        assert_eq!(action, Action::Pause, "{}: the 6th attempt", caps.name);
+        assert_eq!(proxy.local_response(id).map(|l| l.status), Some(429));
+    }
+}
+
+#[test]
+fn a_streamed_usage_beyond_the_reservation_is_debt_that_refuses_until_repaid() {
+    // 1 000 tokens a minute; each request reserves 100 and its stream says 300.
+    let config = r#"{"rules":[{"name":"llm","key":["header:x-api-key"],
+        "limit":{"requests":1000,"per":"1m"},"cost":100,"settle":{"usage":"total"}}]}"#;
+    let stream: [&[u8]; 3] = [
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\ndata: {\"choi",
+        b"ces\":[],\"usage\":{\"prompt_tokens\":100,\"completion_tokens\":200,\"total_tokens\":300}}\n\n",
+        b"data: [DONE]\n\n",
+    ];
+    for caps in BOTH {
+        let mut proxy = Proxy::new(caps, config);
+        let key = [("x-api-key", "k")];
+        for n in 0..4 {
+            let (id, action) = proxy.request(&key);
+            assert_eq!(action, Action::Continue, "{}: request {n}", caps.name);
+            proxy.upstream_streams(id, 200, &[("content-type", "text/event-stream")], &stream);
+        }
+        // 1 200 used of 1 000: 200 owed, so the next reservation of 100 waits 18 s.
+        let (id, action) = proxy.request(&key);
+        assert_eq!(action, Action::Pause, "{}", caps.name);
+        let local = proxy.local_response(id).expect("refused");
+        let retry = local.headers.iter().find(|(n, _)| n == "retry-after");
+        assert_eq!(
+            retry.map(|(_, v)| String::from_utf8_lossy(v).into_owned()),
+            Some("18".to_string()),
+            "{}",
+            caps.name
+        );
+        proxy.advance_ms(18_000);
+        assert_eq!(proxy.request(&key).1, Action::Continue, "{}", caps.name);
+        proxy.tick();
+        assert_eq!(
+            proxy.metric("tollgate.rule.llm.charged"),
+            800,
+            "{}",
+            caps.name
+        );
+        assert_eq!(
+            proxy.metric("tollgate.rule.llm.settled"),
+            1_200,
+            "{}",
+            caps.name
+        );
+    }
+}

@@ -1,0 +1,146 @@
+//! Costs known only after the response: what a request reserved of the rules that settle, what
+//! its response showed, and the reservations settled against the key's bucket.
+
+use super::{CheckInput, Engine, QuotaRef};
+use crate::config::SettleFrom;
+use crate::stats::{ProcessStat, RuleStat};
+use crate::usage::Usage;
+use smallvec::SmallVec;
+use tollgate_core::{settle, CasStore, SlotId};
+
+/// One rule's reservation by an admitted request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reservation {
+    pub which: QuotaRef,
+    pub slot: SlotId,
+    pub reserved: u64,
+}
+
+/// A request's reservations: inline for one rule.
+pub type Reservations = SmallVec<[Reservation; 1]>;
+
+/// What the response showed of its cost, as far as it came.
+#[derive(Debug, Default, Clone)]
+pub struct ResponseSeen {
+    /// Its status, once its headers came (none: it never answered).
+    pub status: Option<u32>,
+    /// For each reservation, the whole number in the header its rule reads, if any.
+    pub headers: SmallVec<[Option<u64>; 1]>,
+    pub body_bytes: u64,
+    pub usage: Usage,
+}
+
+impl Engine {
+    /// Note what an admitted request reserves of `input`'s rule, if that rule settles later.
+    pub(super) fn reserve(&mut self, reservations: &mut Reservations, input: &CheckInput) {
+        let settles = self
+            .config
+            .rules
+            .get(input.which.rule())
+            .is_some_and(|r| r.settle.is_some());
+        if settles {
+            self.stats.add(
+                input.which.rule(),
+                RuleStat::Reserved,
+                super::saturating_i64(input.cost),
+            );
+            reservations.push(Reservation {
+                which: input.which,
+                slot: input.slot,
+                reserved: input.cost,
+            });
+        }
+    }
+
+    /// The response header `reservation`'s rule reads its cost from, if it reads one.
+    pub fn settle_header(&self, reservation: &Reservation) -> Option<&str> {
+        match &self.settle_from(reservation)? {
+            SettleFrom::Header(name) => Some(name),
+            _ => None,
+        }
+    }
+
+    /// Body bytes to keep to read the usage `reservations` need (none: the body is not read;
+    /// its bytes may still be counted).
+    pub fn usage_bytes(&self, reservations: &Reservations) -> Option<usize> {
+        reservations
+            .iter()
+            .filter_map(|r| {
+                let rule = self.config.rules.get(r.which.rule())?;
+                let settle = rule.settle.as_ref()?;
+                matches!(settle.from, SettleFrom::Usage(_)).then_some(settle.max_body_bytes)
+            })
+            .max()
+    }
+
+    fn settle_from(&self, reservation: &Reservation) -> Option<&SettleFrom> {
+        let rule = self.config.rules.get(reservation.which.rule())?;
+        Some(&rule.settle.as_ref()?.from)
+    }
+
+    /// Settle each reservation with the cost the response showed; with nothing shown (no
+    /// answer), the reservation stands.
+    pub fn settle_costs<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        reservations: Reservations,
+        seen: &ResponseSeen,
+        now: u64,
+    ) {
+        for (n, r) in reservations.iter().enumerate() {
+            let Some(from) = self.settle_from(r) else {
+                continue;
+            };
+            let actual = match (seen.status, from) {
+                (None, _) => r.reserved,
+                (Some(status), SettleFrom::Statuses(set)) => {
+                    if set.contains(status) {
+                        r.reserved
+                    } else {
+                        0
+                    }
+                }
+                (Some(_), SettleFrom::Header(_)) => {
+                    seen.headers.get(n).copied().flatten().unwrap_or(r.reserved)
+                }
+                (Some(_), SettleFrom::BodyBytes) => seen.body_bytes,
+                (Some(_), SettleFrom::Usage(cost)) => cost.of(&seen.usage).unwrap_or(r.reserved),
+            };
+            let Some(quota) = self.quota_of(r.which) else {
+                continue;
+            };
+            let rule = r.which.rule();
+            let result = settle(
+                store,
+                &quota.limit,
+                &quota.table,
+                r.slot,
+                (r.reserved, actual),
+                now,
+            );
+            if let Err(e) = result {
+                self.stats.add_process(ProcessStat::ReleaseErrors, 1);
+                log::warn!(
+                    "rule {}: a cost not settled: {e:?}",
+                    self.config.rules[rule].name
+                );
+                continue;
+            }
+            self.stats
+                .add(rule, RuleStat::Settled, super::saturating_i64(actual));
+            if actual < r.reserved {
+                self.stats.add(
+                    rule,
+                    RuleStat::Refunded,
+                    super::saturating_i64(r.reserved - actual),
+                );
+            } else {
+                self.stats.add(
+                    rule,
+                    RuleStat::Charged,
+                    super::saturating_i64(actual - r.reserved),
+                );
+            }
+        }
+    }
+}
