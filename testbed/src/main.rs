@@ -1,7 +1,9 @@
-//! tollgate-testbed: an upstream that models a service with a capacity, and an open-loop load
-//! generator, for the overload tests and benchmarks (loopback only).
+//! tollgate-testbed: an upstream that models a service with a capacity (and answers like an LLM
+//! API on `/llm` paths), and an open-loop load generator, for the tests and benchmarks (loopback
+//! only).
 
 mod http;
+mod llm;
 mod load;
 mod upstream;
 

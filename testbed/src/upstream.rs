@@ -3,7 +3,7 @@
 //! at the service, queued ones included, over its capacity) and fail a share of its answers.
 //! `GET /__stats` answers the most requests it had at once, and how many it served;
 //! `GET /__set?service_ms=N&capacity=N` changes either while it runs (a slower upstream, one
-//! that scaled out).
+//! that scaled out). Paths with `/llm` answer as an LLM API does (`llm.rs`).
 
 use crate::http::{read_head, skip_body};
 use std::io::{BufReader, Write};
@@ -107,6 +107,11 @@ impl Service {
                     }
                 }
                 "HTTP/1.1 204 No Content\r\n\r\n".to_string()
+            } else if path.contains("/llm") {
+                if !crate::llm::answer(&head, &mut out)? {
+                    return Ok(());
+                }
+                continue;
             } else {
                 let hold = head
                     .header("x-hold-ms")

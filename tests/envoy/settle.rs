@@ -1,7 +1,8 @@
 //! Costs known after the response: failed logins, an LLM stream's usage, response bytes.
 
-use crate::harness::{Client, Envoy, Options};
+use crate::harness::{parallel, Client, Envoy, Options, Upstream};
 use serde_json::{json, Value};
+use std::time::Instant;
 
 /// A direct response on `path` with `status`, `body` and a content type.
 fn answer(path: &str, status: u16, body: &str, content_type: &str) -> Value {
@@ -104,4 +105,155 @@ fn a_byte_quota_counts_the_bytes_each_response_sent() {
         .collect();
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429]);
     assert_eq!(envoy.counter("bytes", "settled"), 5_000);
+}
+
+/// Tokens a request of the concurrent-streams test uses: 300 to 2 000, spread by `i`.
+fn usage_of(i: usize) -> (u64, u64) {
+    let total = 300 + (i as u64 * 7_919) % 1_701;
+    (total / 4, total - total / 4)
+}
+
+/// 20 concurrent streams of one key against 10 000 tokens a minute, each reserving `reserve`
+/// (none: the rule's default of 500): what was admitted, the tokens they used, and the seconds
+/// the run took.
+fn concurrent_streams(reserve: Option<&str>) -> (Envoy, Vec<usize>, u64, f64) {
+    let app = Upstream::start(&["--capacity", "100"]);
+    let opts = Options {
+        app_port: Some(app.port),
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "llm", "key": ["header:x-api-key"],
+            "limit": {"requests": 10000, "per": "1m"},
+            "cost": {"header": "x-max-tokens", "default": 500, "max": 2000},
+            "settle": {"usage": "total"}}]}),
+        &opts,
+    );
+    let url = envoy.url("/app/llm/chat");
+    let started = Instant::now();
+    let statuses = parallel(20, |i| {
+        let (input, output) = usage_of(i);
+        let (input, output) = (input.to_string(), output.to_string());
+        let mut headers = vec![
+            ("x-api-key", "team-a"),
+            ("x-stream", "1"),
+            ("x-events", "10"),
+            ("x-event-ms", "30"),
+            ("x-usage-input", input.as_str()),
+            ("x-usage-output", output.as_str()),
+        ];
+        if let Some(r) = reserve {
+            headers.push(("x-max-tokens", r));
+        }
+        let reply = Client::new().get(&url, &headers);
+        if reply.status == 200 {
+            assert!(reply.body.contains("total_tokens"), "{}", reply.body);
+        }
+        reply.status
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    let admitted: Vec<usize> = (0..20).filter(|&i| statuses[i] == 200).collect();
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 429),
+        "{statuses:?}"
+    );
+    let used = admitted
+        .iter()
+        .map(|&i| usage_of(i).0 + usage_of(i).1)
+        .sum();
+    drop(app);
+    (envoy, admitted, used, seconds)
+}
+
+#[test]
+fn concurrent_streams_that_reserve_their_maximum_never_overshoot_the_budget() {
+    let (envoy, admitted, used, seconds) = concurrent_streams(Some("2000"));
+    // The bound with reservations that are maxima: burst + rate × t.
+    let bound = 10_000.0 + 10_000.0 * seconds / 60.0;
+    eprintln!(
+        "{} of 20 admitted, {used} tokens used in {seconds:.2} s (bound {bound:.0})",
+        admitted.len()
+    );
+    assert!(used as f64 <= bound, "{used} > {bound}");
+    assert!(admitted.len() >= 5, "the budget holds five maxima at once");
+    assert!(admitted.len() < 20, "the budget cannot hold every stream");
+    // Settled exactly what the streams reported.
+    assert_eq!(envoy.counter("llm", "settled"), used);
+}
+
+#[test]
+fn concurrent_streams_that_reserve_less_overshoot_by_their_excess_at_most_then_owe_it() {
+    let (envoy, admitted, used, seconds) = concurrent_streams(None);
+    // Each reserved 500: the bound adds the excess of those in flight over their reservations.
+    let excess: u64 = admitted
+        .iter()
+        .map(|&i| (usage_of(i).0 + usage_of(i).1).saturating_sub(500))
+        .sum();
+    let bound = 10_000.0 + 10_000.0 * seconds / 60.0 + excess as f64;
+    eprintln!(
+        "{} of 20 admitted, {used} tokens used (excess {excess}) in {seconds:.2} s (bound {bound:.0})",
+        admitted.len()
+    );
+    assert!(used as f64 <= bound, "{used} > {bound}");
+    assert_eq!(envoy.counter("llm", "settled"), used);
+    // What was used beyond the budget is owed: the key is refused until it has refilled.
+    if used > 10_000 {
+        let refused = Client::new().get(&envoy.url("/app/llm/chat"), &[("x-api-key", "team-a")]);
+        assert_eq!(refused.status, 429);
+        let retry: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+        assert!(
+            retry * 10_000 / 60 >= used - 10_000,
+            "retry after {retry} s for {used}"
+        );
+    }
+}
+
+#[test]
+fn a_stream_cut_short_settles_what_it_reported_else_its_reservation() {
+    let app = Upstream::start(&["--capacity", "10"]);
+    let opts = Options {
+        app_port: Some(app.port),
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "llm", "key": ["header:x-api-key"],
+            "limit": {"requests": 10000, "per": "1m"}, "cost": 700,
+            "settle": {"usage": "total"}}]}),
+        &opts,
+    );
+    // The whole answer as the client gets it, however it ends (the upstream cuts it short).
+    let read_all = |lines: &[&[u8]]| {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
+        stream
+            .write_all(&testkit::raw(b"/app/llm/chat", lines))
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    // Anthropic reports the input (and one output token) at the start: a stream cut after it
+    // settles that much…
+    let cut = read_all(&[
+        b"x-api-key: k",
+        b"x-stream: 1",
+        b"x-format: anthropic",
+        b"x-usage-input: 120",
+        b"x-usage-output: 900",
+        b"x-cut-after: 2",
+    ]);
+    assert!(
+        cut.contains("message_start") && !cut.contains("message_delta"),
+        "{cut}"
+    );
+    let settled = |n| {
+        testkit::eventually(std::time::Duration::from_secs(5), || {
+            envoy.counter("llm", "settled") == n
+        })
+    };
+    assert!(settled(121), "settled {}", envoy.counter("llm", "settled"));
+    // …an OpenAI stream cut before its usage settles its reservation.
+    let cut = read_all(&[b"x-api-key: k", b"x-stream: 1", b"x-cut-after: 2"]);
+    assert!(!cut.contains("usage"), "{cut}");
+    assert!(settled(821), "settled {}", envoy.counter("llm", "settled"));
 }
