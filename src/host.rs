@@ -340,6 +340,9 @@ impl Host for WasmHost {
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         response_header(name)
     }
+    fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
+        property(path)
+    }
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
         response_body(size)
     }

@@ -18,6 +18,10 @@ pub trait RequestView {
     fn authority(&self) -> Option<Vec<u8>> {
         self.header(":authority").or_else(|| self.header("host"))
     }
+    /// A property by path (segments separated by NUL bytes), where the host has it.
+    fn property(&self, _path: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 /// A request with its derived values computed once, on first use.
@@ -143,6 +147,10 @@ impl<'a, V: RequestView> Request<'a, V> {
                 }
                 KeyPart::Query(name) => {
                     owned = self.query(name);
+                    owned.as_deref()
+                }
+                KeyPart::Metadata(path) => {
+                    owned = self.view.property(path);
                     owned.as_deref()
                 }
             };

@@ -1,6 +1,6 @@
 //! What a proxy-wasm host can do, and the options that need what it cannot.
 
-use super::model::{Config, FailureMode, FirstLease};
+use super::model::{Config, FailureMode, FirstLease, KeyPart};
 use super::{err, ConfigError};
 
 /// The capabilities tollgate relies on that differ between hosts.
@@ -20,6 +20,8 @@ pub struct HostCaps {
     /// A request whose own call failed (timeout, reset) can still be refused from that call's
     /// callback. ngx_wasm_module drops the connection instead; it can only let the request go on.
     pub refuses_after_failed_call: bool,
+    /// Requests carry dynamic metadata other filters set, readable as the `metadata` property.
+    pub request_metadata: bool,
 }
 
 impl HostCaps {
@@ -29,6 +31,7 @@ impl HostCaps {
         authority_is_request_host: true,
         appends_newline_to_body: false,
         refuses_after_failed_call: true,
+        request_metadata: true,
     };
     pub const NGINX: Self = Self {
         name: "nginx (ngx_wasm_module)",
@@ -36,6 +39,7 @@ impl HostCaps {
         authority_is_request_host: false,
         appends_newline_to_body: true,
         refuses_after_failed_call: false,
+        request_metadata: false,
     };
 }
 
@@ -55,6 +59,24 @@ impl Config {
 
     /// Refuse options `host` cannot carry out, with the field named as a parse error names it.
     pub fn check_host(&self, host: &HostCaps) -> Result<(), ConfigError> {
+        if !host.request_metadata {
+            for (i, rule) in self.rules.iter().enumerate() {
+                let metadata = rule
+                    .key
+                    .iter()
+                    .position(|p| matches!(p, KeyPart::Metadata(_)));
+                if let Some(j) = metadata {
+                    return Err(err(
+                        format!("rules[{i}].key[{j}]"),
+                        format!(
+                            "{} gives a filter no request metadata: key on a header that a filter \
+                             before tollgate sets instead",
+                            host.name
+                        ),
+                    ));
+                }
+            }
+        }
         if !host.resume_from_timer {
             if let Some(i) = self.rules.iter().position(|r| r.delays()) {
                 return Err(err(

@@ -42,8 +42,8 @@ impl JsonSchema for KeyPart {
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
         json_schema!({
             "type": "string",
-            "pattern": "^(client_ip|path|method|host|header:.+|query:.+)$",
-            "description": "A part of the bucket key: client_ip, path, method, host, header:NAME or query:NAME."
+            "pattern": "^(client_ip|path|method|host|header:.+|query:.+|metadata:[^/]+(/[^/]+)+)$",
+            "description": "A part of the bucket key: client_ip, path, method, host, header:NAME, query:NAME or metadata:NAMESPACE/FIELD[/FIELD…] (Envoy's dynamic metadata)."
         })
     }
 }

@@ -35,6 +35,9 @@ pub enum KeyPart {
     Path,
     Method,
     Host,
+    /// A value of the request's dynamic metadata (Envoy), set by a filter before tollgate (e.g.
+    /// a JWT claim `jwt_authn` wrote): its property path, segments separated by NUL bytes.
+    Metadata(Vec<u8>),
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
@@ -93,15 +96,39 @@ impl<'de> Deserialize<'de> for KeyPart {
                     Ok(Self::Header(name))
                 } else if let Some(name) = s.strip_prefix("query:").filter(|n| !n.is_empty()) {
                     Ok(Self::Query(name.to_owned()))
+                } else if let Some(path) = s.strip_prefix("metadata:") {
+                    metadata_path(path).map(Self::Metadata).ok_or_else(|| {
+                        de::Error::custom(format!(
+                            "invalid metadata path in key part {s:?} (expected \
+                             metadata:NAMESPACE/FIELD[/FIELD…], e.g. \
+                             metadata:envoy.filters.http.jwt_authn/payload/sub)"
+                        ))
+                    })
                 } else {
                     Err(de::Error::custom(format!(
                         "unknown key part {s:?} (expected client_ip, path, method, host, \
-                         header:NAME or query:NAME)"
+                         header:NAME, query:NAME or metadata:NAMESPACE/FIELD)"
                     )))
                 }
             }
         }
     }
+}
+
+/// The property path of `NAMESPACE/FIELD[/FIELD…]` in the request's dynamic metadata
+/// (`metadata.filter_metadata.NAMESPACE.FIELD…`), segments separated by NUL bytes; `None` if a
+/// segment is empty or holds a NUL.
+fn metadata_path(path: &str) -> Option<Vec<u8>> {
+    let segments: Vec<&str> = path.split('/').collect();
+    if segments.len() < 2 || segments.iter().any(|s| s.is_empty() || s.contains('\0')) {
+        return None;
+    }
+    let mut out = b"metadata\0filter_metadata".to_vec();
+    for segment in segments {
+        out.push(0);
+        out.extend_from_slice(segment.as_bytes());
+    }
+    Some(out)
 }
 
 /// An HTTP field name: one or more token characters (RFC 9110 `tchar`).

@@ -411,6 +411,14 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].cost: leaky_bucket requests cost 1",
         ),
         (
+            r#"{"rules":[{"name":"r","key":["metadata:auth"],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].key[0]: invalid metadata path in key part \"metadata:auth\"",
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["metadata:a//b"],"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].key[0]: invalid metadata path",
+        ),
+        (
             r#"{"rules":[{"name":"r","settle":{"statuses":[401],"body_bytes":true},"limit":{"requests":1,"per":"1s"}}]}"#,
             "rules[0].settle: give exactly one of statuses, header, body_bytes or usage",
         ),
@@ -604,4 +612,25 @@ fn a_rule_settles_its_cost_from_the_response_and_stashes_nothing() {
         total: Some(110),
     };
     assert_eq!(cost.of(&usage), Some(130));
+}
+
+#[test]
+fn a_metadata_key_part_is_the_property_path_of_a_dynamic_metadata_field() {
+    let c = parse(
+        r#"{"rules":[{"name":"r","key":["metadata:envoy.filters.http.jwt_authn/payload/sub"],
+            "limit":{"requests":1,"per":"1s"}}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.rules[0].key,
+        [KeyPart::Metadata(
+            b"metadata\0filter_metadata\0envoy.filters.http.jwt_authn\0payload\0sub".to_vec()
+        )]
+    );
+    let refused = c.check_host(&HostCaps::NGINX).unwrap_err().to_string();
+    assert!(
+        refused.starts_with("rules[0].key[0]: nginx (ngx_wasm_module) gives a filter no request metadata"),
+        "{refused}"
+    );
+    assert!(c.check_host(&HostCaps::ENVOY).is_ok());
 }

@@ -64,6 +64,8 @@ pub trait Host: CasStore {
     fn request_header(&self, name: &str) -> Option<Vec<u8>>;
     /// The client's address (`source.address`), as the host gives it.
     fn source_address(&self) -> Option<Vec<u8>>;
+    /// A property of the current request by path (segments separated by NUL bytes).
+    fn property(&self, path: &[u8]) -> Option<Vec<u8>>;
     /// A response header (or `:status`) by lower-case name, read in the response callback.
     fn response_header(&self, name: &str) -> Option<Vec<u8>>;
     /// The current chunk of the response body (`size` bytes), read in the body callback.
@@ -109,6 +111,10 @@ impl<H: Host> RequestView for HostRequest<'_, H> {
 
     fn source_address(&self) -> Option<Vec<u8>> {
         self.host.source_address()
+    }
+
+    fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
+        self.host.property(path)
     }
 
     fn authority(&self) -> Option<Vec<u8>> {

@@ -18,6 +18,8 @@ pub struct Options {
     pub concurrency: u32,
     /// HTTP filters between tollgate and the router (e.g. a fault filter to slow requests down).
     pub filters_after: Vec<Value>,
+    /// HTTP filters before tollgate (e.g. one that sets request metadata).
+    pub filters_before: Vec<Value>,
     /// 0: any free port.
     pub port: u16,
     /// Serve the listener through file-based LDS, so that `Envoy::reconfigure` can replace it.
@@ -43,6 +45,7 @@ impl Default for Options {
         Self {
             concurrency: 2,
             filters_after: Vec::new(),
+            filters_before: Vec::new(),
             port: 0,
             lds: false,
             debug_log: false,
@@ -76,7 +79,8 @@ pub fn listener(plugin: &Value, opts: &Options) -> Value {
 }
 
 fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
-    let mut filters = vec![json!({
+    let mut filters = opts.filters_before.clone();
+    filters.push(json!({
         "name": "envoy.filters.http.wasm",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
@@ -99,7 +103,7 @@ fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
                 }
             }
         }
-    })];
+    }));
     filters.extend(opts.filters_after.iter().cloned());
     filters.push(json!({
         "name": "envoy.filters.http.router",

@@ -1,6 +1,6 @@
 //! Which requests a rule applies to, and how its key is built.
 
-use crate::harness::{one_rule, statuses, Client, Envoy};
+use crate::harness::{one_rule, statuses, Client, Envoy, Options};
 use serde_json::json;
 
 #[test]
@@ -86,4 +86,32 @@ fn keys_from_query_path_method_and_host() {
     assert_eq!(send("POST", "/r1", "a.example"), 200);
     assert_eq!(send("GET", "/r2", "a.example"), 200);
     assert_eq!(send("GET", "/r1", "b.example"), 200);
+}
+
+#[test]
+fn a_key_from_request_metadata_another_filter_set() {
+    // header_to_metadata stands for jwt_authn: it moves x-user into metadata auth/sub and
+    // removes the header, so only the metadata can tell the users apart.
+    let to_metadata = json!({
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{"header": "x-user", "remove": true,
+                "on_header_present": {"metadata_namespace": "auth", "key": "sub", "type": "STRING"}}]
+        }
+    });
+    let opts = Options {
+        filters_before: vec![to_metadata],
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "per-subject", "key": ["metadata:auth/sub"],
+            "limit": {"requests": 2, "per": "1h"}}]}),
+        &opts,
+    );
+    let url = envoy.url("/");
+    assert_eq!(statuses(&url, &[("x-user", "alice")], 3), (2, 1));
+    assert_eq!(statuses(&url, &[("x-user", "bob")], 3), (2, 1));
+    // Without the metadata the rule does not apply (missing_key "skip").
+    assert_eq!(statuses(&url, &[], 5), (5, 0));
 }

@@ -125,6 +125,12 @@ impl Host for MockHost {
             name,
         )
     }
+    fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
+        // The metadata a filter before tollgate set: `x-mock-metadata-<last segment>` headers.
+        let last = path.rsplit(|&b| b == 0).next()?;
+        let name = format!("x-mock-metadata-{}", String::from_utf8_lossy(last));
+        self.request_header(&name)
+    }
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
         let chunk = self.0.body_chunk.borrow();
         Some(chunk[..size.min(chunk.len())].to_vec())
