@@ -130,6 +130,27 @@ impl<'a, V: RequestView> Request<'a, V> {
                 .all(|(name, value)| self.view.header(name).as_deref() == Some(value.as_bytes()))
     }
 
+    /// The whole number a header or a metadata value holds (ASCII digits, surrounding spaces
+    /// ignored); `None` if absent or anything else.
+    pub fn number(&self, source: &KeyPart) -> Option<u64> {
+        let value = match source {
+            KeyPart::Header(name) => self.view.header(name),
+            KeyPart::Metadata(path) => self.view.property(path),
+            _ => None,
+        }?;
+        let digits = value.trim_ascii();
+        if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        // All digits but too large for 64 bits: the most there is.
+        Some(
+            std::str::from_utf8(digits)
+                .ok()?
+                .parse()
+                .unwrap_or(u64::MAX),
+        )
+    }
+
     /// The rule's bucket key (see [`crate::key`]). `None` when a part is absent and the rule
     /// skips such requests.
     pub fn key(&self, parts: &[KeyPart], missing: MissingKey) -> Option<KeyBytes> {

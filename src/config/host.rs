@@ -65,6 +65,20 @@ impl Config {
                     .key
                     .iter()
                     .position(|p| matches!(p, KeyPart::Metadata(_)));
+                let from_metadata = rule
+                    .limit_from
+                    .as_ref()
+                    .is_some_and(|f| matches!(f.source, KeyPart::Metadata(_)));
+                if from_metadata {
+                    return Err(err(
+                        format!("rules[{i}].limit_from.metadata"),
+                        format!(
+                            "{} gives a filter no request metadata: take the limit from a header \
+                             that a filter before tollgate sets instead",
+                            host.name
+                        ),
+                    ));
+                }
                 if let Some(j) = metadata {
                     return Err(err(
                         format!("rules[{i}].key[{j}]"),

@@ -124,6 +124,23 @@ pub(super) struct RawRule {
     /// The cost known only after the response: `cost` is then what the request reserves, and
     /// the difference is settled when the response has told its cost (token buckets).
     pub settle: Option<RawSettle>,
+    /// Each key's own limit, from what a trusted filter before tollgate set (a tenant's plan).
+    pub limit_from: Option<RawLimitFrom>,
+}
+
+/// Where a key's own `limit.requests` comes from: a request header or request metadata (Envoy)
+/// that a filter before tollgate set, a whole number kept within 1 – `max`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "LimitFrom"))]
+pub(super) struct RawLimitFrom {
+    /// A request header's whole number.
+    pub header: Option<String>,
+    /// A value of the request's metadata, `NAMESPACE/FIELD[/FIELD…]` (Envoy).
+    pub metadata: Option<String>,
+    /// The most a key may be given.
+    pub max: u64,
 }
 
 /// Where a response's cost comes from: exactly one of `statuses`, `header`, `body_bytes`,

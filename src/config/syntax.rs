@@ -118,7 +118,7 @@ impl<'de> Deserialize<'de> for KeyPart {
 /// The property path of `NAMESPACE/FIELD[/FIELD…]` in the request's dynamic metadata
 /// (`metadata.filter_metadata.NAMESPACE.FIELD…`), segments separated by NUL bytes; `None` if a
 /// segment is empty or holds a NUL.
-fn metadata_path(path: &str) -> Option<Vec<u8>> {
+pub(super) fn metadata_path(path: &str) -> Option<Vec<u8>> {
     let segments: Vec<&str> = path.split('/').collect();
     if segments.len() < 2 || segments.iter().any(|s| s.is_empty() || s.contains('\0')) {
         return None;

@@ -411,6 +411,22 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].cost: leaky_bucket requests cost 1",
         ),
         (
+            r#"{"rules":[{"name":"r","limit_from":{"header":"x-plan","metadata":"a/b","max":9},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].limit_from: give exactly one of header or metadata",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit_from":{"header":"x-plan","max":0},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].limit_from.max: from 1 to",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"fixed_window","limit_from":{"header":"x-plan","max":9},"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].limit_from: only token_bucket rules",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit_from":{"header":"x-plan","max":9},"worker_batch":2,"limit":{"requests":1,"per":"1s"}}]}"#,
+            "rules[0].worker_batch: a rule that settles after the response or takes limits",
+        ),
+        (
             r#"{"rules":[{"name":"r","key":["metadata:auth"],"limit":{"requests":1,"per":"1s"}}]}"#,
             "rules[0].key[0]: invalid metadata path in key part \"metadata:auth\"",
         ),
@@ -629,7 +645,9 @@ fn a_metadata_key_part_is_the_property_path_of_a_dynamic_metadata_field() {
     );
     let refused = c.check_host(&HostCaps::NGINX).unwrap_err().to_string();
     assert!(
-        refused.starts_with("rules[0].key[0]: nginx (ngx_wasm_module) gives a filter no request metadata"),
+        refused.starts_with(
+            "rules[0].key[0]: nginx (ngx_wasm_module) gives a filter no request metadata"
+        ),
         "{refused}"
     );
     assert!(c.check_host(&HostCaps::ENVOY).is_ok());

@@ -32,6 +32,10 @@ impl Engine {
         hold_for_stashes: bool,
     ) -> Option<Outcome> {
         let (config, stash) = (&self.config, &mut self.stash);
+        let limits = inputs
+            .iter()
+            .map(|i| Some(super::limit_of(quota_of(config, i.which)?, i.own_requests)))
+            .collect::<Option<SmallVec<[tollgate_core::Limit; INLINE_RULES]>>>()?;
         let mut results = CheckOutcomes::new();
         let mut checks: SmallVec<[Check; INLINE_RULES]> = SmallVec::new();
         let mut asked: SmallVec<[usize; INLINE_RULES]> = SmallVec::new();
@@ -73,7 +77,7 @@ impl Engine {
                 Lookup::Ask { batch } => {
                     asked.push(n);
                     checks.push(Check {
-                        limit: &quota.limit,
+                        limit: &limits[n],
                         table: &quota.table,
                         slot: input.slot,
                         cost: input.cost,
@@ -171,7 +175,7 @@ impl Engine {
     /// Stats, logs and headers of a decided request.
     pub(super) fn conclude(&mut self, inputs: &[CheckInput], outcome: &Outcome) -> Step {
         // The quota to report: the refusing rule, else the one with the least left.
-        let mut report: Option<(QuotaRef, u64, u64)> = None;
+        let mut report: Option<(QuotaRef, u64, u64, Option<u64>)> = None;
         let mut admitted = Admitted::default();
         for (n, result) in outcome.checks.iter().enumerate() {
             let (input, which) = (&inputs[n], inputs[n].which);
@@ -239,17 +243,21 @@ impl Engine {
                 }
             }
             let refusing = outcome.rejected_by == Some(n);
-            let tighter =
-                report.is_none_or(|(_, r, t)| remaining < r || (remaining == r && reset_secs > t));
+            let tighter = report
+                .is_none_or(|(_, r, t, _)| remaining < r || (remaining == r && reset_secs > t));
             if refusing || (outcome.admitted && tighter) {
-                report = Some((which, remaining, reset_secs));
+                report = Some((which, remaining, reset_secs, input.own_requests));
             }
         }
-        let report = report.map(|(which, remaining, reset_secs)| super::QuotaReport {
-            which,
-            remaining,
-            reset_secs,
-        });
+        let report =
+            report.map(
+                |(which, remaining, reset_secs, own_requests)| super::QuotaReport {
+                    which,
+                    own_requests,
+                    remaining,
+                    reset_secs,
+                },
+            );
         if let (false, Some(r)) = (outcome.admitted, report) {
             return Step::Refuse(Refusal {
                 rule: r.which.rule(),

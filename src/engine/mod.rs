@@ -26,7 +26,9 @@ use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::limiter::INLINE_RULES;
 use tollgate_core::slot::{key_hash, KeyPlacement};
-use tollgate_core::{release, return_stash, CasStore, Hold, SlotId, StashTable};
+use tollgate_core::{
+    release, return_stash, CasStore, Hold, Limit, SlotId, StashTable, TokenBucket,
+};
 
 /// How much longer than the quota call's timeout a request waits for quota: two of the plugin's
 /// 5 ms ticks, so that by then a call that failed has marked its keys (and the failure mode, not a
@@ -83,6 +85,21 @@ pub struct CheckInput {
     pub slot: SlotId,
     pub cost: u64,
     pub enforced: bool,
+    /// The key's own `limit.requests` (`limit_from`), else the rule's.
+    pub own_requests: Option<u64>,
+}
+
+/// The limit a check runs against: its quota's, or a token bucket of the key's own `requests`
+/// (`limit_from`) with the burst scaled alike.
+pub(crate) fn limit_of(quota: &Quota, own_requests: Option<u64>) -> Limit {
+    match (quota.limit, own_requests) {
+        (Limit::TokenBucket(tb), Some(n)) => {
+            let scaled = u128::from(tb.burst()) * u128::from(n) / u128::from(tb.requests());
+            let burst = u64::try_from(scaled).unwrap_or(u64::MAX).max(1);
+            TokenBucket::new(n, tb.period_ns(), burst).map_or(quota.limit, Limit::TokenBucket)
+        }
+        (limit, _) => limit,
+    }
 }
 
 /// A request's checks: on the stack for the usual few rules.
@@ -95,6 +112,8 @@ pub type Holds = SmallVec<[(QuotaRef, Hold); 2]>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuotaReport {
     pub which: QuotaRef,
+    /// The key's own `limit.requests`, stated in place of the rule's.
+    pub own_requests: Option<u64>,
     pub remaining: u64,
     pub reset_secs: u64,
 }
@@ -259,7 +278,22 @@ impl Engine {
                 }
                 Some((j, OverrideAction::Limit(q))) => (QuotaRef::Override(i, j), q),
             };
-            let place = self.placement.hash(&key);
+            // A key's own limit keys its bucket too: a new plan starts a fresh bucket.
+            let own_requests = rule.limit_from.as_ref().and_then(|from| {
+                let n = request.number(&from.source)?;
+                Some(n.clamp(1, from.max))
+            });
+            let place = match own_requests {
+                None => self.placement.hash(&key),
+                Some(n) => {
+                    let mut keyed = key.clone();
+                    crate::key::push_key_part(
+                        &mut keyed,
+                        Some(itoa::Buffer::new().format(n).as_bytes()),
+                    );
+                    self.placement.hash(&keyed)
+                }
+            };
             let key = if rule.global().is_some() {
                 key_hash(&key)
             } else {
@@ -278,7 +312,7 @@ impl Engine {
             // that waiting would not honour.
             let capacity = match rule.global() {
                 Some(g) => Some(g.burst),
-                None => quota.limit.capacity(),
+                None => limit_of(quota, own_requests).capacity(),
             };
             if capacity.is_some_and(|c| cost > c) {
                 if rule.dry_run {
@@ -300,6 +334,7 @@ impl Engine {
                 place,
                 cost,
                 enforced: !rule.dry_run,
+                own_requests,
             });
         }
         None

@@ -14,10 +14,14 @@ impl Engine {
         ) else {
             return;
         };
+        let policy = match report.own_requests {
+            Some(q) => (q, quota.policy.1),
+            None => quota.policy,
+        };
         out.push_quota(
             self.config.rate_limit_headers,
             &rule.name,
-            quota.policy,
+            policy,
             report.remaining,
             report.reset_secs,
         );

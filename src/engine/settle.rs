@@ -14,6 +14,8 @@ pub struct Reservation {
     pub which: QuotaRef,
     pub slot: SlotId,
     pub reserved: u64,
+    /// The key's own `limit.requests` (`limit_from`).
+    pub own_requests: Option<u64>,
 }
 
 /// A request's reservations: inline for one rule.
@@ -48,6 +50,7 @@ impl Engine {
                 which: input.which,
                 slot: input.slot,
                 reserved: input.cost,
+                own_requests: input.own_requests,
             });
         }
     }
@@ -112,7 +115,7 @@ impl Engine {
             let rule = r.which.rule();
             let result = settle(
                 store,
-                &quota.limit,
+                &super::limit_of(quota, r.own_requests),
                 &quota.table,
                 r.slot,
                 (r.reserved, actual),

@@ -66,8 +66,17 @@ impl Engine {
         now: u64,
     ) -> Option<Step> {
         let mut checked: Inputs = Inputs::new();
+        let limits = locals
+            .iter()
+            .map(|i| {
+                Some(super::limit_of(
+                    quota_of(&self.config, i.which)?,
+                    i.own_requests,
+                ))
+            })
+            .collect::<Option<SmallVec<[tollgate_core::Limit; INLINE_RULES]>>>()?;
         let mut checks: SmallVec<[Check; INLINE_RULES]> = SmallVec::new();
-        for input in locals {
+        for (n, input) in locals.iter().enumerate() {
             let stashed = stashed_quota(&self.config, input)
                 .is_some_and(|id| self.stash.holds(id, input.slot, input.cost, now));
             if !input.enforced || stashed {
@@ -75,7 +84,7 @@ impl Engine {
             }
             let quota = quota_of(&self.config, input.which)?;
             checks.push(Check {
-                limit: &quota.limit,
+                limit: &limits[n],
                 table: &quota.table,
                 slot: input.slot,
                 cost: input.cost,
@@ -154,6 +163,7 @@ impl Engine {
             refusal = Some(Refusal {
                 rule,
                 quota: Some(QuotaReport {
+                    own_requests: None,
                     which: QuotaRef::Rule(rule),
                     remaining: grant.remaining,
                     reset_secs: ceil_secs(grant.reset_ms.saturating_mul(1_000_000)),
@@ -185,6 +195,7 @@ impl Engine {
                     .zip(&answer.items)
                     .min_by_key(|(_, grant)| grant.remaining)
                     .map(|(g, grant)| QuotaReport {
+                        own_requests: None,
                         which: QuotaRef::Rule(g.which.rule()),
                         remaining: grant.remaining,
                         reset_secs: ceil_secs(grant.reset_ms.saturating_mul(1_000_000)),

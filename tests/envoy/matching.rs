@@ -115,3 +115,29 @@ fn a_key_from_request_metadata_another_filter_set() {
     // Without the metadata the rule does not apply (missing_key "skip").
     assert_eq!(statuses(&url, &[], 5), (5, 0));
 }
+
+#[test]
+fn each_tenant_gets_its_plans_limit_from_a_header_a_trusted_filter_set() {
+    let envoy = Envoy::start(
+        &json!({"rules": [{"name": "plans", "key": ["header:x-tenant"],
+        "limit": {"requests": 3, "per": "1h"},
+        "limit_from": {"header": "x-plan-requests", "max": 10}}]}),
+    );
+    let url = envoy.url("/");
+    let plan = |tenant: &str, plan: &str, n: usize| {
+        statuses(&url, &[("x-tenant", tenant), ("x-plan-requests", plan)], n)
+    };
+    assert_eq!(plan("small", "2", 4), (2, 2));
+    assert_eq!(plan("big", "8", 10), (8, 2));
+    assert_eq!(plan("greedy", "1000000", 12), (10, 2), "at most max");
+    assert_eq!(
+        statuses(&url, &[("x-tenant", "no-plan")], 5),
+        (3, 2),
+        "the rule's own"
+    );
+    let reply = Client::new().get(&url, &[("x-tenant", "fresh"), ("x-plan-requests", "6")]);
+    assert_eq!(
+        reply.header("ratelimit-policy"),
+        Some("\"plans\";q=6;w=3600")
+    );
+}

@@ -693,3 +693,24 @@ fn failed_logins_and_streamed_usage_settle_after_the_response_in_nginx() {
     assert_eq!(refused.header("retry-after"), Some("18"));
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
+
+#[test]
+fn each_tenant_gets_its_plans_limit_and_metadata_is_refused_in_nginx() {
+    nginx_or_skip!();
+    let rule = json!({"name": "plans", "key": ["header:x-tenant"],
+        "limit": {"requests": 3, "per": "1h"}, "limit_from": {"header": "x-plan", "max": 10}});
+    let nginx = Nginx::start(&json!({"rules": [rule]}));
+    let url = nginx.url("/");
+    assert_eq!(
+        statuses(&url, &[("x-tenant", "big"), ("x-plan", "8")], 10),
+        (8, 2)
+    );
+    assert_eq!(statuses(&url, &[("x-tenant", "none")], 5), (3, 2));
+    drop(nginx);
+    let log = Nginx::expect_refusal(&json!({"rules": [{"name": "m",
+        "key": ["metadata:auth/sub"], "limit": {"requests": 3, "per": "1h"}}]}));
+    assert!(
+        log.contains("rules[0].key[0]: nginx (ngx_wasm_module) gives a filter no request metadata"),
+        "{log}"
+    );
+}

@@ -94,6 +94,16 @@ pub struct Rule {
     pub worker_batch_by_default: bool,
     /// A cost known only after the response: `cost` is the reservation, settled then.
     pub settle: Option<Settle>,
+    /// Each key's own `limit.requests`, from the request (a tenant's plan).
+    pub limit_from: Option<LimitFrom>,
+}
+
+/// Where a key's own limit comes from, and the most it may be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitFrom {
+    /// A `KeyPart::Header` or `KeyPart::Metadata`: where the number is read.
+    pub source: KeyPart,
+    pub max: u64,
 }
 
 /// Where a rule's cost known after the response comes from.
@@ -319,6 +329,20 @@ impl Config {
                 ));
             }
         }
+        for (i, rule) in self.rules.iter().enumerate() {
+            let capacity = rule.quota().and_then(|q| q.limit.capacity());
+            if let (Some(_), Cost::Header { max, .. }, Some(c)) =
+                (&rule.settle, &rule.cost, capacity)
+            {
+                if *max > c {
+                    out.push(format!(
+                        "rules[{i}].cost.max is {max}, more than the bucket holds ({c}): a \
+                         reservation above {c} is refused outright, whatever the response would \
+                         have cost"
+                    ));
+                }
+            }
+        }
         if !self.priorities.classes.is_empty() && !self.rules.iter().any(|r| r.guard().is_some()) {
             out.push(
                 "priorities are set but no rule is an overload rule (\"adaptive\" or \
@@ -347,8 +371,20 @@ impl Config {
                         )
                     }
                 };
+                let settles = match r.settle.as_ref().map(|s| &s.from) {
+                    None => "",
+                    Some(SettleFrom::Statuses(_)) => ", settles by status",
+                    Some(SettleFrom::Header(_)) => ", settles from a response header",
+                    Some(SettleFrom::BodyBytes) => ", settles by body bytes",
+                    Some(SettleFrom::Usage(_)) => ", settles by reported usage",
+                };
+                let plans = if r.limit_from.is_some() {
+                    ", limits from the request"
+                } else {
+                    ""
+                };
                 format!(
-                    "{} ({}, {} slots{}{})",
+                    "{} ({}, {} slots{}{settles}{plans}{})",
                     r.name,
                     match (r.global(), &quota.limit) {
                         (Some(g), Limit::Lease(l)) => format!(

@@ -7,8 +7,9 @@ use crate::config::json::{
     Algorithm, RawCost, RawResponse, RawRule, RawSettle, RawUsage, Scope, UsageCount,
 };
 use crate::config::model::{
-    Cost, KeyPart, Override, OverrideAction, Quota, Rule, RuleKind, Settle, SettleFrom, UsageCost,
-    DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH, MAX_MAX_KEYS, MAX_WORKER_BATCH,
+    Cost, KeyPart, LimitFrom, Override, OverrideAction, Quota, Rule, RuleKind, Settle, SettleFrom,
+    UsageCost, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH, MAX_MAX_KEYS,
+    MAX_WORKER_BATCH,
 };
 use crate::config::syntax::is_token;
 use crate::config::{err, ConfigError};
@@ -82,16 +83,17 @@ impl RawRule {
             "worker_batch",
             "algorithm \"token_bucket\" (no warmup)",
         )?;
-        if self.settle.is_some() && self.worker_batch.is_some_and(|n| n > 0) {
+        let own_buckets = self.settle.is_some() || self.limit_from.is_some();
+        if own_buckets && self.worker_batch.is_some_and(|n| n > 0) {
             return Err(err(
                 format!("{path}.worker_batch"),
-                "a rule that settles after the response takes every reservation from its shared \
-                 bucket: worker_batch must be 0",
+                "a rule that settles after the response or takes limits from the request uses \
+                 its shared bucket for every request: worker_batch must be 0",
             ));
         }
         let worker_batch = match self.worker_batch {
-            // Reservations and settlements go to the shared bucket, where debt is kept.
-            None if self.settle.is_some() => 0,
+            // Reservations, settlements and each key's own limit live in the shared bucket.
+            None if own_buckets => 0,
             Some(n) if n > MAX_WORKER_BATCH => {
                 return Err(err(
                     format!("{path}.worker_batch"),
@@ -153,6 +155,47 @@ impl RawRule {
                     min: h.min,
                     max,
                 }
+            }
+        };
+        let limit_from = match self.limit_from {
+            None => None,
+            Some(raw) => {
+                let at = format!("{path}.limit_from");
+                if !matches!(limit, tollgate_core::Limit::TokenBucket(_)) {
+                    return Err(err(
+                        at,
+                        "only token_bucket rules (without warmup) take limits from the request",
+                    ));
+                }
+                if self.scope == Scope::Global {
+                    return Err(err(at, "not supported on global rules yet"));
+                }
+                if raw.max == 0 || raw.max > tollgate_core::global::lease::MAX_COUNT {
+                    return Err(err(
+                        format!("{at}.max"),
+                        format!("from 1 to {}", tollgate_core::global::lease::MAX_COUNT),
+                    ));
+                }
+                let source = match (raw.header, raw.metadata) {
+                    (Some(h), None) if is_token(&h) => KeyPart::Header(h.to_ascii_lowercase()),
+                    (Some(_), None) => {
+                        return Err(err(format!("{at}.header"), "not a header name"));
+                    }
+                    (None, Some(m)) => match crate::config::syntax::metadata_path(&m) {
+                        Some(p) => KeyPart::Metadata(p),
+                        None => {
+                            return Err(err(
+                                format!("{at}.metadata"),
+                                "expected NAMESPACE/FIELD[/FIELD…]",
+                            ))
+                        }
+                    },
+                    _ => return Err(err(at, "give exactly one of header or metadata")),
+                };
+                Some(LimitFrom {
+                    source,
+                    max: raw.max,
+                })
             }
         };
         let settle = match self.settle {
@@ -258,6 +301,7 @@ impl RawRule {
             worker_batch,
             worker_batch_by_default: self.worker_batch.is_none() && worker_batch > 0,
             settle,
+            limit_from,
         })
     }
 
@@ -290,6 +334,7 @@ impl RawRule {
             worker_batch: 0,
             worker_batch_by_default: false,
             settle: None,
+            limit_from: None,
         })
     }
 }

@@ -366,3 +366,47 @@ fn a_streamed_usage_beyond_the_reservation_is_debt_that_refuses_until_repaid() {
         );
     }
 }
+
+#[test]
+fn each_tenant_gets_the_limit_its_plan_header_says_within_the_maximum() {
+    let config = r#"{"rules":[{"name":"plans","key":["header:x-tenant"],
+        "limit":{"requests":3,"per":"1h"},"limit_from":{"header":"x-plan","max":10}}]}"#;
+    for caps in BOTH {
+        let mut proxy = Proxy::new(caps, config);
+        let mut admitted = |headers: &[(&str, &str)], n: usize| {
+            (0..n)
+                .filter(|_| proxy.request(headers).1 == Action::Continue)
+                .count()
+        };
+        assert_eq!(
+            admitted(&[("x-tenant", "small"), ("x-plan", "2")], 4),
+            2,
+            "{}",
+            caps.name
+        );
+        assert_eq!(
+            admitted(&[("x-tenant", "big"), ("x-plan", " 7 ")], 9),
+            7,
+            "{}",
+            caps.name
+        );
+        // Above the maximum: the maximum. Without a plan: the rule's own limit.
+        assert_eq!(
+            admitted(&[("x-tenant", "greedy"), ("x-plan", "5000")], 12),
+            10
+        );
+        assert_eq!(admitted(&[("x-tenant", "none")], 5), 3);
+        assert_eq!(admitted(&[("x-tenant", "odd"), ("x-plan", "-1")], 5), 3);
+        // A new plan is a fresh bucket.
+        assert_eq!(admitted(&[("x-tenant", "small"), ("x-plan", "4")], 5), 4);
+        // The headers state the tenant's own limit.
+        let (id, _) = proxy.request(&[("x-tenant", "fresh"), ("x-plan", "6")]);
+        proxy.upstream_answers(id, 200);
+        let policy = proxy.response_header(id, "ratelimit-policy");
+        assert!(
+            policy.as_deref().is_some_and(|p| p.contains("q=6")),
+            "{}: {policy:?}",
+            caps.name
+        );
+    }
+}
