@@ -411,6 +411,10 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].cost: leaky_bucket requests cost 1",
         ),
         (
+            r#"{"rules":[{"name":"r","scope":"global","settle":{"usage":"total"},"limit":{"requests":1,"per":"1s"}}],"quota_service":{"upstream":"q","mode":"strict"}}"#,
+            "rules[0].settle: not supported with quota_service.mode \"strict\" yet",
+        ),
+        (
             r#"{"rules":[{"name":"r","limit_from":{"header":"x-plan","metadata":"a/b","max":9},"limit":{"requests":1,"per":"1s"}}]}"#,
             "rules[0].limit_from: give exactly one of header or metadata",
         ),

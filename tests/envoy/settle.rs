@@ -257,3 +257,88 @@ fn a_stream_cut_short_settles_what_it_reported_else_its_reservation() {
     assert!(!cut.contains("usage"), "{cut}");
     assert!(settled(821), "settled {}", envoy.counter("llm", "settled"));
 }
+
+/// Three Envoys sharing one global budget of 10 000 tokens a minute through the quota service,
+/// and 20 concurrent streams spread over them, each reserving `reserve`.
+/// (The quota service is returned too: without it the failure mode would decide.)
+fn global_streams(reserve: &str) -> (Vec<Envoy>, crate::harness::Quota, u64, f64, usize) {
+    let quota = crate::harness::Quota::start(&[]);
+    let app = Upstream::start(&["--capacity", "100"]);
+    let plugin = json!({"rules": [{"name": "llm", "scope": "global", "key": ["header:x-api-key"],
+            "limit": {"requests": 10000, "per": "1m"},
+            "cost": {"header": "x-max-tokens", "default": 500, "max": 2000},
+            "settle": {"usage": "total"}}],
+        "quota_service": {"upstream": "quota", "instances_hint": 3, "lease_size": 2500}});
+    let opts = Options {
+        quota_port: Some(quota.port),
+        app_port: Some(app.port),
+        ..Options::default()
+    };
+    let envoys: Vec<Envoy> = (0..3).map(|_| Envoy::start_with(&plugin, &opts)).collect();
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("/app/llm/chat")).collect();
+    let started = Instant::now();
+    let statuses = parallel(20, |i| {
+        let (input, output) = usage_of(i);
+        let (input, output) = (input.to_string(), output.to_string());
+        let headers = [
+            ("x-api-key", "team-a"),
+            ("x-stream", "1"),
+            ("x-events", "10"),
+            ("x-event-ms", "30"),
+            ("x-usage-input", input.as_str()),
+            ("x-usage-output", output.as_str()),
+            ("x-max-tokens", reserve),
+        ];
+        Client::new().get(&urls[i % 3], &headers).status
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 429),
+        "{statuses:?}"
+    );
+    let admitted: Vec<usize> = (0..20).filter(|&i| statuses[i] == 200).collect();
+    let used = admitted
+        .iter()
+        .map(|&i| usage_of(i).0 + usage_of(i).1)
+        .sum();
+    let settled: u64 = envoys.iter().map(|e| e.counter("llm", "settled")).sum();
+    assert_eq!(settled, used, "settled exactly what the streams reported");
+    drop(app);
+    (envoys, quota, used, seconds, admitted.len())
+}
+
+#[test]
+fn three_envoys_keep_one_global_token_budget_under_concurrent_streams() {
+    let (_envoys, _quota, used, seconds, admitted) = global_streams("2000");
+    let bound = 10_000.0 + 10_000.0 * seconds / 60.0;
+    eprintln!("global: {admitted} of 20 admitted, {used} tokens used in {seconds:.2} s (bound {bound:.0})");
+    assert!(used as f64 <= bound, "{used} > {bound}");
+    assert!(admitted >= 1);
+}
+
+#[test]
+fn three_envoys_with_small_reservations_overshoot_by_their_excess_at_most() {
+    let (envoys, _quota, used, seconds, admitted) = global_streams("300");
+    // Every admitted stream reserved 300: the bound adds their excess over it.
+    let excess: u64 = (0..20)
+        .map(|i| (usage_of(i).0 + usage_of(i).1).saturating_sub(300))
+        .sum();
+    let bound = 10_000.0 + 10_000.0 * seconds / 60.0 + excess as f64;
+    eprintln!("global, reserving 300: {admitted} of 20 admitted, {used} tokens used in {seconds:.2} s (bound {bound:.0})");
+    assert!(used as f64 <= bound, "{used} > {bound}");
+    let charged: u64 = envoys.iter().map(|e| e.counter("llm", "charged")).sum();
+    assert_eq!(
+        charged,
+        used - 300 * admitted as u64,
+        "every excess charged"
+    );
+    // What was used beyond the budget is owed, and repaid from the next leases first: no proxy
+    // admits the key meanwhile.
+    for e in &envoys {
+        let reply = Client::new().get(
+            &e.url("/app/llm/chat"),
+            &[("x-api-key", "team-a"), ("x-max-tokens", "300")],
+        );
+        assert_eq!(reply.status, 429, "{}", reply.body);
+    }
+}

@@ -85,6 +85,12 @@ impl Rule {
                 "not supported on global rules yet",
             ));
         }
+        if self.settle.is_some() && qs.strict {
+            return Err(err(
+                format!("{path}.settle"),
+                "not supported with quota_service.mode \"strict\" yet (lease mode settles)",
+            ));
+        }
         if tb.period_ns() % 1_000_000 != 0 {
             return Err(err(
                 format!("{path}.limit.per"),

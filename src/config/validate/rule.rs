@@ -207,12 +207,6 @@ impl RawRule {
                         "only token_bucket rules (without warmup) settle a cost after the response",
                     ));
                 }
-                if self.scope == Scope::Global {
-                    return Err(err(
-                        format!("{path}.settle"),
-                        "not supported on global rules yet",
-                    ));
-                }
                 Some(raw.validate(&format!("{path}.settle"))?)
             }
         };

@@ -178,6 +178,19 @@ impl Parts {
         u64::try_from(units).unwrap_or(u64::MAX)
     }
 
+    /// Granted and accrued until `end`, less what was spent, in [`UNIT`]s: below 0 when a
+    /// settlement charged more than the lease held (debt, repaid from the next grants).
+    fn balance_units(&self, end_ms: u64) -> i128 {
+        i128::from(self.granted) + i128::from(self.accrued(end_ms))
+            - i128::from(self.spent) * i128::from(UNIT)
+    }
+
+    /// Whole tokens owed: spent beyond what the lease held until `end`.
+    fn owed(&self, end_ms: u64) -> u64 {
+        let units = u128::try_from(-self.balance_units(end_ms)).unwrap_or(0);
+        u64::try_from(units.div_ceil(u128::from(UNIT))).unwrap_or(u64::MAX)
+    }
+
     /// Granted and accrued until `end`, less what was spent, in [`UNIT`]s.
     fn held_units(&self, end_ms: u64) -> u64 {
         self.granted
@@ -364,8 +377,10 @@ impl LeaseAllowance {
             u64::try_from(per_s).unwrap_or(u64::MAX)
         };
         let (known_ms, known_remaining) = self.evidence(&p, now_ms);
+        // What is owed comes out of the next grant first: ask for it on top.
+        let owed = p.owed(p.claim_at(self.claim_ms).map_or(now_ms, |c| c.min(now_ms)));
         Ask {
-            wanted: self.lease_size.saturating_sub(held),
+            wanted: self.lease_size.saturating_sub(held).saturating_add(owed),
             used: p.spent,
             demand_mtps: demand_mtps.min(self.global_rate_mtps),
             known_ms,
@@ -407,10 +422,22 @@ impl LeaseAllowance {
     /// marks the key exhausted until `retry_ms`.
     pub fn grant(&self, state: &State, now_ms: u64, g: &Grant) -> State {
         let p = parts(state);
+        // What the old lease still held carries over while it lives; what it owed (a settlement
+        // charged beyond it) always does, and is repaid from this grant first.
+        let balance = p.balance_units(g.claimed_ms.min(now_ms));
         let carried = if p.live(now_ms) {
-            p.held_units(g.claimed_ms.min(now_ms))
+            balance
         } else {
-            0
+            balance.min(0)
+        };
+        let total = carried + i128::from(g.tokens.saturating_mul(UNIT));
+        let (granted, owed) = if total >= 0 {
+            (u64::try_from(total).unwrap_or(u64::MAX), 0)
+        } else {
+            let tokens = u128::try_from(-total)
+                .unwrap_or(0)
+                .div_ceil(u128::from(UNIT));
+            (0, u64::try_from(tokens).unwrap_or(u64::MAX))
         };
         let nothing = g.tokens == 0 && g.rate_mtps == 0 && g.asked.wanted > 0;
         // Asking again cannot get more: fairness gave less than asked, or it asked for all.
@@ -418,8 +445,8 @@ impl LeaseAllowance {
             && (g.rate_mtps < g.asked.demand_mtps || g.asked.demand_mtps >= self.global_rate_mtps);
         let until = g.claimed_ms.saturating_add(g.ttl_ms);
         encode(&Parts {
-            granted: carried.saturating_add(g.tokens.saturating_mul(UNIT)),
-            spent: 0,
+            granted,
+            spent: owed,
             flags: ANSWERED
                 | if nothing { RAN_DRY | DENIED } else { 0 }
                 | if capped { CAPPED } else { 0 },
@@ -456,6 +483,17 @@ impl LeaseAllowance {
     pub fn is_idle(state: &State, now_ms: u64) -> bool {
         let p = parts(state).unstepped(now_ms);
         !p.live(now_ms) && p.mark <= now_ms
+    }
+
+    /// A request that spent `reserved` turned out to cost `actual`: the difference goes back to
+    /// the allowance, or is spent beyond it (owed, and repaid from the next grants).
+    pub fn settle(state: &State, reserved: u64, actual: u64) -> State {
+        if actual <= reserved {
+            return Self::refund(state, reserved - actual);
+        }
+        let mut p = parts(state);
+        p.spent = p.spent.saturating_add(actual - reserved);
+        encode(&p)
     }
 
     pub fn refund(state: &State, cost: u64) -> State {

@@ -384,3 +384,38 @@ fn refunds_give_back_what_was_spent() {
     assert_eq!(l.allowance(&LeaseAllowance::refund(&spent, 1), T0), 3);
     assert_eq!(l.allowance(&LeaseAllowance::refund(&s, 2), T0), 5);
 }
+
+#[test]
+fn an_excess_settled_beyond_the_lease_is_owed_and_repaid_from_the_next_grants() {
+    let l = lease();
+    let s = l.grant(&[0; 32], T0, &grant(10, 0, T0, 10_000));
+    // A request reserved 4 and used 20: 14 beyond, 10 of them past what the lease held.
+    let s = match l.decide(&s, (T0 + 1) * MS, 4) {
+        Decision::Admit { state, .. } => state,
+        d => panic!("{d:?}"),
+    };
+    let s = LeaseAllowance::settle(&s, 4, 20);
+    assert_eq!(l.allowance(&s, T0 + 2), 0);
+    assert!(!matches!(
+        l.decide(&s, (T0 + 2) * MS, 1),
+        Decision::Admit { .. }
+    ));
+    // The refill asks for the debt on top of a lease.
+    let claimed = match l.decide(&s, (T0 + 2) * MS, 1) {
+        Decision::Wait { claim: Some(c) } => c,
+        d => panic!("{d:?}"),
+    };
+    assert_eq!(l.ask(&claimed, T0 + 3).wanted, 20);
+    // A grant smaller than the debt leaves the rest owed; the next one repays it first.
+    let s = l.grant(&claimed, T0 + 4, &grant(6, 0, T0 + 2, 10_000));
+    assert_eq!(l.allowance(&s, T0 + 5), 0);
+    let s = l.grant(&s, T0 + 6, &grant(10, 0, T0 + 5, 10_000));
+    assert_eq!(l.allowance(&s, T0 + 7), 6);
+    // A debt outlives its lease: an expired lease's tokens are lost, not what it owed.
+    let s = LeaseAllowance::settle(&s, 0, 9);
+    let s = l.grant(&s, T0 + 20_000, &grant(10, 0, T0 + 20_000, 10_000));
+    assert_eq!(l.allowance(&s, T0 + 20_001), 7);
+    // A refund goes back to the allowance.
+    let s = LeaseAllowance::settle(&s, 5, 1);
+    assert_eq!(l.allowance(&s, T0 + 20_002), 11);
+}
