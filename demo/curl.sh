@@ -5,6 +5,8 @@
 #   per-user: 3 requests per 10 s per x-user header on /api/          (local to each Envoy)
 #   search:   6 requests a minute on /search, shared by both Envoys   (global, quota service)
 #   reports:  2 slow requests in flight on /reports, across both Envoys (global concurrency)
+#   llm-tokens: 1 000 tokens a minute per x-user on /llm, reserved then settled from the usage the
+#             (LLM-like) upstream reports at the end of its stream          (local to each Envoy)
 # It first waits (up to a minute) until both Envoys and the quota service are ready, and exits
 # non-zero, saying what failed, if one never is or if a request gets no answer.
 set -uo pipefail
@@ -86,7 +88,30 @@ echo "   (when they end, their slots are free again here at once; the quota serv
 echo "   at the next renewal, so its slots_held below may still count them; a proxy that dies"
 echo "   loses its slots after the quota service's lease term)"
 
-bold "8. Metrics, per rule, at $ADMIN/stats/prometheus (and $ADMIN_B for B)"
+bold "8. A token budget settled from the response: /llm allows frank 1 000 tokens a minute"
+echo "   Each request reserves 400 (x-max-tokens, default 400); the stream's last event says what"
+echo "   it used, and the difference is settled: 300 used gives 100 back, 900 used owes 500."
+llm() {
+  local used=$1 out
+  printf '$ curl -i %s/llm/chat -H "x-user: frank" -H "x-demo-usage: %s"\n' "$URL" "$used"
+  if ! out=$(curl -sS --max-time 10 -o /dev/null -D - -H "x-user: frank" -H "x-demo-usage: $used" \
+      "$URL/llm/chat" 2>&1); then
+    echo "    FAILED: $out"
+    failures=$((failures + 1))
+    return
+  fi
+  printf '%s\n' "$out" | tr -d '\r' | grep -iE '^(HTTP/|ratelimit:|retry-after|x-tollgate-rule)' \
+    | sed 's/^/    /'
+}
+llm 300
+llm 900
+echo "   1 200 used of 1 000: frank owes 200, and his next reservation waits until it is repaid:"
+llm 300
+curl -s "$ADMIN/stats/prometheus" \
+  | grep -E '^tollgate_rule_(reserved|settled|refunded|charged)\{tollgate_rule="llm-tokens"' \
+  | sed 's/^/    A /'
+
+bold "9. Metrics, per rule, at $ADMIN/stats/prometheus (and $ADMIN_B for B)"
 curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)' | sed 's/^/    A /'
 curl -s "$ADMIN_B/stats/prometheus" | grep -E '^tollgate_rule_(allowed|limited)\{tollgate_rule="search"' | sed 's/^/    B /'
 curl -s "$ADMIN/stats/prometheus" | grep -E '^tollgate_quota_(calls|granted)' | sed 's/^/    A /'

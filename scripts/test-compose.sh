@@ -50,6 +50,10 @@ expect 'tollgate_quota_tokens_granted_total 6'
 [ "$(count '    200 from ')" -eq 2 ] || fail "step 7: not 2 reports admitted"
 [ "$(count '    429 from ')" -eq 2 ] || fail "step 7: not 2 reports refused"
 expect 'tollgate_quota_slots_held{rule="reports"'
+# 8: the token budget settled from the stream's usage, then owed.
+expect 'x-tollgate-rule: llm-tokens'
+expect 'tollgate_rule_settled{tollgate_rule="llm-tokens"} 1200'
+expect 'tollgate_rule_charged{tollgate_rule="llm-tokens"} 500'
 expect 'tollgate_rule_limited{tollgate_rule="per-ip"} 1'
 echo "test-compose: the walk-through: every step as expected"
 

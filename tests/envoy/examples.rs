@@ -255,6 +255,10 @@ fn demo_runs_end_to_end() {
         "tollgate_quota_tokens_granted_total 6",
         // Global concurrency: 2 of 4 slow reports at once across both Envoys.
         "tollgate_quota_slots_held{rule=\"reports\"",
+        // The token budget: settled from the stream, then owed.
+        "x-tollgate-rule: llm-tokens",
+        "tollgate_rule_settled{tollgate_rule=\"llm-tokens\"} 1200",
+        "tollgate_rule_charged{tollgate_rule=\"llm-tokens\"} 500",
     ] {
         assert!(
             text.contains(needle),
