@@ -278,11 +278,16 @@ impl Engine {
                 }
                 Some((j, OverrideAction::Limit(q))) => (QuotaRef::Override(i, j), q),
             };
-            // A key's own limit keys its bucket too: a new plan starts a fresh bucket.
-            let own_requests = rule.limit_from.as_ref().and_then(|from| {
-                let n = request.number(&from.source)?;
-                Some(n.clamp(1, from.max))
-            });
+            // A key's own limit keys its bucket too: a new plan starts a fresh bucket. An
+            // override's own limit comes first.
+            let own_requests = rule
+                .limit_from
+                .as_ref()
+                .filter(|_| matches!(which, QuotaRef::Rule(_)))
+                .and_then(|from| {
+                    let n = request.number(&from.source)?;
+                    Some(n.clamp(1, from.max))
+                });
             let place = match own_requests {
                 None => self.placement.hash(&key),
                 Some(n) => {

@@ -410,3 +410,18 @@ fn each_tenant_gets_the_limit_its_plan_header_says_within_the_maximum() {
         );
     }
 }
+
+#[test]
+fn an_overrides_own_limit_comes_before_a_plan_from_the_request() {
+    let config = r#"{"rules":[{"name":"plans","key":["header:x-tenant"],
+        "limit":{"requests":3,"per":"1h"},"limit_from":{"header":"x-plan","max":10},
+        "overrides":[{"values":["vip"],"limit":{"requests":1,"per":"1h"}}]}]}"#;
+    let mut proxy = Proxy::new(HostCaps::ENVOY, config);
+    let vip = [("x-tenant", "vip"), ("x-plan", "8")];
+    assert_eq!(proxy.request(&vip).1, Action::Continue);
+    assert_eq!(
+        proxy.request(&vip).1,
+        Action::Pause,
+        "the override's 1 an hour"
+    );
+}
