@@ -133,12 +133,17 @@ impl<'a, V: RequestView> Request<'a, V> {
     /// The whole number a header or a metadata value holds (ASCII digits, surrounding spaces
     /// ignored); `None` if absent or anything else.
     pub fn number(&self, source: &KeyPart) -> Option<u64> {
-        let value = match source {
-            KeyPart::Header(name) => self.view.header(name),
-            KeyPart::Metadata(path) => self.view.property(path),
-            _ => None,
-        }?;
+        let (value, metadata) = match source {
+            KeyPart::Header(name) => (self.view.header(name)?, false),
+            KeyPart::Metadata(path) => (self.view.property(path)?, true),
+            _ => return None,
+        };
         let digits = value.trim_ascii();
+        // A metadata number (not a string) comes as the 8 bytes of a little-endian double.
+        if metadata && !digits.iter().all(u8::is_ascii_digit) {
+            let n = f64::from_le_bytes(<[u8; 8]>::try_from(&value[..]).ok()?);
+            return (n.is_finite() && n >= 0.0 && n.fract() == 0.0).then_some(n as u64);
+        }
         if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
             return None;
         }

@@ -79,6 +79,21 @@ impl Config {
                         ),
                     ));
                 }
+                let fair = rule.guard().and_then(|g| {
+                    g.fair_key
+                        .iter()
+                        .position(|p| matches!(p, KeyPart::Metadata(_)))
+                });
+                if let Some(j) = fair {
+                    return Err(err(
+                        format!("rules[{i}].adaptive.fair_key[{j}]"),
+                        format!(
+                            "{} gives a filter no request metadata: key on a header that a filter \
+                             before tollgate sets instead",
+                            host.name
+                        ),
+                    ));
+                }
                 if let Some(j) = metadata {
                     return Err(err(
                         format!("rules[{i}].key[{j}]"),

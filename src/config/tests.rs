@@ -415,6 +415,14 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].settle: not supported with quota_service.mode \"strict\" yet",
         ),
         (
+            r#"{"rules":[{"name":"r","algorithm":"adaptive","limit_from":{"header":"x-plan","max":9}}]}"#,
+            "rules[0].limit_from: only applies to token_bucket rules, not to overload rules",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"sre_throttle","settle":{"statuses":[401]}}]}"#,
+            "rules[0].settle: only applies to token_bucket rules, not to overload rules",
+        ),
+        (
             r#"{"rules":[{"name":"r","limit_from":{"header":"x-plan","metadata":"a/b","max":9},"limit":{"requests":1,"per":"1s"}}]}"#,
             "rules[0].limit_from: give exactly one of header or metadata",
         ),
@@ -655,4 +663,13 @@ fn a_metadata_key_part_is_the_property_path_of_a_dynamic_metadata_field() {
         "{refused}"
     );
     assert!(c.check_host(&HostCaps::ENVOY).is_ok());
+    let fair = parse(
+        r#"{"rules":[{"name":"a","algorithm":"adaptive","adaptive":{"fair_key":["metadata:a/b"]}}]}"#,
+    )
+    .unwrap();
+    let refused = fair.check_host(&HostCaps::NGINX).unwrap_err().to_string();
+    assert!(
+        refused.starts_with("rules[0].adaptive.fair_key[0]: nginx (ngx_wasm_module)"),
+        "{refused}"
+    );
 }

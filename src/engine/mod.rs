@@ -26,9 +26,7 @@ use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::limiter::INLINE_RULES;
 use tollgate_core::slot::{key_hash, KeyPlacement};
-use tollgate_core::{
-    release, return_stash, CasStore, Hold, Limit, SlotId, StashTable, TokenBucket,
-};
+use tollgate_core::{release, return_stash, CasStore, Hold, Limit, SlotId, StashTable};
 
 /// How much longer than the quota call's timeout a request waits for quota: two of the plugin's
 /// 5 ms ticks, so that by then a call that failed has marked its keys (and the failure mode, not a
@@ -92,14 +90,7 @@ pub struct CheckInput {
 /// The limit a check runs against: its quota's, or a token bucket of the key's own `requests`
 /// (`limit_from`) with the burst scaled alike.
 pub(crate) fn limit_of(quota: &Quota, own_requests: Option<u64>) -> Limit {
-    match (quota.limit, own_requests) {
-        (Limit::TokenBucket(tb), Some(n)) => {
-            let scaled = u128::from(tb.burst()) * u128::from(n) / u128::from(tb.requests());
-            let burst = u64::try_from(scaled).unwrap_or(u64::MAX).max(1);
-            TokenBucket::new(n, tb.period_ns(), burst).map_or(quota.limit, Limit::TokenBucket)
-        }
-        (limit, _) => limit,
-    }
+    quota.limit_for(own_requests)
 }
 
 /// A request's checks: on the stack for the usual few rules.

@@ -141,3 +141,40 @@ fn each_tenant_gets_its_plans_limit_from_a_header_a_trusted_filter_set() {
         Some("\"plans\";q=6;w=3600")
     );
 }
+
+#[test]
+fn a_plan_from_request_metadata_is_read_as_a_string_or_a_number() {
+    // header_to_metadata stands for an authentication filter: one plan as a string, one as a
+    // number (as a JWT claim `"plan": 3` would be).
+    let to_metadata = json!({
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [
+                {"header": "x-plan-string", "remove": true,
+                 "on_header_present": {"metadata_namespace": "auth", "key": "plan", "type": "STRING"}},
+                {"header": "x-plan-number", "remove": true,
+                 "on_header_present": {"metadata_namespace": "auth", "key": "plan", "type": "NUMBER"}}
+            ]
+        }
+    });
+    let opts = Options {
+        filters_before: vec![to_metadata],
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "plans", "key": ["header:x-tenant"],
+            "limit": {"requests": 10, "per": "1h"},
+            "limit_from": {"metadata": "auth/plan", "max": 100}}]}),
+        &opts,
+    );
+    let url = envoy.url("/");
+    assert_eq!(
+        statuses(&url, &[("x-tenant", "s"), ("x-plan-string", "3")], 5),
+        (3, 2)
+    );
+    assert_eq!(
+        statuses(&url, &[("x-tenant", "n"), ("x-plan-number", "4")], 6),
+        (4, 2)
+    );
+}

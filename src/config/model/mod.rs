@@ -330,7 +330,11 @@ impl Config {
             }
         }
         for (i, rule) in self.rules.iter().enumerate() {
-            let capacity = rule.quota().and_then(|q| q.limit.capacity());
+            // With plans from the request, the largest plan's bucket.
+            let capacity = rule.quota().and_then(|q| {
+                let most = rule.limit_from.as_ref().map(|f| f.max);
+                q.limit_for(most).capacity()
+            });
             if let (Some(_), Cost::Header { max, .. }, Some(c)) =
                 (&rule.settle, &rule.cost, capacity)
             {
@@ -454,6 +458,20 @@ impl Rule {
 }
 
 impl Quota {
+    /// The limit for a key with its own `requests` (`limit_from`): a token bucket of that rate,
+    /// its burst scaled alike (at least 1); otherwise the quota's.
+    pub fn limit_for(&self, own_requests: Option<u64>) -> Limit {
+        match (self.limit, own_requests) {
+            (Limit::TokenBucket(tb), Some(n)) => {
+                let scaled = u128::from(tb.burst()) * u128::from(n) / u128::from(tb.requests());
+                let burst = u64::try_from(scaled).unwrap_or(u64::MAX).max(1);
+                tollgate_core::TokenBucket::new(n, tb.period_ns(), burst)
+                    .map_or(self.limit, Limit::TokenBucket)
+            }
+            (limit, _) => limit,
+        }
+    }
+
     /// `owner` names the slots (a rule, or a rule's override); the name carries the limit's
     /// parameters: a reload that keeps them keeps the state, one that changes them starts fresh.
     pub fn new(limit: Limit, owner: &str, max_keys: u32) -> Self {

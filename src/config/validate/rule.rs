@@ -301,6 +301,17 @@ impl RawRule {
 
     /// An adaptive or sre_throttle rule.
     pub(super) fn validate_guard(self, path: &str, dry_run_all: bool) -> Result<Rule, ConfigError> {
+        for (given, field) in [
+            (self.settle.is_some(), "settle"),
+            (self.limit_from.is_some(), "limit_from"),
+        ] {
+            if given {
+                return Err(err(
+                    format!("{path}.{field}"),
+                    "only applies to token_bucket rules, not to overload rules",
+                ));
+            }
+        }
         let guard = self.guard(path, self.algorithm == Algorithm::Adaptive)?;
         let matcher = self.matcher.validate(&format!("{path}.match"))?;
         check_key(&self.key, path)?;
