@@ -57,54 +57,44 @@ impl Config {
         }
     }
 
+    /// Refuse request metadata (a plan, a fair key's part, a key part) on a host without it.
+    fn check_no_metadata(&self, host: &HostCaps) -> Result<(), ConfigError> {
+        let is_metadata = |p: &KeyPart| matches!(p, KeyPart::Metadata(_));
+        for (i, rule) in self.rules.iter().enumerate() {
+            let fair = rule.guard().map_or(&[][..], |g| &g.fair_key[..]);
+            let found = if rule
+                .limit_from
+                .as_ref()
+                .is_some_and(|f| is_metadata(&f.source))
+            {
+                Some((
+                    format!("rules[{i}].limit_from.metadata"),
+                    "take the limit from",
+                ))
+            } else if let Some(j) = fair.iter().position(is_metadata) {
+                Some((format!("rules[{i}].adaptive.fair_key[{j}]"), "key on"))
+            } else {
+                let j = rule.key.iter().position(is_metadata);
+                j.map(|j| (format!("rules[{i}].key[{j}]"), "key on"))
+            };
+            if let Some((field, instead)) = found {
+                return Err(err(
+                    field,
+                    format!(
+                        "{} gives a filter no request metadata: {instead} a header that a filter \
+                         before tollgate sets instead",
+                        host.name
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Refuse options `host` cannot carry out, with the field named as a parse error names it.
     pub fn check_host(&self, host: &HostCaps) -> Result<(), ConfigError> {
         if !host.request_metadata {
-            for (i, rule) in self.rules.iter().enumerate() {
-                let metadata = rule
-                    .key
-                    .iter()
-                    .position(|p| matches!(p, KeyPart::Metadata(_)));
-                let from_metadata = rule
-                    .limit_from
-                    .as_ref()
-                    .is_some_and(|f| matches!(f.source, KeyPart::Metadata(_)));
-                if from_metadata {
-                    return Err(err(
-                        format!("rules[{i}].limit_from.metadata"),
-                        format!(
-                            "{} gives a filter no request metadata: take the limit from a header \
-                             that a filter before tollgate sets instead",
-                            host.name
-                        ),
-                    ));
-                }
-                let fair = rule.guard().and_then(|g| {
-                    g.fair_key
-                        .iter()
-                        .position(|p| matches!(p, KeyPart::Metadata(_)))
-                });
-                if let Some(j) = fair {
-                    return Err(err(
-                        format!("rules[{i}].adaptive.fair_key[{j}]"),
-                        format!(
-                            "{} gives a filter no request metadata: key on a header that a filter \
-                             before tollgate sets instead",
-                            host.name
-                        ),
-                    ));
-                }
-                if let Some(j) = metadata {
-                    return Err(err(
-                        format!("rules[{i}].key[{j}]"),
-                        format!(
-                            "{} gives a filter no request metadata: key on a header that a filter \
-                             before tollgate sets instead",
-                            host.name
-                        ),
-                    ));
-                }
-            }
+            self.check_no_metadata(host)?;
         }
         if !host.resume_from_timer {
             if let Some(i) = self.rules.iter().position(|r| r.delays()) {
