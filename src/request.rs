@@ -138,22 +138,12 @@ impl<'a, V: RequestView> Request<'a, V> {
             KeyPart::Metadata(path) => (self.view.property(path)?, true),
             _ => return None,
         };
-        let digits = value.trim_ascii();
         // A metadata number (not a string) comes as the 8 bytes of a little-endian double.
-        if metadata && !digits.iter().all(u8::is_ascii_digit) {
+        if metadata && !value.trim_ascii().iter().all(u8::is_ascii_digit) {
             let n = f64::from_le_bytes(<[u8; 8]>::try_from(&value[..]).ok()?);
             return (n.is_finite() && n >= 0.0 && n.fract() == 0.0).then_some(n as u64);
         }
-        if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        // All digits but too large for 64 bits: the most there is.
-        Some(
-            std::str::from_utf8(digits)
-                .ok()?
-                .parse()
-                .unwrap_or(u64::MAX),
-        )
+        whole_number(&value)
     }
 
     /// The rule's bucket key (see [`crate::key`]). `None` when a part is absent and the rule
@@ -278,11 +268,17 @@ fn form_decode(input: &[u8]) -> Vec<u8> {
 /// ignored) kept within `min..=max` — a number too large for 64 bits is above any `max` — else
 /// `default`.
 pub fn header_cost(value: Option<&[u8]>, default: u64, min: u64, max: u64) -> u64 {
-    let Some(digits) = value.map(<[u8]>::trim_ascii) else {
-        return default;
-    };
+    value
+        .and_then(whole_number)
+        .map_or(default, |n| n.clamp(min, max))
+}
+
+/// A whole number: ASCII digits, surrounding whitespace ignored; one too large for 64 bits is
+/// `u64::MAX`. `None` for anything else (empty, a sign, a fraction, other bytes).
+pub fn whole_number(value: &[u8]) -> Option<u64> {
+    let digits = value.trim_ascii();
     if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-        return default;
+        return None;
     }
     let mut n: u64 = 0;
     for &d in digits {
@@ -291,10 +287,10 @@ pub fn header_cost(value: Option<&[u8]>, default: u64, min: u64, max: u64) -> u6
             .and_then(|n| n.checked_add(u64::from(d - b'0')))
         {
             Some(next) => n = next,
-            None => return max,
+            None => return Some(u64::MAX),
         }
     }
-    n.clamp(min, max)
+    Some(n)
 }
 
 #[cfg(test)]

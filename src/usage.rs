@@ -148,7 +148,6 @@ impl UsageReader {
                     let mut kept = std::mem::take(&mut self.kept);
                     kept.extend_from_slice(line);
                     self.line(&kept);
-                    kept.clear();
                     self.kept = kept;
                 }
             }

@@ -34,7 +34,7 @@ impl Engine {
         let (config, stash) = (&self.config, &mut self.stash);
         let limits = inputs
             .iter()
-            .map(|i| Some(super::limit_of(quota_of(config, i.which)?, i.own_requests)))
+            .map(|i| Some(quota_of(config, i.which)?.limit_for(i.own_requests)))
             .collect::<Option<SmallVec<[tollgate_core::Limit; INLINE_RULES]>>>()?;
         let mut results = CheckOutcomes::new();
         let mut checks: SmallVec<[Check; INLINE_RULES]> = SmallVec::new();

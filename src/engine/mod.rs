@@ -26,7 +26,7 @@ use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::limiter::INLINE_RULES;
 use tollgate_core::slot::{key_hash, KeyPlacement};
-use tollgate_core::{release, return_stash, CasStore, Hold, Limit, SlotId, StashTable};
+use tollgate_core::{release, return_stash, CasStore, Hold, SlotId, StashTable};
 
 /// How much longer than the quota call's timeout a request waits for quota: two of the plugin's
 /// 5 ms ticks, so that by then a call that failed has marked its keys (and the failure mode, not a
@@ -85,12 +85,6 @@ pub struct CheckInput {
     pub enforced: bool,
     /// The key's own `limit.requests` (`limit_from`), else the rule's.
     pub own_requests: Option<u64>,
-}
-
-/// The limit a check runs against: its quota's, or a token bucket of the key's own `requests`
-/// (`limit_from`) with the burst scaled alike.
-pub(crate) fn limit_of(quota: &Quota, own_requests: Option<u64>) -> Limit {
-    quota.limit_for(own_requests)
 }
 
 /// A request's checks: on the stack for the usual few rules.
@@ -308,7 +302,7 @@ impl Engine {
             // that waiting would not honour.
             let capacity = match rule.global() {
                 Some(g) => Some(g.burst),
-                None => limit_of(quota, own_requests).capacity(),
+                None => quota.limit_for(own_requests).capacity(),
             };
             if capacity.is_some_and(|c| cost > c) {
                 if rule.dry_run {

@@ -115,7 +115,7 @@ impl Engine {
             let rule = r.which.rule();
             let result = settle(
                 store,
-                &super::limit_of(quota, r.own_requests),
+                &quota.limit_for(r.own_requests),
                 &quota.table,
                 r.slot,
                 (r.reserved, actual),

@@ -68,12 +68,7 @@ impl Engine {
         let mut checked: Inputs = Inputs::new();
         let limits = locals
             .iter()
-            .map(|i| {
-                Some(super::limit_of(
-                    quota_of(&self.config, i.which)?,
-                    i.own_requests,
-                ))
-            })
+            .map(|i| Some(quota_of(&self.config, i.which)?.limit_for(i.own_requests)))
             .collect::<Option<SmallVec<[tollgate_core::Limit; INLINE_RULES]>>>()?;
         let mut checks: SmallVec<[Check; INLINE_RULES]> = SmallVec::new();
         for (n, input) in locals.iter().enumerate() {

@@ -247,34 +247,37 @@ impl<H: Host> Stream<H> {
 
     pub fn on_response_headers(&mut self) -> Action {
         self.take_resumed();
-        if let (Some(report), Some(plugin)) = (self.report.take(), &self.plugin) {
+        let Some(plugin) = self.plugin.clone() else {
+            return Action::Continue;
+        };
+        if let Some(report) = self.report.take() {
             plugin.add_quota_headers(report);
         }
+        // The status, read once, for whichever needs it.
+        let learns = !self.seats.is_empty() && self.forwarded;
+        let status = (learns || !self.reservations.is_empty())
+            .then(|| {
+                let status = plugin.host.response_header(":status")?;
+                std::str::from_utf8(&status).ok()?.trim().parse().ok()
+            })
+            .flatten();
         if !self.reservations.is_empty() {
-            if let Some(plugin) = self.plugin.clone() {
-                self.note_response(&plugin);
-            }
+            self.note_response(&plugin, status);
         }
         if !self.seats.is_empty() {
-            if let Some(plugin) = self.plugin.clone() {
-                self.learn(&plugin);
-            }
+            self.learn(&plugin, status);
         }
         Action::Continue
     }
 
-    /// The upstream answered (or, if the request was never let through, this filter did): the
-    /// overload rules learn from the answer.
-    fn learn(&mut self, plugin: &Plugin<H>) {
+    /// The upstream answered with `status` (or, if the request was never let through, this
+    /// filter did): the overload rules learn from the answer.
+    fn learn(&mut self, plugin: &Plugin<H>, status: Option<u32>) {
         if !self.forwarded {
             self.give_up_seats(plugin);
             return;
         }
         let now = plugin.host.now_ns().unwrap_or(0);
-        let status = plugin
-            .host
-            .response_header(":status")
-            .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse().ok());
         let seats = std::mem::take(&mut self.seats);
         plugin
             .engine
@@ -312,12 +315,10 @@ impl<H: Host> Stream<H> {
         }
     }
 
-    /// What the response's headers say of the cost its reservations settle.
-    fn note_response(&mut self, plugin: &Plugin<H>) {
-        self.seen.status = plugin
-            .host
-            .response_header(":status")
-            .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse().ok());
+    /// What the response's headers (its `status` among them) say of the cost its reservations
+    /// settle.
+    fn note_response(&mut self, plugin: &Plugin<H>, status: Option<u32>) {
+        self.seen.status = status;
         let engine = plugin.engine.borrow();
         self.seen.headers = self
             .reservations

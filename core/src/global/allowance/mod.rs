@@ -193,9 +193,7 @@ impl Parts {
 
     /// Granted and accrued until `end`, less what was spent, in [`UNIT`]s.
     fn held_units(&self, end_ms: u64) -> u64 {
-        self.granted
-            .saturating_add(self.accrued(end_ms))
-            .saturating_sub(self.spent.saturating_mul(UNIT))
+        u64::try_from(self.balance_units(end_ms).max(0)).unwrap_or(u64::MAX)
     }
 
     /// Whole tokens that may be spent now.
