@@ -113,6 +113,44 @@ fn usage_of(i: usize) -> (u64, u64) {
     (total / 4, total - total / 4)
 }
 
+/// 20 concurrent streams of one key (`usage_of` tokens each), spread over `urls`, each reserving
+/// `reserve` (none: the rule's default): the ones admitted, the tokens they used, and the seconds
+/// the run took. Every stream is admitted whole (with its usage) or refused.
+fn send_streams(urls: &[String], reserve: Option<&str>) -> (Vec<usize>, u64, f64) {
+    let started = Instant::now();
+    let statuses = parallel(20, |i| {
+        let (input, output) = usage_of(i);
+        let (input, output) = (input.to_string(), output.to_string());
+        let mut headers = vec![
+            ("x-api-key", "team-a"),
+            ("x-stream", "1"),
+            ("x-events", "10"),
+            ("x-event-ms", "30"),
+            ("x-usage-input", input.as_str()),
+            ("x-usage-output", output.as_str()),
+        ];
+        if let Some(r) = reserve {
+            headers.push(("x-max-tokens", r));
+        }
+        let reply = Client::new().get(&urls[i % urls.len()], &headers);
+        if reply.status == 200 {
+            assert!(reply.body.contains("total_tokens"), "{}", reply.body);
+        }
+        reply.status
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 429),
+        "{statuses:?}"
+    );
+    let admitted: Vec<usize> = (0..20).filter(|&i| statuses[i] == 200).collect();
+    let used = admitted
+        .iter()
+        .map(|&i| usage_of(i).0 + usage_of(i).1)
+        .sum();
+    (admitted, used, seconds)
+}
+
 /// 20 concurrent streams of one key against 10 000 tokens a minute, each reserving `reserve`
 /// (none: the rule's default of 500): what was admitted, the tokens they used, and the seconds
 /// the run took.
@@ -129,38 +167,7 @@ fn concurrent_streams(reserve: Option<&str>) -> (Envoy, Vec<usize>, u64, f64) {
             "settle": {"usage": "total"}}]}),
         &opts,
     );
-    let url = envoy.url("/app/llm/chat");
-    let started = Instant::now();
-    let statuses = parallel(20, |i| {
-        let (input, output) = usage_of(i);
-        let (input, output) = (input.to_string(), output.to_string());
-        let mut headers = vec![
-            ("x-api-key", "team-a"),
-            ("x-stream", "1"),
-            ("x-events", "10"),
-            ("x-event-ms", "30"),
-            ("x-usage-input", input.as_str()),
-            ("x-usage-output", output.as_str()),
-        ];
-        if let Some(r) = reserve {
-            headers.push(("x-max-tokens", r));
-        }
-        let reply = Client::new().get(&url, &headers);
-        if reply.status == 200 {
-            assert!(reply.body.contains("total_tokens"), "{}", reply.body);
-        }
-        reply.status
-    });
-    let seconds = started.elapsed().as_secs_f64();
-    let admitted: Vec<usize> = (0..20).filter(|&i| statuses[i] == 200).collect();
-    assert!(
-        statuses.iter().all(|&s| s == 200 || s == 429),
-        "{statuses:?}"
-    );
-    let used = admitted
-        .iter()
-        .map(|&i| usage_of(i).0 + usage_of(i).1)
-        .sum();
+    let (admitted, used, seconds) = send_streams(&[envoy.url("/app/llm/chat")], reserve);
     drop(app);
     (envoy, admitted, used, seconds)
 }
@@ -276,31 +283,7 @@ fn global_streams(reserve: &str) -> (Vec<Envoy>, crate::harness::Quota, u64, f64
     };
     let envoys: Vec<Envoy> = (0..3).map(|_| Envoy::start_with(&plugin, &opts)).collect();
     let urls: Vec<String> = envoys.iter().map(|e| e.url("/app/llm/chat")).collect();
-    let started = Instant::now();
-    let statuses = parallel(20, |i| {
-        let (input, output) = usage_of(i);
-        let (input, output) = (input.to_string(), output.to_string());
-        let headers = [
-            ("x-api-key", "team-a"),
-            ("x-stream", "1"),
-            ("x-events", "10"),
-            ("x-event-ms", "30"),
-            ("x-usage-input", input.as_str()),
-            ("x-usage-output", output.as_str()),
-            ("x-max-tokens", reserve),
-        ];
-        Client::new().get(&urls[i % 3], &headers).status
-    });
-    let seconds = started.elapsed().as_secs_f64();
-    assert!(
-        statuses.iter().all(|&s| s == 200 || s == 429),
-        "{statuses:?}"
-    );
-    let admitted: Vec<usize> = (0..20).filter(|&i| statuses[i] == 200).collect();
-    let used = admitted
-        .iter()
-        .map(|&i| usage_of(i).0 + usage_of(i).1)
-        .sum();
+    let (admitted, used, seconds) = send_streams(&urls, Some(reserve));
     let settled: u64 = envoys.iter().map(|e| e.counter("llm", "settled")).sum();
     assert_eq!(settled, used, "settled exactly what the streams reported");
     drop(app);
