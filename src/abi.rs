@@ -16,6 +16,7 @@ pub const LOG_WARN: u32 = 3;
 pub const LOG_ERROR: u32 = 4;
 pub const LOG_CRITICAL: u32 = 5;
 
+pub const BUFFER_HTTP_REQUEST_BODY: u32 = 0;
 pub const BUFFER_HTTP_RESPONSE_BODY: u32 = 1;
 pub const BUFFER_HTTP_CALL_RESPONSE_BODY: u32 = 4;
 pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;

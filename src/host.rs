@@ -102,6 +102,18 @@ fn response_body(size: usize) -> Option<Vec<u8>> {
     .flatten()
 }
 
+/// The request body buffered so far (its first `size` bytes), read in the body callback.
+fn request_body(size: usize) -> Option<Vec<u8>> {
+    returned(|data, out_size| {
+        // SAFETY: out-pointers valid for one write each.
+        unsafe {
+            abi::proxy_get_buffer_bytes(abi::BUFFER_HTTP_REQUEST_BODY, 0, size, data, out_size)
+        }
+    })
+    .ok()
+    .flatten()
+}
+
 /// The body of the answer to an HTTP call, read in its response callback.
 fn call_response_body(size: usize) -> Option<Vec<u8>> {
     returned(|data, out_size| {
@@ -345,6 +357,9 @@ impl Host for WasmHost {
     }
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
         response_body(size)
+    }
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        request_body(size)
     }
     fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status> {
         add_response_header(name, value)

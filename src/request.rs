@@ -5,6 +5,7 @@
 use crate::config::{KeyPart, Match, MissingKey, PathMatch};
 use crate::key::{push_key_part, KeyBytes};
 use crate::network::ClientIp;
+use crate::request_body::RequestBody;
 use std::cell::OnceCell;
 use std::net::{IpAddr, SocketAddr};
 
@@ -32,6 +33,8 @@ pub struct Request<'a, V: RequestView> {
     method: OnceCell<Option<Vec<u8>>>,
     host: OnceCell<Option<Vec<u8>>>,
     client_ip: OnceCell<Option<Vec<u8>>>,
+    /// Its JSON body, where a rule reads it and the host buffered it.
+    body: Option<&'a RequestBody>,
 }
 
 impl<'a, V: RequestView> Request<'a, V> {
@@ -43,7 +46,18 @@ impl<'a, V: RequestView> Request<'a, V> {
             method: OnceCell::new(),
             host: OnceCell::new(),
             client_ip: OnceCell::new(),
+            body: None,
         }
+    }
+
+    /// The request with its buffered body.
+    pub fn with_body(mut self, body: Option<&'a RequestBody>) -> Self {
+        self.body = body;
+        self
+    }
+
+    pub fn body(&self) -> Option<&RequestBody> {
+        self.body
     }
 
     pub fn view(&self) -> &V {
@@ -167,6 +181,10 @@ impl<'a, V: RequestView> Request<'a, V> {
                 }
                 KeyPart::Metadata(path) => {
                     owned = self.view.property(path);
+                    owned.as_deref()
+                }
+                KeyPart::Body(path) => {
+                    owned = self.body.and_then(|b| b.text(path));
                     owned.as_deref()
                 }
             };

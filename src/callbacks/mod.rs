@@ -59,14 +59,14 @@ pub extern "C" fn proxy_on_tick(root_id: u32) {
 pub extern "C" fn proxy_on_request_headers(
     context_id: u32,
     _num_headers: usize,
-    _end_of_stream: u32,
+    end_of_stream: u32,
 ) -> u32 {
     #[cfg(feature = "probe")]
     let _t = crate::probe::start("request");
     // What a timer adds of its own: subtracted by the benchmark report.
     #[cfg(feature = "probe")]
     drop(crate::probe::start("timer"));
-    action(CONTEXTS.with(|c| c.request_headers(context_id)))
+    action(CONTEXTS.with(|c| c.request_headers(context_id, end_of_stream != 0)))
 }
 
 #[no_mangle]
@@ -78,6 +78,11 @@ pub extern "C" fn proxy_on_response_headers(
     #[cfg(feature = "probe")]
     let _t = crate::probe::start("response");
     action(CONTEXTS.with(|c| c.response_headers(context_id)))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_request_body(context_id: u32, size: usize, end: u32) -> u32 {
+    action(CONTEXTS.with(|c| c.request_body(context_id, size, end != 0)))
 }
 
 #[no_mangle]
@@ -117,11 +122,6 @@ pub extern "C" fn proxy_on_http_call_response(
 // Callbacks tollgate has no use for. ngx_wasm_module calls some of them without checking that
 // the module exports them (a missing `proxy_on_response_body` crashes the nginx worker), so
 // every HTTP callback is exported and lets the stream go on.
-
-#[no_mangle]
-pub extern "C" fn proxy_on_request_body(_context_id: u32, _size: usize, _end: u32) -> u32 {
-    abi::ACTION_CONTINUE
-}
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(_context_id: u32, _trailers: usize) -> u32 {

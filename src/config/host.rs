@@ -22,6 +22,10 @@ pub struct HostCaps {
     pub refuses_after_failed_call: bool,
     /// Requests carry dynamic metadata other filters set, readable as the `metadata` property.
     pub request_metadata: bool,
+    /// The request-headers callback says whether a body follows, and a request paused there
+    /// waits for its body (Envoy). ngx_wasm_module always says one may follow, and reads the
+    /// body, if any, before its content handler forwards the request.
+    pub request_end_known: bool,
 }
 
 impl HostCaps {
@@ -32,6 +36,7 @@ impl HostCaps {
         appends_newline_to_body: false,
         refuses_after_failed_call: true,
         request_metadata: true,
+        request_end_known: true,
     };
     pub const NGINX: Self = Self {
         name: "nginx (ngx_wasm_module)",
@@ -40,6 +45,7 @@ impl HostCaps {
         appends_newline_to_body: true,
         refuses_after_failed_call: false,
         request_metadata: false,
+        request_end_known: false,
     };
 }
 

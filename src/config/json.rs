@@ -34,6 +34,9 @@ pub(super) struct RawConfig {
     /// At least 16 bytes: keys the hash that places client keys in slot groups. Without it each
     /// proxy process makes a random one at start (shared by its workers and reloads).
     pub placement_secret: Option<String>,
+    /// The most request-body bytes buffered for rules that read the body (a cost from its
+    /// fields, a `body:` key part): default 256 KiB.
+    pub max_request_body_bytes: Option<u64>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
@@ -213,14 +216,15 @@ pub enum UsageCount {
     Output,
 }
 
-/// Tokens a request takes: a whole number, or from a request header.
+/// Tokens a request takes: a whole number, from a request header, or from fields of its JSON
+/// body.
 // Parsed by hand so that an error names the subfield that is wrong (serde's untagged enums only
 // say that nothing matched).
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[cfg_attr(not(target_arch = "wasm32"), schemars(untagged, rename = "Cost"))]
 pub(super) enum RawCost {
     Fixed(u64),
-    Header(RawHeaderCost),
+    From(RawCostFrom),
 }
 
 impl<'de> Deserialize<'de> for RawCost {
@@ -230,36 +234,44 @@ impl<'de> Deserialize<'de> for RawCost {
             type Value = RawCost;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str(
-                    "a whole number of tokens, or {\"header\": NAME, \"max\": N} (optional \
-                     \"default\", \"min\")",
+                    "a whole number of tokens, {\"header\": NAME, \"max\": N} or {\"body\": \
+                     [FIELD, …], \"max\": N} (optional \"default\", \"min\")",
                 )
             }
             fn visit_u64<E: de::Error>(self, n: u64) -> Result<RawCost, E> {
                 Ok(RawCost::Fixed(n))
             }
             fn visit_map<M: de::MapAccess<'de>>(self, map: M) -> Result<RawCost, M::Error> {
-                RawHeaderCost::deserialize(de::value::MapAccessDeserializer::new(map))
-                    .map(RawCost::Header)
+                RawCostFrom::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(RawCost::From)
             }
         }
         d.deserialize_any(CostVisitor)
     }
 }
 
+/// A cost read from the request: one of `header` or `body`.
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "HeaderCost"))]
-pub(super) struct RawHeaderCost {
-    pub header: String,
-    /// When the header is absent or not a whole number (default 1).
-    #[serde(default = "one")]
-    pub default: u64,
-    /// The least a request is charged whatever the header says (default 1; 0 lets clients send
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "CostFrom"))]
+pub(super) struct RawCostFrom {
+    /// A request header holding the cost as a whole number.
+    pub header: Option<String>,
+    /// Fields of the request's JSON body (`max_tokens`, `generationConfig.maxOutputTokens`):
+    /// the largest whole number among them.
+    pub body: Option<Vec<String>>,
+    /// With `body`: adds the body's bytes divided by this (rounded up), an estimate of the
+    /// input's tokens.
+    pub input_bytes_per_token: Option<NonZeroU64>,
+    /// When the header or fields are absent or not whole numbers (default 1 for `header`, `max`
+    /// for `body`).
+    pub default: Option<u64>,
+    /// The least a request is charged whatever the request says (default 1; 0 lets clients send
     /// free requests).
     #[serde(default = "one")]
     pub min: u64,
-    /// The most a request is charged whatever the header says.
+    /// The most a request is charged whatever the request says.
     pub max: NonZeroU64,
 }
 

@@ -38,6 +38,8 @@ pub enum KeyPart {
     /// A value of the request's dynamic metadata (Envoy), set by a filter before tollgate (e.g.
     /// a JWT claim `jwt_authn` wrote): its property path, segments separated by NUL bytes.
     Metadata(Vec<u8>),
+    /// A field of the request's JSON body (`body:model`, `body:metadata.user_id`): its path.
+    Body(Vec<String>),
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
@@ -104,10 +106,17 @@ impl<'de> Deserialize<'de> for KeyPart {
                              metadata:envoy.filters.http.jwt_authn/payload/sub)"
                         ))
                     })
+                } else if let Some(path) = s.strip_prefix("body:") {
+                    body_path(path).map(Self::Body).ok_or_else(|| {
+                        de::Error::custom(format!(
+                            "invalid body field in key part {s:?} (expected \
+                             body:FIELD[.FIELD…], e.g. body:model)"
+                        ))
+                    })
                 } else {
                     Err(de::Error::custom(format!(
                         "unknown key part {s:?} (expected client_ip, path, method, host, \
-                         header:NAME, query:NAME or metadata:NAMESPACE/FIELD)"
+                         header:NAME, query:NAME, metadata:NAMESPACE/FIELD or body:FIELD)"
                     )))
                 }
             }
@@ -129,6 +138,12 @@ pub(super) fn metadata_path(path: &str) -> Option<Vec<u8>> {
         out.extend_from_slice(segment.as_bytes());
     }
     Some(out)
+}
+
+/// The segments of a JSON body field's path `FIELD[.FIELD…]`; `None` if one is empty.
+pub fn body_path(path: &str) -> Option<Vec<String>> {
+    let segments: Vec<String> = path.split('.').map(str::to_owned).collect();
+    segments.iter().all(|s| !s.is_empty()).then_some(segments)
 }
 
 /// An HTTP field name: one or more token characters (RFC 9110 `tchar`).

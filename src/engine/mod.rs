@@ -226,6 +226,14 @@ impl Engine {
         quota_of(&self.config, which)
     }
 
+    /// Some rule that reads the request body (its cost or key) matches `request`.
+    pub fn reads_body<V: RequestView>(&self, request: &Request<V>) -> bool {
+        self.config
+            .rules
+            .iter()
+            .any(|r| r.reads_request_body() && request.matches(&r.matcher))
+    }
+
     /// Put in `inputs` the checks of every rule that applies to `request`, in rule order; or
     /// return the refusal that refuses the request outright: a `block` override, or a cost more
     /// than the rule can ever admit.
@@ -297,6 +305,17 @@ impl Engine {
                     min,
                     max,
                 } => header_cost(request.view().header(name).as_deref(), *default, *min, *max),
+                Cost::Body {
+                    fields,
+                    input_bytes_per_token,
+                    default,
+                    min,
+                    max,
+                } => match request.body() {
+                    Some(body) => body.cost(fields, *input_bytes_per_token, (*default, *min, *max)),
+                    // No body at all: nothing to read.
+                    None => (*default).clamp(*min, *max),
+                },
             };
             // A cost no bucket of this rule can ever hold: refused at once, without a Retry-After
             // that waiting would not honour.

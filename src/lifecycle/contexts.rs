@@ -83,11 +83,28 @@ impl<H: Host + Clone> Contexts<H> {
 
     pub fn tick(&self, root_id: u32) {
         self.with_root(root_id, (), Root::tick);
+        let Some(plugin) = self.with_root(root_id, None, Root::plugin) else {
+            return;
+        };
+        let Some(now) = self.host.now_ns() else {
+            return;
+        };
+        for id in plugin.stale_body_waits(now) {
+            if self.host.set_effective_context(id).is_ok() {
+                self.with_stream(id, (), |s| s.decide_without_body(&self.callers));
+            }
+        }
     }
 
-    pub fn request_headers(&self, context_id: u32) -> Action {
+    pub fn request_headers(&self, context_id: u32, end_of_stream: bool) -> Action {
         self.with_stream(context_id, Action::Continue, |s| {
-            s.on_request_headers(&self.callers)
+            s.on_request_headers(&self.callers, end_of_stream)
+        })
+    }
+
+    pub fn request_body(&self, context_id: u32, size: usize, end: bool) -> Action {
+        self.with_stream(context_id, Action::Continue, |s| {
+            s.on_request_body(&self.callers, size, end)
         })
     }
 

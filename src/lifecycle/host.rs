@@ -70,6 +70,8 @@ pub trait Host: CasStore {
     fn response_header(&self, name: &str) -> Option<Vec<u8>>;
     /// The current chunk of the response body (`size` bytes), read in the body callback.
     fn response_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// The request body the host buffered (its first `size` bytes), read in the body callback.
+    fn request_body(&self, size: usize) -> Option<Vec<u8>>;
     fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status>;
     /// Answer the current request locally. `headers` is a serialized header map.
     fn send_local_response(&self, status: u32, headers: &[u8], body: &[u8]) -> Result<(), Status>;

@@ -18,6 +18,9 @@ use tollgate_core::CasStore;
 const TICK_MS: u32 = 5;
 /// The tick otherwise: it returns unspent stashed tokens and hands the worker's stats over.
 const STATS_TICK_MS: u32 = 10;
+/// How long a request paused for its body waits for the first body callback before this worker
+/// concludes that Envoy holds bodies back from paused requests.
+const BODY_WAIT_NS: u64 = 2_000_000_000;
 
 /// A stat's place at the host.
 #[derive(Clone)]
@@ -38,6 +41,12 @@ pub struct Plugin<H: Host> {
     scratch: RefCell<Scratch>,
     rule_metrics: Vec<Vec<Option<Metric>>>,
     process_metrics: Vec<Option<Metric>>,
+    /// Requests paused for their body, and since when (Envoy).
+    body_waits: RefCell<Vec<(u32, u64)>>,
+    /// The host delivered a request body to this worker: it lets a request paused on its
+    /// headers read its body.
+    body_seen: std::cell::Cell<bool>,
+    body_warned: RefCell<bool>,
 }
 
 impl<H: Host> Plugin<H> {
@@ -115,7 +124,57 @@ impl<H: Host> Plugin<H> {
             scratch: RefCell::new(Scratch::default()),
             rule_metrics,
             process_metrics,
+            body_waits: RefCell::default(),
+            body_seen: std::cell::Cell::new(false),
+            body_warned: RefCell::new(false),
         })
+    }
+
+    /// Request `id` pauses on its headers for its body (Envoy).
+    pub fn awaits_body(&self, id: u32, now: u64) {
+        if !self.body_seen.get() {
+            self.body_waits.borrow_mut().push((id, now));
+        }
+    }
+
+    /// Request `id` got a body callback, or ended.
+    pub fn body_came(&self, id: u32, seen: bool) {
+        if seen {
+            self.body_seen.set(true);
+        }
+        self.body_waits.borrow_mut().retain(|(w, _)| *w != id);
+    }
+
+    /// Requests paused for their body that no body callback reached in time while none ever
+    /// has in this worker: Envoy holds bodies back from a request paused on its headers unless
+    /// the filter's `allow_on_headers_stop_iteration` is set. They are taken, to be decided
+    /// without their body; the first time, an error says what to set.
+    pub fn stale_body_waits(&self, now: u64) -> Vec<u32> {
+        let mut waits = self.body_waits.borrow_mut();
+        if self.body_seen.get() {
+            waits.clear();
+            return Vec::new();
+        }
+        let stale: Vec<u32> = waits
+            .iter()
+            .filter(|(_, since)| now.saturating_sub(*since) >= BODY_WAIT_NS)
+            .map(|(id, _)| *id)
+            .collect();
+        if stale.is_empty() {
+            return stale;
+        }
+        waits.retain(|(id, _)| !stale.contains(id));
+        if !std::mem::replace(&mut *self.body_warned.borrow_mut(), true) {
+            log::error!(
+                "a rule reads the request body, but Envoy delivered none to a request paused \
+                 for it for {} s: set \"allow_on_headers_stop_iteration\": true in the wasm \
+                 filter's config (Envoy 1.35 or later); until then such requests are decided \
+                 without their body (a cost from the body is its max, body: key parts are \
+                 absent) after that wait",
+                BODY_WAIT_NS / 1_000_000_000
+            );
+        }
+        stale
     }
 
     /// How often this configuration needs its tick, in milliseconds.

@@ -10,7 +10,8 @@ use super::quota_call;
 use crate::engine::{
     Holds, Inputs, QuotaReport, Reservations, ResponseSeen, Seats, Step, Strict, WAIT_GRACE_MS,
 };
-use crate::request::Request;
+use crate::request::{whole_number, Request};
+use crate::request_body::RequestBody;
 use crate::stats::ProcessStat;
 use crate::usage::UsageReader;
 use log::{debug, warn};
@@ -36,6 +37,8 @@ pub struct Stream<H: Host> {
     seats: Seats,
     /// Set once the request was let through to the upstream (a response without it is ours).
     forwarded: bool,
+    /// The decision waits for the request body (a rule that applies reads it).
+    awaiting_body: bool,
     ended: bool,
 }
 
@@ -53,20 +56,115 @@ impl<H: Host> Stream<H> {
             own_call: None,
             seats: Seats::new(),
             forwarded: false,
+            awaiting_body: false,
             ended: false,
         }
     }
 
-    pub fn on_request_headers(&mut self, callers: &Callers) -> Action {
+    /// `end_of_stream`: no body follows (where the host knows).
+    pub fn on_request_headers(&mut self, callers: &Callers, end_of_stream: bool) -> Action {
         let Some(plugin) = self.plugin.clone() else {
             return Action::Continue;
         };
+        if plugin.engine.borrow().config().reads_request_body
+            && body_follows(&plugin, end_of_stream)
+        {
+            let view = HostRequest {
+                host: &plugin.host,
+                caps: plugin.caps,
+            };
+            let trusted_hops = plugin.engine.borrow().config().client_ip;
+            if plugin
+                .engine
+                .borrow()
+                .reads_body(&Request::new(&view, trusted_hops))
+            {
+                self.awaiting_body = true;
+                // Envoy would forward the headers unless paused; nginx reads the body before
+                // its content handler forwards anything, and a pause here would never end.
+                if !plugin.caps.request_end_known {
+                    return Action::Continue;
+                }
+                plugin.awaits_body(self.id, plugin.host.now_ns().unwrap_or(0));
+                return Action::Pause;
+            }
+        }
+        self.decide(plugin, callers, None)
+    }
+
+    /// A request body of `size` bytes so far (`end`: all of it). The decision that waits for
+    /// it is made once the body ended or filled the configured buffer; until then the host
+    /// buffers it.
+    pub fn on_request_body(&mut self, callers: &Callers, size: usize, end: bool) -> Action {
+        let Some(plugin) = self.plugin.clone() else {
+            return Action::Continue;
+        };
+        plugin.body_came(self.id, true);
+        if !self.awaiting_body {
+            // Decided already (on the headers or an earlier chunk): the body follows unless the
+            // request is still paused by that decision (Envoy calls this while a request paused
+            // on its headers waits, when `allow_on_headers_stop_iteration` is set).
+            return if self.still_paused(&plugin) {
+                Action::Pause
+            } else {
+                Action::Continue
+            };
+        }
+        let max = plugin.engine.borrow().config().max_request_body_bytes;
+        if !end && size < max {
+            return Action::Pause;
+        }
+        self.awaiting_body = false;
+        let cut = !end || size > max;
+        let buffered = if cut {
+            None
+        } else {
+            plugin.host.request_body(size)
+        };
+        let body = RequestBody::read(
+            buffered.as_deref().unwrap_or_default(),
+            u64::try_from(size).unwrap_or(u64::MAX),
+            cut,
+        );
+        self.decide(plugin, callers, Some(&body))
+    }
+
+    /// No body came to this request paused for it (see [`Plugin::stale_body_waits`]): decide it
+    /// as one whose body was too large to read, and resume it if it may go on.
+    pub fn decide_without_body(&mut self, callers: &Callers) {
+        let Some(plugin) = self.plugin.clone() else {
+            return;
+        };
+        if !std::mem::replace(&mut self.awaiting_body, false) {
+            return;
+        }
+        let body = RequestBody::read(&[], 0, true);
+        if self.decide(plugin.clone(), callers, Some(&body)) == Action::Continue {
+            if let Err(s) = plugin.host.continue_request() {
+                debug!("cannot resume request {}: {s}", self.id);
+            }
+        }
+    }
+
+    /// Still paused by its decision: refused, waiting for quota or held.
+    fn still_paused(&mut self, plugin: &Plugin<H>) -> bool {
+        self.take_resumed();
+        !self.forwarded || plugin.queues.borrow().held_until(self.id).is_some()
+    }
+
+    /// Decide the request (with its body, where a rule reads it) and carry out the answer.
+    fn decide(
+        &mut self,
+        plugin: Rc<Plugin<H>>,
+        callers: &Callers,
+        body: Option<&RequestBody>,
+    ) -> Action {
         let view = HostRequest {
             host: &plugin.host,
             caps: plugin.caps,
         };
         let trusted_hops = plugin.engine.borrow().config().client_ip;
-        let request = Request::new(&view, trusted_hops);
+        let request = Request::new(&view, trusted_hops).with_body(body);
         let mut now = None;
         if plugin.engine.borrow().has_guards() {
             now = plugin.host.now_ns();
@@ -385,6 +483,9 @@ impl<H: Host> Stream<H> {
             return;
         };
         self.take_resumed();
+        if self.awaiting_body {
+            plugin.body_came(self.id, false);
+        }
         if let Some(due) = self.held_until.take() {
             // Still queued means the client went away while held.
             if plugin.queues.borrow_mut().unhold(due, self.id) {
@@ -405,4 +506,15 @@ impl<H: Host> Stream<H> {
             plugin.engine.borrow_mut().release(&plugin.host, holds, now);
         }
     }
+}
+
+/// A body follows the request's headers: as the host says, or where it cannot say (nginx), as
+/// the headers announce (a `content-length` above 0, or a `transfer-encoding`).
+fn body_follows<H: Host>(plugin: &Plugin<H>, end_of_stream: bool) -> bool {
+    if plugin.caps.request_end_known {
+        return !end_of_stream;
+    }
+    let length = plugin.host.request_header("content-length");
+    length.is_some_and(|l| whole_number(&l).is_some_and(|n| n > 0))
+        || plugin.host.request_header("transfer-encoding").is_some()
 }

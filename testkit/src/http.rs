@@ -57,11 +57,26 @@ impl Client {
         url: &str,
         headers: &[(&str, &str)],
     ) -> Result<Reply, Box<ureq::Error>> {
+        self.try_send_body(method, url, headers, None)
+    }
+
+    /// A request with a body (sent with its `content-length`).
+    pub fn try_send_body(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Result<Reply, Box<ureq::Error>> {
         let mut req = self.agent.request(method, url);
         for (n, v) in headers {
             req = req.set(n, v);
         }
-        let resp = match req.call() {
+        let sent = match body {
+            Some(bytes) => req.send_bytes(bytes),
+            None => req.call(),
+        };
+        let resp = match sent {
             Ok(r) => r,
             Err(ureq::Error::Status(_, r)) => r,
             Err(e) => return Err(Box::new(e)),
@@ -86,6 +101,11 @@ impl Client {
 
     pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
         self.send("GET", url, headers)
+    }
+
+    pub fn post(&self, url: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+        self.try_send_body("POST", url, headers, Some(body))
+            .unwrap_or_else(|e| panic!("POST {url}: {e}"))
     }
 }
 

@@ -38,6 +38,9 @@ pub struct Options {
     /// Routes of the main listener before its catch-all (e.g. direct responses with a status or
     /// a body a test needs).
     pub routes: Vec<Value>,
+    /// The wasm filter's `allow_on_headers_stop_iteration` (what rules that read the request
+    /// body need; off by default, as in Envoy).
+    pub body_readable: bool,
 }
 
 impl Default for Options {
@@ -54,6 +57,7 @@ impl Default for Options {
             second_plugin: None,
             app_port: None,
             routes: Vec::new(),
+            body_readable: false,
         }
     }
 }
@@ -88,6 +92,7 @@ fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
                 "name": "tollgate",
                 "root_id": "tollgate",
                 "fail_open": false,
+                "allow_on_headers_stop_iteration": opts.body_readable,
                 "vm_config": {
                     "vm_id": "tollgate",
                     "runtime": "envoy.wasm.runtime.v8",

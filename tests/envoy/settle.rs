@@ -325,3 +325,117 @@ fn three_envoys_with_small_reservations_overshoot_by_their_excess_at_most() {
         assert_eq!(reply.status, 429, "{}", reply.body);
     }
 }
+
+const USAGE_1000: &str =
+    r#"{"usage":{"prompt_tokens":100,"completion_tokens":900,"total_tokens":1000}}"#;
+
+#[test]
+fn a_reservation_from_the_request_body_refuses_what_does_not_fit_and_settles_the_rest() {
+    let opts = Options {
+        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
+        body_readable: true,
+        ..Options::default()
+    };
+    // 10 000 tokens a minute per key; a request reserves the largest of its maxima plus its
+    // body's bytes / 4.
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "llm", "key": ["header:x-api-key"],
+            "limit": {"requests": 10000, "per": "1m"},
+            "cost": {"body": ["max_tokens", "max_completion_tokens", "max_output_tokens"],
+                     "input_bytes_per_token": 4, "max": 10000},
+            "settle": {"usage": "total"}}]}),
+        &opts,
+    );
+    let client = Client::new();
+    let url = envoy.url("/v1/chat");
+    let key = [
+        ("x-api-key", "team-a"),
+        ("content-type", "application/json"),
+    ];
+    let body = |fields: &str| format!(r#"{{"model":"m",{fields},"messages":[]}}"#);
+    let first = client.post(&url, &key, body(r#""max_tokens":6000"#).as_bytes());
+    assert_eq!(first.status, 200);
+    assert!(first.body.contains("total_tokens"));
+    // 1 000 used: 9 000 left, and 9 500 plus the input does not fit, however it is spelt.
+    for fields in [
+        r#""max_tokens":9500"#,
+        r#""max_tokens":10,"max_completion_tokens":9500"#,
+    ] {
+        let refused = client.post(&url, &key, body(fields).as_bytes());
+        assert_eq!(refused.status, 429, "{fields}");
+        assert!(refused.header("retry-after").is_some());
+    }
+    assert_eq!(
+        client
+            .post(&url, &key, body(r#""max_output_tokens":8000"#).as_bytes())
+            .status,
+        200
+    );
+    // Without a body: decided on the headers, at the default (`max`): 8 000 left is too little.
+    assert_eq!(client.get(&url, &key).status, 429);
+    let reserved = 6_000
+        + (body(r#""max_tokens":6000"#).len() as u64).div_ceil(4)
+        + 8_000
+        + (body(r#""max_output_tokens":8000"#).len() as u64).div_ceil(4);
+    assert_eq!(envoy.counter("llm", "reserved"), reserved);
+    assert_eq!(envoy.counter("llm", "settled"), 2_000);
+}
+
+#[test]
+fn keys_from_a_body_field_and_a_body_larger_than_the_buffer_goes_through() {
+    let opts = Options {
+        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
+        body_readable: true,
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [
+            {"name": "per-model", "key": ["body:model"], "limit": {"requests": 2, "per": "1h"}},
+            {"name": "budget", "limit": {"requests": 1000000, "per": "1h"},
+             "cost": {"body": ["max_tokens"], "default": 50, "max": 7000},
+             "settle": {"usage": "total"}}]}),
+        &opts,
+    );
+    let client = Client::new();
+    let url = envoy.url("/v1/chat");
+    let post = |body: &str| client.post(&url, &[], body.as_bytes()).status;
+    assert_eq!(post(r#"{"model":"a","max_tokens":1}"#), 200);
+    assert_eq!(post(r#"{"model":"a","max_tokens":1}"#), 200);
+    assert_eq!(post(r#"{"model":"a","max_tokens":1}"#), 429);
+    assert_eq!(post(r#"{"model":"b"}"#), 200);
+    // 2 MiB, more than the default 256 KiB read: decided once that much is buffered, at `max`,
+    // before Envoy's 1 MiB buffer limit answers 413; the per-model rule cannot read its model.
+    let big = format!(
+        r#"{{"model":"a","max_tokens":1,"pad":"{}"}}"#,
+        "x".repeat(2 << 20)
+    );
+    for _ in 0..5 {
+        assert_eq!(post(&big), 200);
+    }
+    assert_eq!(envoy.counter("budget", "reserved"), 1 + 1 + 50 + 5 * 7_000);
+}
+
+#[test]
+fn without_allow_on_headers_stop_iteration_a_body_is_never_read_and_the_log_says_what_to_set() {
+    // Envoy's default: a request paused on its headers gets no body callback.
+    let opts = Options {
+        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "llm", "limit": {"requests": 10000, "per": "1m"},
+            "cost": {"body": ["max_tokens"], "max": 6000}, "settle": {"usage": "total"}}]}),
+        &opts,
+    );
+    let client = Client::new();
+    let started = Instant::now();
+    let reply = client.post(&envoy.url("/v1/chat"), &[], br#"{"max_tokens":10}"#);
+    assert_eq!(
+        reply.status, 200,
+        "decided without its body: at max, which fits"
+    );
+    let waited = started.elapsed().as_secs_f64();
+    assert!(waited >= 1.9, "after the 2 s wait ({waited} s)");
+    assert!(envoy.log_shows("allow_on_headers_stop_iteration"));
+    assert_eq!(envoy.counter("llm", "reserved"), 6_000);
+}

@@ -35,6 +35,10 @@ pub struct Config {
     pub priorities: overload::Priorities,
     /// From `placement_secret`; `None`: the deployment's random one.
     pub placement: Option<KeyPlacement>,
+    /// The most request-body bytes buffered for rules that read the body.
+    pub max_request_body_bytes: usize,
+    /// Some rule reads the request's body (a cost from its fields, a `body:` key part).
+    pub reads_request_body: bool,
 }
 
 /// Where global rules get their quota.
@@ -169,6 +173,12 @@ pub enum RuleKind {
 }
 
 impl Rule {
+    /// The rule reads the request's body: a cost from its fields, or a `body:` key part.
+    pub fn reads_request_body(&self) -> bool {
+        matches!(self.cost, Cost::Body { .. })
+            || self.key.iter().any(|p| matches!(p, KeyPart::Body(_)))
+    }
+
     /// The rule's own quota (none for overload rules).
     pub fn quota(&self) -> Option<&Quota> {
         match &self.kind {
@@ -263,6 +273,26 @@ pub enum Cost {
         min: u64,
         max: u64,
     },
+    /// From fields of the request's JSON body: the largest whole number among `fields`, else
+    /// `default`, plus the body's bytes / `input_bytes_per_token` (rounded up), kept within
+    /// `min..=max`; a body larger than the configuration's `max_request_body_bytes` costs `max`.
+    Body {
+        fields: Vec<Vec<String>>,
+        input_bytes_per_token: Option<u64>,
+        default: u64,
+        min: u64,
+        max: u64,
+    },
+}
+
+impl Cost {
+    /// The most a request can cost.
+    pub fn most(&self) -> u64 {
+        match self {
+            Self::Fixed(n) => *n,
+            Self::Header { max, .. } | Self::Body { max, .. } => *max,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -335,10 +365,11 @@ impl Config {
                 let most = rule.limit_from.as_ref().map(|f| f.max);
                 q.limit_for(most).capacity()
             });
-            if let (Some(_), Cost::Header { max, .. }, Some(c)) =
+            if let (Some(_), Cost::Header { .. } | Cost::Body { .. }, Some(c)) =
                 (&rule.settle, &rule.cost, capacity)
             {
-                if *max > c {
+                let max = rule.cost.most();
+                if max > c {
                     out.push(format!(
                         "rules[{i}].cost.max is {max}, more than the bucket holds ({c}): a \
                          reservation above {c} is refused outright, whatever the response would \
@@ -387,8 +418,13 @@ impl Config {
                 } else {
                     ""
                 };
+                let body = if r.reads_request_body() {
+                    ", reads the request body"
+                } else {
+                    ""
+                };
                 format!(
-                    "{} ({}, {} slots{}{settles}{plans}{})",
+                    "{} ({}, {} slots{}{settles}{plans}{body}{})",
                     r.name,
                     match (r.global(), &quota.limit) {
                         (Some(g), Limit::Lease(l)) => format!(

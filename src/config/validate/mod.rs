@@ -57,7 +57,18 @@ impl RawConfig {
             Some(secret) => Some(KeyPlacement::from_secret(secret.as_bytes())),
             None => None,
         };
+        const MOST_REQUEST_BODY_BYTES: u64 = 64 << 20;
+        let max_request_body_bytes = self.max_request_body_bytes.unwrap_or(256 << 10);
+        if !(1..=MOST_REQUEST_BODY_BYTES).contains(&max_request_body_bytes) {
+            return Err(err(
+                "max_request_body_bytes",
+                format!("{max_request_body_bytes} is not within 1..={MOST_REQUEST_BODY_BYTES}"),
+            ));
+        }
+        let reads_request_body = rules.iter().any(crate::config::Rule::reads_request_body);
         Ok(Config {
+            max_request_body_bytes: usize::try_from(max_request_body_bytes).unwrap_or(usize::MAX),
+            reads_request_body,
             placement,
             priorities,
             rules,

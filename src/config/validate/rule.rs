@@ -4,14 +4,14 @@ use super::clients::client_network;
 use super::limit::LimitParams;
 use super::overload::status_set;
 use crate::config::json::{
-    Algorithm, RawCost, RawResponse, RawRule, RawSettle, RawUsage, Scope, UsageCount,
+    Algorithm, RawCost, RawCostFrom, RawResponse, RawRule, RawSettle, RawUsage, Scope, UsageCount,
 };
 use crate::config::model::{
     Cost, KeyPart, LimitFrom, Override, OverrideAction, Quota, Rule, RuleKind, Settle, SettleFrom,
     UsageCost, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH, MAX_MAX_KEYS,
     MAX_WORKER_BATCH,
 };
-use crate::config::syntax::is_token;
+use crate::config::syntax::{body_path, is_token};
 use crate::config::{err, ConfigError};
 use crate::network::ClientIp;
 use std::collections::HashSet;
@@ -129,33 +129,7 @@ impl RawRule {
         let cost = match self.cost {
             None => Cost::Fixed(1),
             Some(RawCost::Fixed(n)) => Cost::Fixed(n),
-            Some(RawCost::Header(h)) => {
-                if !is_token(&h.header) {
-                    return Err(err(
-                        format!("{path}.cost.header"),
-                        format!("{:?} is not a header name", h.header),
-                    ));
-                }
-                let max = h.max.get();
-                if h.min > max {
-                    return Err(err(
-                        format!("{path}.cost.min"),
-                        format!("{} is more than max ({max})", h.min),
-                    ));
-                }
-                if !(h.min..=max).contains(&h.default) {
-                    return Err(err(
-                        format!("{path}.cost.default"),
-                        format!("{} is not within min..=max ({}..={max})", h.default, h.min),
-                    ));
-                }
-                Cost::Header {
-                    name: h.header.to_ascii_lowercase(),
-                    default: h.default,
-                    min: h.min,
-                    max,
-                }
-            }
+            Some(RawCost::From(c)) => cost_from(c, &format!("{path}.cost"))?,
         };
         let limit_from = match self.limit_from {
             None => None,
@@ -418,5 +392,84 @@ impl RawSettle {
             from,
             max_body_bytes: usize::try_from(max_body_bytes).unwrap_or(usize::MAX),
         })
+    }
+}
+
+/// A cost read from the request: a header's number, or fields of its JSON body.
+fn cost_from(c: RawCostFrom, path: &str) -> Result<Cost, ConfigError> {
+    let max = c.max.get();
+    if c.min > max {
+        return Err(err(
+            format!("{path}.min"),
+            format!("{} is more than max ({max})", c.min),
+        ));
+    }
+    let (default, min) = (c.default, c.min);
+    let within = |default: u64| {
+        if (min..=max).contains(&default) {
+            Ok(default)
+        } else {
+            Err(err(
+                format!("{path}.default"),
+                format!("{default} is not within min..=max ({min}..={max})"),
+            ))
+        }
+    };
+    match (c.header, c.body) {
+        (Some(name), None) => {
+            if !is_token(&name) {
+                return Err(err(
+                    format!("{path}.header"),
+                    format!("{name:?} is not a header name"),
+                ));
+            }
+            if c.input_bytes_per_token.is_some() {
+                return Err(err(
+                    format!("{path}.input_bytes_per_token"),
+                    "only applies to a cost from the body",
+                ));
+            }
+            Ok(Cost::Header {
+                name: name.to_ascii_lowercase(),
+                default: within(default.unwrap_or(1))?,
+                min,
+                max,
+            })
+        }
+        (None, Some(fields)) => {
+            if fields.is_empty() {
+                return Err(err(
+                    format!("{path}.body"),
+                    "name at least one field (e.g. \"max_tokens\")",
+                ));
+            }
+            let fields = fields
+                .iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    body_path(f).ok_or_else(|| {
+                        err(
+                            format!("{path}.body[{i}]"),
+                            format!("{f:?} is not a field path (FIELD[.FIELD…])"),
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(Cost::Body {
+                fields,
+                input_bytes_per_token: c.input_bytes_per_token.map(std::num::NonZeroU64::get),
+                default: within(default.unwrap_or(max))?,
+                min,
+                max,
+            })
+        }
+        (Some(_), Some(_)) => Err(err(
+            path.to_owned(),
+            "either \"header\" or \"body\", not both",
+        )),
+        (None, None) => Err(err(
+            path.to_owned(),
+            "needs \"header\": NAME or \"body\": [FIELD, …]",
+        )),
     }
 }

@@ -50,6 +50,8 @@ struct State {
     continued: RefCell<Vec<u32>>,
     calls: RefCell<Vec<SentCall>>,
     next_token: Cell<u32>,
+    /// The request body the host buffered.
+    request_body: RefCell<Vec<u8>>,
     /// The response body chunk being delivered.
     body_chunk: RefCell<Vec<u8>>,
     /// The answer being delivered: headers and body.
@@ -130,6 +132,10 @@ impl Host for MockHost {
         let last = path.rsplit(|&b| b == 0).next()?;
         let name = format!("x-mock-metadata-{}", String::from_utf8_lossy(last));
         self.request_header(&name)
+    }
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        let body = self.0.request_body.borrow();
+        Some(body[..size.min(body.len())].to_vec())
     }
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
         let chunk = self.0.body_chunk.borrow();
@@ -277,8 +283,61 @@ impl Proxy {
         self.host.0.now.set(self.host.0.now.get() + ms * MS);
     }
 
-    /// A new request with `headers`: its context id and what its headers callback answered.
+    /// A new request with `headers` and no body: its context id and what its headers callback
+    /// answered.
     pub fn request(&mut self, headers: &[(&str, &str)]) -> (u32, Action) {
+        // ngx_wasm_module never says that no body follows.
+        let end = self.caps().request_end_known;
+        self.request_headers(headers, end)
+    }
+
+    /// A new request with `headers` and a body in `chunks`, delivered as the host does (Envoy
+    /// chunk by chunk, buffered while the filter pauses; nginx all at once): its context id and
+    /// what the last body callback answered.
+    pub fn request_with_body(
+        &mut self,
+        headers: &[(&str, &str)],
+        chunks: &[&[u8]],
+    ) -> (u32, Action) {
+        let length = chunks.iter().map(|c| c.len()).sum::<usize>().to_string();
+        let mut with_length = headers.to_vec();
+        with_length.push(("content-length", &length));
+        let (id, mut action) = self.request_headers(&with_length, false);
+        self.host.0.request_body.borrow_mut().clear();
+        if !self.caps().request_end_known {
+            let whole = chunks.concat();
+            *self.host.0.request_body.borrow_mut() = whole.clone();
+            self.host.0.current.set(id);
+            return (id, self.contexts.request_body(id, whole.len(), true));
+        }
+        for (n, chunk) in chunks.iter().enumerate() {
+            let mut body = self.host.0.request_body.borrow_mut();
+            if action == Action::Continue {
+                // Passed on: the host keeps only the new chunk.
+                body.clear();
+            }
+            body.extend_from_slice(chunk);
+            let size = body.len();
+            drop(body);
+            self.host.0.current.set(id);
+            action = self.contexts.request_body(id, size, n + 1 == chunks.len());
+        }
+        (id, action)
+    }
+
+    /// One more chunk of request `id`'s body, added to what the host buffered.
+    pub fn request_body(&self, id: u32, chunk: &[u8], end: bool) -> Action {
+        let size = {
+            let mut body = self.host.0.request_body.borrow_mut();
+            body.extend_from_slice(chunk);
+            body.len()
+        };
+        self.host.0.current.set(id);
+        self.contexts.request_body(id, size, end)
+    }
+
+    /// A new request's headers (`end`: no body follows, where the host says so).
+    pub fn request_headers(&mut self, headers: &[(&str, &str)], end: bool) -> (u32, Action) {
         let id = self.next_id;
         self.next_id += 1;
         let mut all: Headers = vec![
@@ -286,6 +345,8 @@ impl Proxy {
             (":path".into(), b"/".to_vec()),
             (":authority".into(), b"api".to_vec()),
         ];
+        // Given pseudo-headers replace the defaults.
+        all.retain(|(n, _)| !headers.iter().any(|(given, _)| given == n));
         all.extend(
             headers
                 .iter()
@@ -295,7 +356,7 @@ impl Proxy {
         self.host.0.live.borrow_mut().insert(id);
         self.contexts.create(id, ROOT);
         self.host.0.current.set(id);
-        (id, self.contexts.request_headers(id))
+        (id, self.contexts.request_headers(id, end))
     }
 
     /// The upstream answers request `id` with `status`: its response headers callback.

@@ -2,6 +2,7 @@
 //! released from the tick, lease waits answered and failed, seats given back on abort.
 
 mod mock;
+mod request_body;
 
 use super::Action;
 use crate::config::HostCaps;

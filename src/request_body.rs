@@ -1,0 +1,167 @@
+//! A request's JSON body as the rules read it: its size, and the fields they name, from the bytes
+//! the host buffered (at most the configuration's `max_request_body_bytes`).
+
+use crate::request::whole_number;
+use serde_json::Value;
+
+/// The request body, read once when the host has buffered it.
+#[derive(Debug, Default)]
+pub struct RequestBody {
+    /// How many bytes the body had (as far as it was seen).
+    bytes: u64,
+    /// Longer than the configuration buffers: its fields are not read.
+    cut: bool,
+    /// The body as JSON; `None`: cut, empty, or not JSON.
+    document: Option<Value>,
+}
+
+impl RequestBody {
+    /// `bytes` of the body's `total` bytes were buffered; `cut`: the body went on past them.
+    pub fn read(buffered: &[u8], total: u64, cut: bool) -> Self {
+        // Bounded by the buffered bytes; serde_json refuses nesting deeper than 128 levels
+        // instead of recursing without end.
+        let document = (!cut)
+            .then(|| serde_json::from_slice(buffered).ok())
+            .flatten();
+        Self {
+            bytes: total,
+            cut,
+            document,
+        }
+    }
+
+    fn field(&self, path: &[String]) -> Option<&Value> {
+        path.iter()
+            .try_fold(self.document.as_ref()?, |v, name| v.as_object()?.get(name))
+    }
+
+    /// A field as a key part: a string's bytes, a number or boolean as JSON writes it; `None`
+    /// when absent, null, an array or an object.
+    pub fn text(&self, path: &[String]) -> Option<Vec<u8>> {
+        match self.field(path)? {
+            Value::String(s) => Some(s.as_bytes().to_vec()),
+            Value::Number(n) => Some(n.to_string().into_bytes()),
+            Value::Bool(b) => Some(if *b {
+                b"true".to_vec()
+            } else {
+                b"false".to_vec()
+            }),
+            _ => None,
+        }
+    }
+
+    /// A field as a whole number: a JSON number without fraction (`2000`, `2000.0`, `2e3`), or a
+    /// string of ASCII digits; `None` for anything else. Numbers beyond 64 bits are `u64::MAX`.
+    pub fn number(&self, path: &[String]) -> Option<u64> {
+        match self.field(path)? {
+            Value::Number(n) => n.as_u64().or_else(|| {
+                let f = n.as_f64()?;
+                // A float cast saturates: 1e30 is u64::MAX.
+                (f >= 0.0 && f.fract() == 0.0).then_some(f as u64)
+            }),
+            Value::String(s) => whole_number(s.as_bytes()),
+            _ => None,
+        }
+    }
+
+    /// The cost of a rule whose cost comes from the body: the largest whole number among
+    /// `fields`, else `default`, plus the body's bytes divided by `input_bytes_per_token`
+    /// (rounded up), kept within `min..=max`. A cut body costs `max`.
+    pub fn cost(
+        &self,
+        fields: &[Vec<String>],
+        input_bytes_per_token: Option<u64>,
+        (default, min, max): (u64, u64, u64),
+    ) -> u64 {
+        if self.cut {
+            return max;
+        }
+        let output = fields
+            .iter()
+            .filter_map(|f| self.number(f))
+            .max()
+            .unwrap_or(default);
+        let input = input_bytes_per_token.map_or(0, |per| self.bytes.div_ceil(per.max(1)));
+        output.saturating_add(input).clamp(min, max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn path(p: &str) -> Vec<String> {
+        p.split('.').map(str::to_owned).collect()
+    }
+
+    fn body(json: &str) -> RequestBody {
+        RequestBody::read(json.as_bytes(), json.len() as u64, false)
+    }
+
+    #[test]
+    fn fields_as_numbers_and_key_text() {
+        let b = body(
+            r#"{"model":"gpt-4o","max_tokens":300,"max_completion_tokens":"900",
+                "generationConfig":{"maxOutputTokens":2e3},"n":-1,"f":1.5,"t":true,
+                "o":{},"big":1e30}"#,
+        );
+        assert_eq!(b.text(&path("model")).as_deref(), Some(&b"gpt-4o"[..]));
+        assert_eq!(b.text(&path("max_tokens")).as_deref(), Some(&b"300"[..]));
+        assert_eq!(b.text(&path("t")).as_deref(), Some(&b"true"[..]));
+        assert_eq!(b.text(&path("o")), None);
+        assert_eq!(b.text(&path("absent")), None);
+        assert_eq!(b.text(&path("model.x")), None);
+        assert_eq!(b.number(&path("max_tokens")), Some(300));
+        assert_eq!(b.number(&path("max_completion_tokens")), Some(900));
+        assert_eq!(
+            b.number(&path("generationConfig.maxOutputTokens")),
+            Some(2000)
+        );
+        assert_eq!(b.number(&path("n")), None);
+        assert_eq!(b.number(&path("f")), None);
+        assert_eq!(b.number(&path("model")), None);
+        assert_eq!(b.number(&path("big")), Some(u64::MAX));
+    }
+
+    #[test]
+    fn costs_take_the_largest_field_and_the_input_estimate() {
+        let json = r#"{"max_tokens":300,"max_completion_tokens":900,"messages":"0123456789"}"#;
+        let b = body(json);
+        let fields = [path("max_tokens"), path("max_completion_tokens")];
+        // The larger of the two fields: a client cannot lower its reservation with one of them.
+        assert_eq!(b.cost(&fields, None, (50, 1, 5_000)), 900);
+        let input = (json.len() as u64).div_ceil(4);
+        assert_eq!(b.cost(&fields, Some(4), (50, 1, 5_000)), 900 + input);
+        assert_eq!(b.cost(&fields, Some(4), (50, 1, 910)), 910);
+        assert_eq!(b.cost(&[path("absent")], None, (50, 1, 5_000)), 50);
+        // Not JSON, or cut short: the default, or the most.
+        let not_json = RequestBody::read(b"max_tokens=3", 12, false);
+        assert_eq!(not_json.cost(&fields, None, (50, 1, 5_000)), 50);
+        let cut = RequestBody::read(br#"{"max_tokens":3"#, 1 << 30, true);
+        assert_eq!(cut.cost(&fields, None, (50, 1, 5_000)), 5_000);
+        assert_eq!(cut.text(&path("max_tokens")), None);
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_give_a_cost_within_bounds(
+            bytes in proptest::collection::vec(any::<u8>(), 0..300),
+            min in 0u64..100,
+            extra in 0u64..10_000,
+        ) {
+            let max = min + extra;
+            let b = RequestBody::read(&bytes, bytes.len() as u64, false);
+            let cost = b.cost(&[path("max_tokens")], Some(1), (max, min, max));
+            prop_assert!((min..=max).contains(&cost));
+            let _ = b.text(&path("model"));
+        }
+
+        #[test]
+        fn deep_nesting_is_refused_not_overflowed(depth in 1usize..5_000) {
+            let json = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+            let b = RequestBody::read(json.as_bytes(), json.len() as u64, false);
+            prop_assert_eq!(b.number(&path("max_tokens")), None);
+        }
+    }
+}
