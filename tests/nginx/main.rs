@@ -714,3 +714,51 @@ fn each_tenant_gets_its_plans_limit_and_metadata_is_refused_in_nginx() {
         "{log}"
     );
 }
+
+#[test]
+fn reservations_and_keys_from_the_request_body_in_nginx() {
+    nginx_or_skip!();
+    let nginx = settling_nginx(&json!({"rules": [
+        {"name": "llm", "match": {"path": "/v1/chat"}, "key": ["header:x-api-key"],
+         "limit": {"requests": 1000, "per": "1m"},
+         "cost": {"body": ["max_tokens", "max_completion_tokens"], "max": 1000},
+         "settle": {"usage": "total"}},
+        {"name": "per-model", "match": {"path": "/login"}, "key": ["body:model"],
+         "limit": {"requests": 2, "per": "1h"}}
+    ]}));
+    let client = Client::new();
+    let chat = nginx.url("/v1/chat");
+    let key = [("x-api-key", "team-a")];
+    // Reserves 600, uses 300: 700 left.
+    let first = client.post(&chat, &key, br#"{"max_tokens":600}"#);
+    assert_eq!(first.status, 200);
+    assert!(
+        first.body.contains("total_tokens"),
+        "the request reached the upstream"
+    );
+    let too_much = client.post(
+        &chat,
+        &key,
+        br#"{"max_tokens":5,"max_completion_tokens":800}"#,
+    );
+    assert_eq!(too_much.status, 429);
+    assert!(too_much.header("retry-after").is_some());
+    assert_eq!(
+        client.post(&chat, &key, br#"{"max_tokens":700}"#).status,
+        200
+    );
+    // No body: the default, `max`.
+    assert_eq!(client.get(&chat, &[("x-api-key", "team-b")]).status, 200);
+    assert_eq!(client.get(&chat, &[("x-api-key", "team-b")]).status, 429);
+    let login = nginx.url("/login");
+    let model = |m: &str| {
+        client
+            .post(&login, &[], format!(r#"{{"model":"{m}"}}"#).as_bytes())
+            .status
+    };
+    assert_eq!(
+        [model("a"), model("a"), model("a"), model("b")],
+        [401, 401, 429, 401]
+    );
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
