@@ -89,10 +89,11 @@ class Proc:
 
 # ---------------------------------------------------------------- Envoy configurations
 
-def envoy_config(port, admin, http_filters, extra_clusters=(), upstream=None):
+def envoy_config(port, admin, http_filters, extra_clusters=(), upstream=None, route_extra=None):
     route = {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}
     if upstream:
         route = {"match": {"prefix": "/"}, "route": {"cluster": upstream, "timeout": "10s"}}
+    route.update(route_extra or {})  # e.g. a filter's per-route configuration
     return {
         "static_resources": {
             "listeners": [{
@@ -186,11 +187,11 @@ def tollgate_plugin(requests, key=("client_ip",), scope=None, mode=None, rule_ex
 
 
 class EnvoyServer:
-    def __init__(self, filters, clusters=(), concurrency=1, pin=True, upstream=None):
+    def __init__(self, filters, clusters=(), concurrency=1, pin=True, upstream=None, route_extra=None):
         self.port, self.admin = free_port(), free_port()
         self.dir = tempfile.mkdtemp(prefix="tollgate-bench-")
         cfg = Path(self.dir) / "envoy.json"
-        cfg.write_text(json.dumps(envoy_config(self.port, self.admin, filters, clusters, upstream)))
+        cfg.write_text(json.dumps(envoy_config(self.port, self.admin, filters, clusters, upstream, route_extra)))
         self.proc = Proc((PROXY_CPU if pin else []) + [str(ENVOY), "-c", str(cfg), "--concurrency", str(concurrency),
                           "--disable-hot-restart", "-l", "error", "--base-id", str(free_port())])
         wait_http(f"http://127.0.0.1:{self.admin}/ready")
