@@ -97,6 +97,13 @@ fn main() -> ExitCode {
              (docs/nginx.md)"
         );
     }
+    if parsed.reads_request_body && !matches!(host, Some(Host::Nginx)) {
+        println!(
+            "note: in Envoy, rules that read the request body need \
+             `allow_on_headers_stop_iteration: true` in the wasm filter's config \
+             (docs/llm-budgets.md)"
+        );
+    }
     for warning in parsed.warnings() {
         println!("warning: {warning}");
     }

@@ -100,3 +100,18 @@ fn global_rules_carry_the_nginx_note() {
     let out = check(&["--host", "envoy", "-"], Some(global));
     assert!(!text(&out.stdout).contains("proxy_wasm_request_headers_in_access"));
 }
+
+#[test]
+fn rules_that_read_the_body_carry_the_envoy_note() {
+    let body = r#"{"rules":[{"name":"llm","limit":{"requests":1000,"per":"1m"},"cost":{"body":["max_tokens"],"max":900}}]}"#;
+    let out = check(&["--host", "envoy", "-"], Some(body));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("reads the request body"), "{stdout}");
+    assert!(
+        stdout.contains("allow_on_headers_stop_iteration: true"),
+        "{stdout}"
+    );
+    let out = check(&["--host", "nginx", "-"], Some(body));
+    assert!(!text(&out.stdout).contains("allow_on_headers_stop_iteration"));
+}

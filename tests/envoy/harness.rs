@@ -294,6 +294,25 @@ impl Envoy {
         envoy
     }
 
+    /// Start Envoy with a whole bootstrap of the caller's (e.g. one from the docs), given an
+    /// admin address; its first listener is served as `main`.
+    pub fn start_bootstrap(mut bootstrap: Value) -> Self {
+        bootstrap["admin"] =
+            json!({"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}});
+        bootstrap["static_resources"]["listeners"][0]["name"] = json!("main");
+        let dir = scratch_dir("envoy-tests");
+        let child = spawn(&dir, &bootstrap, &Options::default());
+        let mut envoy = Envoy {
+            child: Some(child),
+            dir,
+            admin: String::new(),
+            port: 0,
+            port2: 0,
+        };
+        envoy.wait_ready();
+        envoy
+    }
+
     /// Start Envoy with a configuration it must refuse; returns its exit status and log.
     pub fn expect_refusal(plugin: &Value) -> Refused {
         let dir = scratch_dir("envoy-tests");

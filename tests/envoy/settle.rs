@@ -439,3 +439,60 @@ fn without_allow_on_headers_stop_iteration_a_body_is_never_read_and_the_log_says
     assert!(envoy.log_shows("allow_on_headers_stop_iteration"));
     assert_eq!(envoy.counter("llm", "reserved"), 6_000);
 }
+
+#[test]
+fn the_llm_guides_envoy_configuration_works_as_written() {
+    let guide =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/llm-budgets.md"))
+            .unwrap();
+    let yaml = guide
+        .split("```yaml")
+        .nth(1)
+        .unwrap()
+        .split("```")
+        .next()
+        .unwrap();
+    let app = Upstream::start(&[]);
+    // Only where it runs changes: the module's path, the ports, the upstream's address.
+    let yaml = yaml
+        .replace(
+            "/etc/envoy/tollgate.wasm",
+            &crate::harness::wasm_path().display().to_string(),
+        )
+        .replace("port_value: 10000", "port_value: 0")
+        .replace("port_value: 8000", &format!("port_value: {}", app.port));
+    let envoy = Envoy::start_bootstrap(serde_yaml_ng::from_str(&yaml).unwrap());
+    let client = Client::new();
+    let url = envoy.url("/v1/llm/chat");
+    let ask = |key: &str, body: &str, output: &str| {
+        client.post(
+            &url,
+            &[
+                ("x-api-key", key),
+                ("x-usage-input", "100"),
+                ("x-usage-output", output),
+            ],
+            body.as_bytes(),
+        )
+    };
+    // Reserves 6 000 and its bytes, uses 1 100.
+    let first = ask("team-a", r#"{"model":"m","max_tokens":6000}"#, "1000");
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert!(first.body.contains("total_tokens"));
+    // 8 900 left: a request that may use 9 000 is refused, however it names it.
+    let refused = ask(
+        "team-a",
+        r#"{"max_tokens":1,"max_completion_tokens":9000}"#,
+        "1",
+    );
+    assert_eq!(refused.status, 429);
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(
+        ask("team-b", r#"{"max_completion_tokens":9000}"#, "1").status,
+        200
+    );
+    assert_eq!(
+        ask("team-a", r#"{"max_output_tokens":8000}"#, "1").status,
+        200
+    );
+}
