@@ -209,3 +209,51 @@ fn the_body_of_a_request_waiting_for_quota_stays_back_until_it_is_admitted() {
     assert!(proxy.resumed(id));
     assert_eq!(proxy.request_body(id, b"cd", true), Action::Continue);
 }
+
+#[test]
+fn a_dry_run_budget_admits_everything_and_counts_what_it_would_refuse() {
+    let config = LLM.replace(
+        r#""settle":{"usage":"total"}}"#,
+        r#""settle":{"usage":"total"},"dry_run":true}"#,
+    );
+    for caps in BOTH {
+        let mut proxy = Proxy::new(caps, &config);
+        let body: &[u8] = br#"{"max_tokens":6000}"#;
+        // Three at once: 6 005 each of 10 000, so two would have been refused.
+        let ids: Vec<u32> = (0..3)
+            .map(|_| {
+                let (id, action) = proxy.request_with_body(&[("x-api-key", "k")], &[body]);
+                assert_eq!(action, Action::Continue, "{}", caps.name);
+                id
+            })
+            .collect();
+        for id in ids {
+            proxy.upstream_streams(
+                id,
+                200,
+                &[("content-type", "application/json")],
+                &[USAGE_1000],
+            );
+        }
+        proxy.tick();
+        assert_eq!(
+            proxy.metric("tollgate.rule.llm.dry_run_limited"),
+            2,
+            "{}",
+            caps.name
+        );
+        // Only the one that would have been admitted reserved, and settles.
+        assert_eq!(
+            proxy.metric("tollgate.rule.llm.reserved"),
+            6_005,
+            "{}",
+            caps.name
+        );
+        assert_eq!(
+            proxy.metric("tollgate.rule.llm.settled"),
+            1_000,
+            "{}",
+            caps.name
+        );
+    }
+}
