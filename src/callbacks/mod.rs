@@ -81,6 +81,11 @@ pub extern "C" fn proxy_on_response_headers(
 }
 
 #[no_mangle]
+pub extern "C" fn proxy_on_request_trailers(context_id: u32, _trailers: usize) -> u32 {
+    action(CONTEXTS.with(|c| c.request_trailers(context_id)))
+}
+
+#[no_mangle]
 pub extern "C" fn proxy_on_request_body(context_id: u32, size: usize, end: u32) -> u32 {
     action(CONTEXTS.with(|c| c.request_body(context_id, size, end != 0)))
 }
@@ -122,11 +127,6 @@ pub extern "C" fn proxy_on_http_call_response(
 // Callbacks tollgate has no use for. ngx_wasm_module calls some of them without checking that
 // the module exports them (a missing `proxy_on_response_body` crashes the nginx worker), so
 // every HTTP callback is exported and lets the stream go on.
-
-#[no_mangle]
-pub extern "C" fn proxy_on_request_trailers(_context_id: u32, _trailers: usize) -> u32 {
-    abi::ACTION_CONTINUE
-}
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_trailers(_context_id: u32, _trailers: usize) -> u32 {

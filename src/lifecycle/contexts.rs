@@ -102,6 +102,12 @@ impl<H: Host + Clone> Contexts<H> {
         })
     }
 
+    pub fn request_trailers(&self, context_id: u32) -> Action {
+        self.with_stream(context_id, Action::Continue, |s| {
+            s.on_request_trailers(&self.callers)
+        })
+    }
+
     pub fn request_body(&self, context_id: u32, size: usize, end: bool) -> Action {
         self.with_stream(context_id, Action::Continue, |s| {
             s.on_request_body(&self.callers, size, end)

@@ -135,15 +135,38 @@ impl<H: Host> Stream<H> {
         let Some(plugin) = self.plugin.clone() else {
             return;
         };
-        if !std::mem::replace(&mut self.awaiting_body, false) {
-            return;
-        }
-        let body = RequestBody::read(&[], 0, true);
-        if self.decide(plugin.clone(), callers, Some(&body)) == Action::Continue {
+        if self.decide_unread(&plugin, callers) == Some(Action::Continue) {
             if let Err(s) = plugin.host.continue_request() {
                 debug!("cannot resume request {}: {s}", self.id);
             }
         }
+    }
+
+    /// The request's trailers: its body ended without a last body callback (Envoy), so a
+    /// decision that waits for the body is made now, without reading it.
+    pub fn on_request_trailers(&mut self, callers: &Callers) -> Action {
+        let Some(plugin) = self.plugin.clone() else {
+            return Action::Continue;
+        };
+        if let Some(action) = self.decide_unread(&plugin, callers) {
+            return action;
+        }
+        if self.still_paused(&plugin) {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
+    /// Decide a request that waits for its body as one whose body was too long to read (a cost
+    /// from the body is its `max`); `None` if it was not waiting.
+    fn decide_unread(&mut self, plugin: &Rc<Plugin<H>>, callers: &Callers) -> Option<Action> {
+        if !std::mem::replace(&mut self.awaiting_body, false) {
+            return None;
+        }
+        plugin.body_came(self.id, false);
+        let body = RequestBody::read(&[], 0, true);
+        Some(self.decide(plugin.clone(), callers, Some(&body)))
     }
 
     /// Still paused by its decision: refused, waiting for quota or held.

@@ -336,6 +336,12 @@ impl Proxy {
         self.contexts.request_body(id, size, end)
     }
 
+    /// Request `id`'s trailers (its body ended with them).
+    pub fn request_trailers(&self, id: u32) -> Action {
+        self.host.0.current.set(id);
+        self.contexts.request_trailers(id)
+    }
+
     /// A new request's headers (`end`: no body follows, where the host says so).
     pub fn request_headers(&mut self, headers: &[(&str, &str)], end: bool) -> (u32, Action) {
         let id = self.next_id;

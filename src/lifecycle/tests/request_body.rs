@@ -257,3 +257,21 @@ fn a_dry_run_budget_admits_everything_and_counts_what_it_would_refuse() {
         );
     }
 }
+
+#[test]
+fn a_body_that_ends_with_trailers_is_decided_on_them_at_its_most() {
+    let mut proxy = Proxy::new(HostCaps::ENVOY, LLM);
+    let key = ("x-api-key", "k");
+    let (id, action) = proxy.request_headers(&[key, ("content-type", "application/grpc")], false);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(
+        proxy.request_body(id, b"{\"max_tokens\":5}", false),
+        Action::Pause
+    );
+    assert_eq!(proxy.request_trailers(id), Action::Continue);
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.rule.llm.reserved"), 8_000);
+    // Trailers of a request decided already change nothing.
+    let (id, _) = proxy.request_with_body(&[key], &[b"{\"max_tokens\":5}"]);
+    assert_eq!(proxy.request_trailers(id), Action::Continue);
+}
