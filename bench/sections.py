@@ -873,13 +873,14 @@ wrk.headers["x-max-tokens"] = "2000"
 """
 
 
-def llm_cpu(module, seconds=2, rounds=5):
+def llm_cpu(module, seconds=2, rounds=8):
     """Envoy's CPU per request (one worker pinned to core 0; wrk and the LLM upstream on core 1)
-    for a streamed answer of 10 events 1 ms apart (each its own chunk) with its usage: (a) the rule with `settle` against the same
-    rule without it (and without it at `worker_batch: 0`, settle's own default); (b) a request no
-    settle rule applies to, with a settle rule on another path, against the same two rules
-    without settle (and against the one rule alone).
-    Interleaved rounds in a shuffled order; paired medians."""
+    for a streamed answer of 10 events 1 ms apart (each its own chunk) with its usage: (a) the rule
+    with `settle` against the same rule without it (and without it at `worker_batch: 0`, settle's
+    own default); (b) a request no settle rule applies to, with a settle rule on another path,
+    against the same two rules without settle (and against the one rule alone). One Envoy per
+    setup for the whole run (warmed up once), measured in interleaved rounds in a shuffled order;
+    paired medians."""
     other = {"name": "elsewhere", "match": {"path_prefix": "/v1/"}, "key": ["header:x-api-key"],
              "limit": {"requests": LLM_BUDGET, "per": "1m"}, "cost": RESERVE_MAX, "settle": {"usage": "total"}}
     setups = [
@@ -893,30 +894,33 @@ def llm_cpu(module, seconds=2, rounds=5):
     ]
     app_port = free_port()
     app = Proc(harness.LOAD_CPU + [str(TESTBED), "upstream", "--port", str(app_port)])
-    harness.wait_port(app_port)
+    servers = {}
     runs = {}
     order = random.Random(2)
     try:
+        harness.wait_port(app_port)
+        for name, plugin in setups:
+            servers[name] = EnvoyServer([wasm_filter(module, plugin)], [upstream_cluster(app_port)], upstream="app")
+        for server in servers.values():
+            wrk(server.url + LLM_PATH.lstrip("/"), 1, lua=LLM_WRK)  # warm-up: JIT, caches
         for r in range(rounds):
             order.shuffle(setups)
-            for name, plugin in setups:
-                server = EnvoyServer([wasm_filter(module, plugin)], [upstream_cluster(app_port)], upstream="app")
-                try:
-                    url = server.url + LLM_PATH.lstrip("/")
-                    wrk(url, 1, lua=LLM_WRK)  # warm-up: connections, JIT, caches
-                    time.sleep(0.05)  # the filter hands its counts to Envoy on its 10 ms tick
-                    settled = rule_stat(server, "llm", "settled") or 0
-                    before = harness.cpu_ticks(server.pids)
-                    m = parse_wrk(wrk(url, seconds, lua=LLM_WRK))
-                    m["cpu_us"] = (harness.cpu_ticks(server.pids) - before) / harness.CLK_TCK * 1e6 / max(m["requests"], 1)
-                    time.sleep(0.05)
-                    m["settled_per_request"] = ((rule_stat(server, "llm", "settled") or 0) - settled) / max(m["requests"], 1)
-                finally:
-                    server.stop()
+            for name, _ in setups:
+                server = servers[name]
+                url = server.url + LLM_PATH.lstrip("/")
+                time.sleep(0.05)  # the filter hands its counts to Envoy on its 10 ms tick
+                settled = rule_stat(server, "llm", "settled") or 0
+                before = harness.cpu_ticks(server.pids)
+                m = parse_wrk(wrk(url, seconds, lua=LLM_WRK))
+                m["cpu_us"] = (harness.cpu_ticks(server.pids) - before) / harness.CLK_TCK * 1e6 / max(m["requests"], 1)
+                time.sleep(0.05)
+                m["settled_per_request"] = ((rule_stat(server, "llm", "settled") or 0) - settled) / max(m["requests"], 1)
                 runs.setdefault(name, []).append(m)
                 print(f"llm cpu round {r + 1} {name}: {m['cpu_us']:.1f} us/req, {m['rps']:.0f} req/s, "
                       f"non-2xx {m['rejected']}, settled {m['settled_per_request']:.0f} tokens/req", flush=True)
     finally:
+        for server in servers.values():
+            server.stop()
         app.stop()
     rows = {name: {"cpu_us": statistics.median(m["cpu_us"] for m in ms),
                    "cpu_min": min(m["cpu_us"] for m in ms), "cpu_max": max(m["cpu_us"] for m in ms),
@@ -926,9 +930,11 @@ def llm_cpu(module, seconds=2, rounds=5):
             for name, ms in runs.items()}
 
     def paired(a, b):
-        """The median over rounds of a − b measured in the same round, and the rounds' range."""
+        """The median over rounds of a − b measured in the same round, the rounds' range, and the
+        difference of the two best rounds (interference only ever adds CPU time)."""
         d = [x - y for x, y in zip(rows[a]["per_round"], rows[b]["per_round"])]
-        return {"median": statistics.median(d), "min": min(d), "max": max(d)}
+        return {"median": statistics.median(d), "min": min(d), "max": max(d),
+                "best": rows[a]["cpu_min"] - rows[b]["cpu_min"]}
     return {"rounds": rounds, "seconds": seconds, "setups": rows,
             "settle_vs_none": paired("settle usage", "no settle"),
             "settle_vs_batch0": paired("settle usage", "no settle, worker_batch 0"),

@@ -10,7 +10,7 @@ use crate::config::{Config, HostCaps, LogLevel};
 use crate::engine::{read_answer, read_permit_answer, Call, Engine, Refusal, Step};
 use crate::stats::{ProcessStat, RuleStat, Stat};
 use log::{debug, info, warn};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use tollgate_core::slot::KeyPlacement;
 use tollgate_core::CasStore;
 
@@ -45,8 +45,8 @@ pub struct Plugin<H: Host> {
     body_waits: RefCell<Vec<(u32, u64)>>,
     /// The host delivered a request body to this worker: it lets a request paused on its
     /// headers read its body.
-    body_seen: std::cell::Cell<bool>,
-    body_warned: RefCell<bool>,
+    body_seen: Cell<bool>,
+    body_warned: Cell<bool>,
 }
 
 impl<H: Host> Plugin<H> {
@@ -125,8 +125,8 @@ impl<H: Host> Plugin<H> {
             rule_metrics,
             process_metrics,
             body_waits: RefCell::default(),
-            body_seen: std::cell::Cell::new(false),
-            body_warned: RefCell::new(false),
+            body_seen: Cell::new(false),
+            body_warned: Cell::new(false),
         })
     }
 
@@ -164,7 +164,7 @@ impl<H: Host> Plugin<H> {
             return stale;
         }
         waits.retain(|(id, _)| !stale.contains(id));
-        if !std::mem::replace(&mut *self.body_warned.borrow_mut(), true) {
+        if !self.body_warned.replace(true) {
             log::error!(
                 "a rule reads the request body, but Envoy delivered none to a request paused \
                  for it for {} s: set \"allow_on_headers_stop_iteration\": true in the wasm \

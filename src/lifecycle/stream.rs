@@ -99,17 +99,20 @@ impl<H: Host> Stream<H> {
         let Some(plugin) = self.plugin.clone() else {
             return Action::Continue;
         };
-        plugin.body_came(self.id, true);
         if !self.awaiting_body {
             // Decided already (on the headers or an earlier chunk): the body follows unless the
             // request is still paused by that decision (Envoy calls this while a request paused
             // on its headers waits, when `allow_on_headers_stop_iteration` is set).
+            if self.forwarded && self.held_until.is_none() {
+                return Action::Continue;
+            }
             return if self.still_paused(&plugin) {
                 Action::Pause
             } else {
                 Action::Continue
             };
         }
+        plugin.body_came(self.id, true);
         let max = plugin.engine.borrow().config().max_request_body_bytes;
         if !end && size < max {
             return Action::Pause;
