@@ -695,7 +695,9 @@ def reserved(reserve):
                 f"{reserve['tokens']:,} tokens, and never went over (largest excess "
                 f"{reserve['peak_over']:+,.0f} tokens): streams were admitted while their maxima fitted, "
                 "and the unused part of each reservation came back when its stream ended. What it gives "
-                "up is the part of the budget held by the reservations of streams in flight: "
+                "up: a request is admitted only when its whole maximum fits, so while streams are in flight "
+                "their unused reservations are not available, and up to one maximum of the budget can stay "
+                "unspent while requests wait for a whole one to refill: "
                 f"{held:,.0f} tokens ({held / reserve['budget']:.0%}) of the budget were not used by the end.")
     return (f"Reserving each request's maximum admitted {reserve['admitted']} streams, "
             f"{reserve['tokens']:,} tokens, and went over the budget by at most {reserve['peak_over']:,.0f} "
@@ -773,12 +775,13 @@ def llm_lines(llm):
         "Envoy with one worker pinned to core 0, `wrk -c32` and the LLM upstream on core 1; every request a "
         "streamed answer of 10 events 1 ms apart with its usage (1 000 tokens) in the last, admitted (a budget "
         f"nobody reaches); one Envoy per setup for the whole run, warmed up for 1 s, then {cpu['rounds']} "
-        f"interleaved rounds of {cpu['seconds']} s, setups in a shuffled order each round; CPU µs per "
+        f"interleaved rounds of {cpu['seconds']} s (short, so that the two runs of a pair are close in "
+        "time), setups in a shuffled order each round; CPU µs per "
         "request is the Envoy process's user+sys time over the run divided by the requests, the median "
         "over rounds. The rule reserves `x-max-tokens` per `x-api-key` in each "
         "setup; \"another path\" is a second rule matching `/v1/` only.",
         "",
-        "| setup | CPU µs/request | (rounds' range) | requests/s | tokens settled per request |",
+        "| setup | CPU µs/request | (rounds' range) | requests/s | tokens settled per request (≈ usage) |",
         "|---|---|---|---|---|",
     ]
     for name, r in cpu["setups"].items():
@@ -787,12 +790,11 @@ def llm_lines(llm):
 
     def diff(key):
         d = cpu[key]
-        return (f"**{d['median']:+.1f} µs** (rounds: {d['min']:+.1f} to {d['max']:+.1f}; best rounds: "
-                f"{d['best']:+.1f} µs)")
+        return f"**{d['median']:+.1f} µs** (middle half of the rounds: {d['q1']:+.1f} to {d['q3']:+.1f})"
     lines += [
         "",
-        "Paired medians (each round's difference between two setups measured in it), with the rounds' "
-        "range, and the difference of the two setups' best rounds (interference only ever adds CPU time):",
+        "Paired medians (each round's difference between two setups measured in it), with the middle "
+        "half of the rounds' differences:",
         "",
         f"- settlement on a streamed answer (the rule with `settle` minus the same rule without): "
         f"{diff('settle_vs_none')}; against the rule without settle at `worker_batch: 0` (which `settle` "
@@ -817,12 +819,14 @@ def llm_chart(llm):
     colors = {"tollgate, reserve then settle": "#d62728", "tollgate, charge after the response": "#ff7f0e",
               "Envoy ratelimit + Lua, charge after the response": "#7f7f7f"}
     styles = {"tollgate, charge after the response": "--"}
+    widths = {"Envoy ratelimit + Lua, charge after the response": 5}  # under tollgate's dashed line
     fig, ax = plt.subplots(figsize=(10, 5.5))
     end = max(r["seconds"] for r in llm["setups"].values()) + llm["every"]
     for name, r in llm["setups"].items():
         t = [0.0] + [p[0] for p in r["timeline"]] + [end]
         y = [0] + [p[1] for p in r["timeline"]] + [r["tokens"]]
-        ax.step(t, y, where="post", color=colors.get(name), linestyle=styles.get(name, "-"), linewidth=2,
+        ax.step(t, y, where="post", color=colors.get(name), linestyle=styles.get(name, "-"),
+                linewidth=widths.get(name, 2), alpha=0.6 if name in widths else 1,
                 label=LLM_NAMES.get(name, name).replace("`", ""))
     ax.plot([0, end], [llm["budget"], llm["budget"] + llm["budget"] / 60 * end], color="black", linestyle=":",
             label=f"budget: {llm['budget']:,} + {llm['budget'] / 60:.1f} × t")

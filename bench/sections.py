@@ -1,5 +1,6 @@
 """The parts of `make bench` beyond cost per request: accuracy at 2 workers and across proxies,
-memory against distinct keys, the quota service's throughput, and where tollgate's time goes.
+memory against distinct keys, the quota service's throughput, where tollgate's time goes, overload,
+and token budgets (reserve then settle against charging after the response).
 Each function returns plain rows for results.json and the report."""
 import asyncio
 import json
@@ -873,14 +874,14 @@ wrk.headers["x-max-tokens"] = "2000"
 """
 
 
-def llm_cpu(module, seconds=2, rounds=8):
+def llm_cpu(module, seconds=1, rounds=16):
     """Envoy's CPU per request (one worker pinned to core 0; wrk and the LLM upstream on core 1)
     for a streamed answer of 10 events 1 ms apart (each its own chunk) with its usage: (a) the rule
     with `settle` against the same rule without it (and without it at `worker_batch: 0`, settle's
     own default); (b) a request no settle rule applies to, with a settle rule on another path,
     against the same two rules without settle (and against the one rule alone). One Envoy per
-    setup for the whole run (warmed up once), measured in interleaved rounds in a shuffled order;
-    paired medians."""
+    setup for the whole run (warmed up once), measured in many short interleaved rounds in a
+    shuffled order (short, so that the two runs of a pair are close in time); paired medians."""
     other = {"name": "elsewhere", "match": {"path_prefix": "/v1/"}, "key": ["header:x-api-key"],
              "limit": {"requests": LLM_BUDGET, "per": "1m"}, "cost": RESERVE_MAX, "settle": {"usage": "total"}}
     setups = [
@@ -892,6 +893,7 @@ def llm_cpu(module, seconds=2, rounds=8):
         ("no settle, the same rule on another path without settle",
          llm_plugin(RESERVE_MAX, settle=False, limit=HUGE, extra_rules=[{k: v for k, v in other.items() if k != "settle"}])),
     ]
+    names = [name for name, _ in setups]
     app_port = free_port()
     app = Proc(harness.LOAD_CPU + [str(TESTBED), "upstream", "--port", str(app_port)])
     servers = {}
@@ -927,14 +929,14 @@ def llm_cpu(module, seconds=2, rounds=8):
                    "rps": statistics.median(m["rps"] for m in ms), "rejected": sum(m["rejected"] for m in ms),
                    "settled_per_request": statistics.median(m["settled_per_request"] for m in ms),
                    "per_round": [m["cpu_us"] for m in ms]}
-            for name, ms in runs.items()}
+            for name, ms in ((n, runs[n]) for n in names)}
 
     def paired(a, b):
-        """The median over rounds of a − b measured in the same round, the rounds' range, and the
-        difference of the two best rounds (interference only ever adds CPU time)."""
+        """The median over rounds of a − b measured in the same round, and the quartiles of those
+        differences (the middle half of the rounds)."""
         d = [x - y for x, y in zip(rows[a]["per_round"], rows[b]["per_round"])]
-        return {"median": statistics.median(d), "min": min(d), "max": max(d),
-                "best": rows[a]["cpu_min"] - rows[b]["cpu_min"]}
+        q1, _, q3 = statistics.quantiles(d, n=4)
+        return {"median": statistics.median(d), "q1": q1, "q3": q3, "min": min(d), "max": max(d)}
     return {"rounds": rounds, "seconds": seconds, "setups": rows,
             "settle_vs_none": paired("settle usage", "no settle"),
             "settle_vs_batch0": paired("settle usage", "no settle, worker_batch 0"),
