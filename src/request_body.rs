@@ -1,5 +1,6 @@
 //! A request's JSON body as the rules read it: its size, and the fields they name, from the bytes
-//! the host buffered (at most the configuration's `max_request_body_bytes`).
+//! the host buffered (at most the configuration's `max_request_body_bytes`); and a field of any
+//! JSON document as a whole number.
 
 use crate::request::whole_number;
 use serde_json::Value;
@@ -31,8 +32,7 @@ impl RequestBody {
     }
 
     fn field(&self, path: &[String]) -> Option<&Value> {
-        path.iter()
-            .try_fold(self.document.as_ref()?, |v, name| v.as_object()?.get(name))
+        field_at(self.document.as_ref()?, path)
     }
 
     /// A field as a key part: a string's bytes, a number or boolean as JSON writes it; `None`
@@ -53,15 +53,7 @@ impl RequestBody {
     /// A field as a whole number: a JSON number without fraction (`2000`, `2000.0`, `2e3`), or a
     /// string of ASCII digits; `None` for anything else. Numbers beyond 64 bits are `u64::MAX`.
     pub fn number(&self, path: &[String]) -> Option<u64> {
-        match self.field(path)? {
-            Value::Number(n) => n.as_u64().or_else(|| {
-                let f = n.as_f64()?;
-                // A float cast saturates: 1e30 is u64::MAX.
-                (f >= 0.0 && f.fract() == 0.0).then_some(f as u64)
-            }),
-            Value::String(s) => whole_number(s.as_bytes()),
-            _ => None,
-        }
+        whole(self.field(path)?)
     }
 
     /// The cost of a rule whose cost comes from the body: the largest whole number among
@@ -83,6 +75,26 @@ impl RequestBody {
             .unwrap_or(default);
         let input = input_bytes_per_token.map_or(0, |per| self.bytes.div_ceil(per.max(1)));
         output.saturating_add(input).clamp(min, max)
+    }
+}
+
+/// The value at `path` in `document` (objects only).
+pub fn field_at<'v>(document: &'v Value, path: &[String]) -> Option<&'v Value> {
+    path.iter()
+        .try_fold(document, |v, name| v.as_object()?.get(name))
+}
+
+/// A JSON value as a whole number: a number without fraction (`2000`, `2000.0`, `2e3`; beyond
+/// 64 bits `u64::MAX`), or a string of ASCII digits.
+pub fn whole(value: &Value) -> Option<u64> {
+    match value {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            let f = n.as_f64()?;
+            // A float cast saturates: 1e30 is u64::MAX.
+            (f >= 0.0 && f.fract() == 0.0).then_some(f as u64)
+        }),
+        Value::String(s) => whole_number(s.as_bytes()),
+        _ => None,
     }
 }
 

@@ -101,6 +101,10 @@ fn grow(slot: &mut Option<u64>, seen: Option<u64>) {
 pub struct UsageReader {
     stream: bool,
     max_bytes: usize,
+    /// Read the LLM usage (else only `fields`).
+    wants_usage: bool,
+    /// Paths of whole numbers to read from each JSON document, and the last value each had.
+    fields: Vec<(Vec<String>, Option<u64>)>,
     kept: Vec<u8>,
     /// The current line grew past `max_bytes`: skip to its end.
     skipping: bool,
@@ -113,11 +117,23 @@ impl UsageReader {
     /// A reader for a body of `content_type` (`text/event-stream` is a stream; anything else is
     /// read as one JSON document).
     pub fn new(content_type: Option<&[u8]>, max_bytes: usize) -> Self {
+        Self::with_fields(content_type, max_bytes, true, Vec::new())
+    }
+
+    /// A reader of the usage (if `wants_usage`) and of whole numbers at `fields` (paths).
+    pub fn with_fields(
+        content_type: Option<&[u8]>,
+        max_bytes: usize,
+        wants_usage: bool,
+        fields: Vec<Vec<String>>,
+    ) -> Self {
         let stream = content_type
             .is_some_and(|t| t.len() >= 17 && t[..17].eq_ignore_ascii_case(b"text/event-stream"));
         Self {
             stream,
             max_bytes,
+            wants_usage,
+            fields: fields.into_iter().map(|f| (f, None)).collect(),
             kept: Vec::new(),
             skipping: false,
             overflowed: false,
@@ -169,9 +185,34 @@ impl UsageReader {
         let Some(data) = line.strip_prefix(b"data:") else {
             return;
         };
-        if let Ok(doc) = serde_json::from_slice::<Document>(data) {
-            self.usage.read(&doc);
+        self.document(data);
+    }
+
+    /// One JSON document: a body, or one event's data.
+    fn document(&mut self, data: &[u8]) {
+        if self.wants_usage {
+            if let Ok(doc) = serde_json::from_slice::<Document>(data) {
+                self.usage.read(&doc);
+            }
         }
+        if self.fields.is_empty() {
+            return;
+        }
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
+            return;
+        };
+        for (path, last) in &mut self.fields {
+            if let Some(n) =
+                crate::request_body::field_at(&value, path).and_then(crate::request_body::whole)
+            {
+                *last = Some(n);
+            }
+        }
+    }
+
+    /// Each field's path and the last whole number it had, taken.
+    pub fn fields(&mut self) -> Vec<(Vec<String>, Option<u64>)> {
+        std::mem::take(&mut self.fields)
     }
 
     /// The body ended (or was cut): what it reported.
@@ -182,10 +223,8 @@ impl UsageReader {
                 self.line(&kept);
             }
         } else if !self.overflowed {
-            if let Ok(doc) = serde_json::from_slice::<Document>(&self.kept) {
-                self.usage.read(&doc);
-            }
-            self.kept = Vec::new();
+            let kept = std::mem::take(&mut self.kept);
+            self.document(&kept);
         }
         self.usage
     }

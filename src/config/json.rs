@@ -164,6 +164,9 @@ pub(super) struct RawSettle {
     /// The token usage an LLM API reports in its JSON body or its event stream (OpenAI,
     /// Anthropic, Gemini): `"total"`, `"input"`, `"output"`, or `{"input": W, "output": W}`.
     pub usage: Option<RawUsage>,
+    /// A whole number at this path (`FIELD[.FIELD…]`) of the JSON response body, or of the last
+    /// event of a stream that has it.
+    pub body_field: Option<String>,
     /// The most body bytes kept to read a JSON body's usage, or one event of a stream
     /// (default 1 MiB).
     pub max_body_bytes: Option<u64>,

@@ -448,7 +448,27 @@ fn errors_name_the_field_and_the_reason() {
         ),
         (
             r#"{"rules":[{"name":"r","settle":{"statuses":[401],"body_bytes":true},"limit":{"requests":1,"per":"1s"}}]}"#,
-            "rules[0].settle: give exactly one of statuses, header, body_bytes or usage",
+            "rules[0].settle: give exactly one of statuses, header, body_bytes, usage or body_field",
+        ),
+        (
+            r#"{"rules":[{"name":"r","settle":{"body_field":"a..b"},"limit":{"requests":1,"per":"1s"}}]}"#,
+            r#"rules[0].settle.body_field: "a..b" is not a field path"#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"body":["max_tokens",""],"max":5},"limit":{"requests":9,"per":"1s"}}]}"#,
+            r#"rules[0].cost.body[1]: "" is not a field path"#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","cost":{"header":"x-c","body":["m"],"max":5},"limit":{"requests":9,"per":"1s"}}]}"#,
+            r#"rules[0].cost: either "header" or "body", not both"#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["body:"],"limit":{"requests":9,"per":"1s"}}]}"#,
+            "rules[0].key[0]: invalid body field in key part",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":9,"per":"1s"}}],"max_request_body_bytes":0}"#,
+            "max_request_body_bytes: 0 is not within",
         ),
         (
             r#"{"rules":[{"name":"r","algorithm":"sliding_window","settle":{"statuses":[401]},"limit":{"requests":1,"per":"1s"}}]}"#,

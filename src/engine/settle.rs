@@ -21,6 +21,14 @@ pub struct Reservation {
 /// A request's reservations: inline for one rule.
 pub type Reservations = SmallVec<[Reservation; 1]>;
 
+/// What a response body is read for: the most bytes kept, the usage, whole numbers at paths.
+#[derive(Debug, Default)]
+pub struct BodyReading {
+    pub max_bytes: usize,
+    pub usage: bool,
+    pub fields: Vec<Vec<String>>,
+}
+
 /// What the response showed of its cost, as far as it came.
 #[derive(Debug, Default, Clone)]
 pub struct ResponseSeen {
@@ -30,6 +38,8 @@ pub struct ResponseSeen {
     pub headers: SmallVec<[Option<u64>; 1]>,
     pub body_bytes: u64,
     pub usage: Usage,
+    /// The whole numbers read at body fields, by path.
+    pub fields: Vec<(Vec<String>, Option<u64>)>,
 }
 
 impl Engine {
@@ -63,17 +73,34 @@ impl Engine {
         }
     }
 
-    /// Body bytes to keep to read the usage `reservations` need (none: the body is not read;
-    /// its bytes may still be counted).
-    pub fn usage_bytes(&self, reservations: &Reservations) -> Option<usize> {
-        reservations
-            .iter()
-            .filter_map(|r| {
-                let rule = self.config.rules.get(r.which.rule())?;
-                let settle = rule.settle.as_ref()?;
-                matches!(settle.from, SettleFrom::Usage(_)).then_some(settle.max_body_bytes)
-            })
-            .max()
+    /// What of the response body `reservations` need read (none: the body is not read; its
+    /// bytes may still be counted).
+    pub fn body_reading(&self, reservations: &Reservations) -> Option<BodyReading> {
+        let mut reading: Option<BodyReading> = None;
+        for r in reservations {
+            let Some(settle) = self
+                .config
+                .rules
+                .get(r.which.rule())
+                .and_then(|rule| rule.settle.as_ref())
+            else {
+                continue;
+            };
+            let (usage, field) = match &settle.from {
+                SettleFrom::Usage(_) => (true, None),
+                SettleFrom::BodyField(path) => (false, Some(path)),
+                _ => continue,
+            };
+            let read = reading.get_or_insert_with(BodyReading::default);
+            read.max_bytes = read.max_bytes.max(settle.max_body_bytes);
+            read.usage |= usage;
+            if let Some(path) = field {
+                if !read.fields.contains(path) {
+                    read.fields.push(path.clone());
+                }
+            }
+        }
+        reading
     }
 
     fn settle_from(&self, reservation: &Reservation) -> Option<&SettleFrom> {
@@ -108,6 +135,12 @@ impl Engine {
                 }
                 (Some(_), SettleFrom::BodyBytes) => seen.body_bytes,
                 (Some(_), SettleFrom::Usage(cost)) => cost.of(&seen.usage).unwrap_or(r.reserved),
+                (Some(_), SettleFrom::BodyField(path)) => seen
+                    .fields
+                    .iter()
+                    .find(|(p, _)| p == path)
+                    .and_then(|(_, n)| *n)
+                    .unwrap_or(r.reserved),
             };
             let Some(quota) = self.quota_of(r.which) else {
                 continue;

@@ -452,9 +452,14 @@ impl<H: Host> Stream<H> {
                 std::str::from_utf8(&value).ok()?.trim().parse().ok()
             })
             .collect();
-        if let Some(max) = engine.usage_bytes(&self.reservations) {
+        if let Some(reading) = engine.body_reading(&self.reservations) {
             let content_type = plugin.host.response_header("content-type");
-            self.usage = Some(UsageReader::new(content_type.as_deref(), max));
+            self.usage = Some(UsageReader::with_fields(
+                content_type.as_deref(),
+                reading.max_bytes,
+                reading.usage,
+                reading.fields,
+            ));
         }
     }
 
@@ -491,6 +496,7 @@ impl<H: Host> Stream<H> {
         };
         if let Some(reader) = self.usage.as_mut() {
             self.seen.usage = reader.finish();
+            self.seen.fields = reader.fields();
         }
         let reservations = std::mem::take(&mut self.reservations);
         let now = plugin.host.now_ns().unwrap_or(0);

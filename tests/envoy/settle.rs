@@ -496,3 +496,31 @@ fn the_llm_guides_envoy_configuration_works_as_written() {
         200
     );
 }
+
+#[test]
+fn a_cost_from_a_field_of_the_upstreams_json_answer() {
+    let opts = Options {
+        routes: vec![answer(
+            "/convert",
+            200,
+            r#"{"id":"job-1","billing":{"credits":40}}"#,
+            "application/json",
+        )],
+        ..Options::default()
+    };
+    // 100 credits an hour per user; a job reserves 10 and costs what the answer says.
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "credits", "key": ["header:x-user"],
+            "limit": {"requests": 100, "per": "1h"}, "cost": 10,
+            "settle": {"body_field": "billing.credits"}}]}),
+        &opts,
+    );
+    let client = Client::new();
+    let user = [("x-user", "u")];
+    let statuses: Vec<u16> = (0..4)
+        .map(|_| client.get(&envoy.url("/convert"), &user).status)
+        .collect();
+    // 40 + 40 used; the third reserves 10 of the 20 left and is charged 30 more (debt 10).
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    assert_eq!(envoy.counter("credits", "settled"), 120);
+}

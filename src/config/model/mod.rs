@@ -128,6 +128,8 @@ pub enum SettleFrom {
     BodyBytes,
     /// The usage an LLM API reports.
     Usage(UsageCost),
+    /// A whole number at this path of the JSON body (or of a stream's last event that has it).
+    BodyField(Vec<String>),
 }
 
 /// What of a reported usage is the cost.
@@ -412,6 +414,7 @@ impl Config {
                     Some(SettleFrom::Header(_)) => ", settles from a response header",
                     Some(SettleFrom::BodyBytes) => ", settles by body bytes",
                     Some(SettleFrom::Usage(_)) => ", settles by reported usage",
+                    Some(SettleFrom::BodyField(_)) => ", settles from a response body field",
                 };
                 let plans = if r.limit_from.is_some() {
                     ", limits from the request"

@@ -342,11 +342,12 @@ impl RawSettle {
         let given = usize::from(self.statuses.is_some())
             + usize::from(self.header.is_some())
             + usize::from(self.body_bytes)
-            + usize::from(self.usage.is_some());
+            + usize::from(self.usage.is_some())
+            + usize::from(self.body_field.is_some());
         if given != 1 {
             return Err(err(
                 path,
-                "give exactly one of statuses, header, body_bytes or usage",
+                "give exactly one of statuses, header, body_bytes, usage or body_field",
             ));
         }
         let from = if let Some(patterns) = self.statuses {
@@ -361,6 +362,13 @@ impl RawSettle {
             SettleFrom::Header(header.to_ascii_lowercase())
         } else if self.body_bytes {
             SettleFrom::BodyBytes
+        } else if let Some(field) = self.body_field {
+            SettleFrom::BodyField(body_path(&field).ok_or_else(|| {
+                err(
+                    format!("{path}.body_field"),
+                    format!("{field:?} is not a field path (FIELD[.FIELD…])"),
+                )
+            })?)
         } else {
             let weight = |w: f64, field: &str| {
                 if w.is_finite() && (0.0..=1_000_000.0).contains(&w) {

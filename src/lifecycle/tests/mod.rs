@@ -426,3 +426,33 @@ fn an_overrides_own_limit_comes_before_a_plan_from_the_request() {
         "the override's 1 an hour"
     );
 }
+
+#[test]
+fn a_cost_from_a_field_of_the_json_answer_or_of_a_streams_last_event() {
+    let config = r#"{"rules":[{"name":"credits","key":["header:x-user"],
+        "limit":{"requests":100,"per":"1h"},"cost":10,
+        "settle":{"body_field":"billing.credits"}}]}"#;
+    for caps in BOTH {
+        let mut proxy = Proxy::new(caps, config);
+        let user = [("x-user", "u")];
+        let json = [("content-type", "application/json")];
+        let (id, _) = proxy.request(&user);
+        proxy.upstream_streams(id, 200, &json, &[br#"{"billing":{"cr"#, br#"edits":45}}"#]);
+        let (id, _) = proxy.request(&user);
+        let events: [&[u8]; 2] = [
+            b"data: {\"billing\":{\"credits\":3}}\n\ndata: {\"x\":1}\n\n",
+            b"data: {\"billing\":{\"credits\":\"40\"}}\n\n",
+        ];
+        proxy.upstream_streams(id, 200, &[("content-type", "text/event-stream")], &events);
+        // No such field: the reservation stands.
+        let (id, _) = proxy.request(&user);
+        proxy.upstream_streams(id, 200, &json, &[b"{}"]);
+        proxy.tick();
+        assert_eq!(
+            proxy.metric("tollgate.rule.credits.settled"),
+            45 + 40 + 10,
+            "{}",
+            caps.name
+        );
+    }
+}
