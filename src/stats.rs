@@ -30,11 +30,12 @@ pub enum RuleStat {
     SlotsHeld,
     /// Rules that settle after the response: tokens reserved by admitted requests, the tokens
     /// their responses said they cost, the unused tokens refunded, and the excess charged
-    /// beyond reservations (debt where the bucket had no more).
+    /// beyond reservations, and the part of it the bucket did not have (debt).
     Reserved,
     Settled,
     Refunded,
     Charged,
+    Debt,
     /// Overload rules: admitted and shed requests per priority level.
     Level0Allowed,
     Level1Allowed,
@@ -50,7 +51,7 @@ pub enum RuleStat {
 }
 
 impl RuleStat {
-    pub const ALL: [Self; 30] = [
+    pub const ALL: [Self; 31] = [
         Self::Allowed,
         Self::Limited,
         Self::Delayed,
@@ -71,6 +72,7 @@ impl RuleStat {
         Self::Settled,
         Self::Refunded,
         Self::Charged,
+        Self::Debt,
         Self::Level0Allowed,
         Self::Level1Allowed,
         Self::Level2Allowed,
@@ -127,6 +129,7 @@ impl RuleStat {
             Self::Settled => "settled",
             Self::Refunded => "refunded",
             Self::Charged => "charged",
+            Self::Debt => "debt",
             Self::Level0Allowed => "level_0_allowed",
             Self::Level1Allowed => "level_1_allowed",
             Self::Level2Allowed => "level_2_allowed",
@@ -156,7 +159,7 @@ impl RuleStat {
     pub fn is_settle(self) -> bool {
         matches!(
             self,
-            Self::Reserved | Self::Settled | Self::Refunded | Self::Charged
+            Self::Reserved | Self::Settled | Self::Refunded | Self::Charged | Self::Debt
         )
     }
 

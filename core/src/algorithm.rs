@@ -134,6 +134,16 @@ impl Limit {
         }
     }
 
+    /// Tokens `state` owes at `now_ns`: charged by settlements past what it held (token buckets
+    /// and leased allowances; 0 for the others).
+    pub fn debt(&self, state: &State, now_ns: u64) -> u64 {
+        match self {
+            Self::TokenBucket(a) => a.debt(state, now_ns),
+            Self::Lease(_) => LeaseAllowance::debt(state, now_ns / 1_000_000),
+            _ => 0,
+        }
+    }
+
     /// The largest cost a request can ever be admitted with, where there is one: a request that
     /// costs more is refused however long it waits. (Leaky buckets take cost 1, a warming bucket
     /// admits any cost once it may admit at all, a leased allowance is bounded by its global rule.)

@@ -154,13 +154,20 @@ impl Engine {
                 (r.reserved, actual),
                 now,
             );
-            if let Err(e) = result {
-                self.stats.add_process(ProcessStat::ReleaseErrors, 1);
-                log::warn!(
-                    "rule {}: a cost not settled: {e:?}",
-                    self.config.rules[rule].name
-                );
-                continue;
+            let debt = match result {
+                Ok(debt) => debt,
+                Err(e) => {
+                    self.stats.add_process(ProcessStat::ReleaseErrors, 1);
+                    log::warn!(
+                        "rule {}: a cost not settled: {e:?}",
+                        self.config.rules[rule].name
+                    );
+                    continue;
+                }
+            };
+            if debt > 0 {
+                self.stats
+                    .add(rule, RuleStat::Debt, super::saturating_i64(debt));
             }
             self.stats
                 .add(rule, RuleStat::Settled, super::saturating_i64(actual));

@@ -83,6 +83,9 @@ fn a_streamed_usage_beyond_the_reservation_is_owed_and_refused_until_repaid() {
     assert_eq!(big.status, 200, "another key is another budget");
     assert_eq!(envoy.counter("llm", "charged"), 800);
     assert_eq!(envoy.counter("llm", "refunded"), 700);
+    // 4 × 300 of 1 000: 200 past the bucket's bottom, less what refilled meanwhile (17 a second).
+    let debt = envoy.counter("llm", "debt");
+    assert!((180..=200).contains(&debt), "debt {debt}");
 }
 
 #[test]
@@ -314,6 +317,12 @@ fn three_envoys_with_small_reservations_overshoot_by_their_excess_at_most() {
         charged,
         used - 300 * admitted as u64,
         "every excess charged"
+    );
+    // Some of it went beyond what the proxies' allowances held.
+    let debt: u64 = envoys.iter().map(|e| e.counter("llm", "debt")).sum();
+    assert!(
+        debt > 0 && debt <= charged,
+        "debt {debt} of {charged} charged"
     );
     // What was used beyond the budget is owed, and repaid from the next leases first: no proxy
     // admits the key meanwhile.

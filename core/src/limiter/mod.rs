@@ -361,7 +361,8 @@ pub fn release<S: CasStore + ?Sized>(
 
 /// Settle a request that reserved `reserved` of `limit` in the key tagged `slot.tag` and turned
 /// out to cost `actual` ([`Limit::settle`]); nothing if the slot has changed hands since.
-/// `Err` only if the store failed or every attempt lost a race.
+/// Returns the tokens the settlement put the key into debt by. `Err` only if the store failed
+/// or every attempt lost a race.
 pub fn settle<S: CasStore + ?Sized>(
     store: &S,
     limit: &Limit,
@@ -369,15 +370,16 @@ pub fn settle<S: CasStore + ?Sized>(
     slot: SlotId,
     (reserved, actual): (u64, u64),
     now_ns: u64,
-) -> Result<(), StoreError> {
+) -> Result<u64, StoreError> {
     let key = table.store_key(slot.group);
     let find = |group: &Group| group.slots.iter().position(|s| s.tag == slot.tag);
     let settled = update_slot(store, key.as_str(), MAX_RELEASE_ATTEMPTS, find, |s| {
+        let before = limit.debt(&s.state, now_ns);
         s.state = limit.settle(&s.state, now_ns, reserved, actual);
-        (true, ())
+        (true, limit.debt(&s.state, now_ns).saturating_sub(before))
     });
     match settled {
-        Ok(_) => Ok(()),
+        Ok(found) => Ok(found.unwrap_or(0)),
         Err(UpdateError::Contended) => Err(StoreError::CasMismatch),
         Err(UpdateError::Unavailable(e)) => Err(StoreError::Unavailable(e)),
     }

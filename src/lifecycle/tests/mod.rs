@@ -365,6 +365,8 @@ fn a_streamed_usage_beyond_the_reservation_is_debt_that_refuses_until_repaid() {
             "{}",
             caps.name
         );
+        // Of the 800 charged beyond reservations, 200 went past the bucket's bottom.
+        assert_eq!(proxy.metric("tollgate.rule.llm.debt"), 200, "{}", caps.name);
     }
 }
 

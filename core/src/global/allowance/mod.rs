@@ -483,6 +483,11 @@ impl LeaseAllowance {
         !p.live(now_ms) && p.mark <= now_ms
     }
 
+    /// Whole tokens the allowance owes at `now_ms`: spent beyond what it held.
+    pub fn debt(state: &State, now_ms: u64) -> u64 {
+        parts(state).owed(now_ms)
+    }
+
     /// A request that spent `reserved` turned out to cost `actual`: the difference goes back to
     /// the allowance, or is spent beyond it (owed, and repaid from the next grants).
     pub fn settle(state: &State, reserved: u64, actual: u64) -> State {
