@@ -449,7 +449,8 @@ impl<H: Host> Stream<H> {
             .iter()
             .map(|r| {
                 let value = plugin.host.response_header(engine.settle_header(r)?)?;
-                std::str::from_utf8(&value).ok()?.trim().parse().ok()
+                // Beyond 64 bits is no usable cost: the reservation stands.
+                whole_number(&value).filter(|&n| n != u64::MAX)
             })
             .collect();
         if let Some(reading) = engine.body_reading(&self.reservations) {
