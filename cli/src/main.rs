@@ -103,6 +103,14 @@ fn main() -> ExitCode {
              `allow_on_headers_stop_iteration: true` in the wasm filter's config \
              (docs/llm-budgets.md)"
         );
+        if parsed.max_request_body_bytes > 512 << 10 {
+            println!(
+                "note: in Envoy, max_request_body_bytes ({}) is more than half of the default \
+                 per_connection_buffer_limit_bytes (1 MiB): a body that fills the buffer first \
+                 is answered 413 unless the listener's limit is raised",
+                parsed.max_request_body_bytes
+            );
+        }
     }
     for warning in parsed.warnings() {
         println!("warning: {warning}");

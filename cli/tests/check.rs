@@ -112,6 +112,13 @@ fn rules_that_read_the_body_carry_the_envoy_note() {
         stdout.contains("allow_on_headers_stop_iteration: true"),
         "{stdout}"
     );
+    assert!(
+        !stdout.contains("per_connection_buffer_limit_bytes"),
+        "{stdout}"
+    );
+    let big = body.replace("}]}", r#"}],"max_request_body_bytes":2097152}"#);
+    let out = check(&["--host", "envoy", "-"], Some(&big));
+    assert!(text(&out.stdout).contains("per_connection_buffer_limit_bytes"));
     let out = check(&["--host", "nginx", "-"], Some(body));
     assert!(!text(&out.stdout).contains("allow_on_headers_stop_iteration"));
 }

@@ -19,6 +19,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve at most `capacity` requests at once, each for `service_ms`; queue the rest.
+    ///
+    /// Paths containing `/llm` answer like an LLM API instead, chosen by request headers:
+    /// `x-usage-input` and `x-usage-output` (tokens, default 10 and 100), `x-format` (`openai`,
+    /// `responses`, `anthropic`, `gemini`), `x-stream: 1` (server-sent events, else one JSON
+    /// body), `x-events` (content events before the usage, default 5), `x-event-ms` (pause
+    /// between events: a slow stream), `x-cut-after` (end the connection after this many
+    /// content events, before any usage).
     Upstream(upstream::Args),
     /// Send requests at a fixed rate (open loop) and print what came back as JSON.
     Load(load::Args),

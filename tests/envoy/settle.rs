@@ -504,6 +504,11 @@ fn the_llm_guides_envoy_configuration_works_as_written() {
         ask("team-a", r#"{"max_output_tokens":8000}"#, "1").status,
         200
     );
+    // The guide's stats, labelled as it says.
+    assert_eq!(
+        envoy.counter("tokens-per-key", "settled"),
+        1_100 + 101 + 101
+    );
 }
 
 #[test]
