@@ -1,6 +1,6 @@
 //! tollgate: rate limiting at the proxy, as a proxy-wasm filter.
 //!
-//! Host-independent (and tested natively): `config`, `key`, `request`, `request_body`, `headers`, `header_map`,
+//! Host-independent (and tested natively): `config`, `key`, `number`, `request`, `request_body`, `headers`, `header_map`,
 //! `stats`, `engine` (the per-request decision) and `lifecycle` (every callback's work, from a
 //! request's headers to its log, through a `Host` trait). The algorithms live in the
 //! `tollgate-core` crate. Wasm only: `abi` (the proxy-wasm imports and exports), `host` (the
@@ -17,6 +17,7 @@ pub mod headers;
 pub mod key;
 pub mod lifecycle;
 pub mod network;
+pub mod number;
 pub mod request;
 pub mod request_body;
 pub mod stats;

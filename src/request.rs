@@ -5,6 +5,7 @@
 use crate::config::{KeyPart, Match, MissingKey, PathMatch};
 use crate::key::{push_key_part, KeyBytes};
 use crate::network::ClientIp;
+use crate::number::whole_number;
 use crate::request_body::RequestBody;
 use std::cell::OnceCell;
 use std::net::{IpAddr, SocketAddr};
@@ -289,26 +290,6 @@ pub fn header_cost(value: Option<&[u8]>, default: u64, min: u64, max: u64) -> u6
     value
         .and_then(whole_number)
         .map_or(default, |n| n.clamp(min, max))
-}
-
-/// A whole number: ASCII digits, surrounding whitespace ignored; one too large for 64 bits is
-/// `u64::MAX`. `None` for anything else (empty, a sign, a fraction, other bytes).
-pub fn whole_number(value: &[u8]) -> Option<u64> {
-    let digits = value.trim_ascii();
-    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    let mut n: u64 = 0;
-    for &d in digits {
-        match n
-            .checked_mul(10)
-            .and_then(|n| n.checked_add(u64::from(d - b'0')))
-        {
-            Some(next) => n = next,
-            None => return Some(u64::MAX),
-        }
-    }
-    Some(n)
 }
 
 #[cfg(test)]

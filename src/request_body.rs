@@ -1,8 +1,7 @@
 //! A request's JSON body as the rules read it: its size, and the fields they name, from the bytes
-//! the host buffered (at most the configuration's `max_request_body_bytes`); and a field of any
-//! JSON document as a whole number.
+//! the host buffered (at most the configuration's `max_request_body_bytes`).
 
-use crate::request::whole_number;
+use crate::number::{field_at, whole};
 use serde_json::Value;
 
 /// The request body, read once when the host has buffered it.
@@ -75,26 +74,6 @@ impl RequestBody {
             .unwrap_or(default);
         let input = input_bytes_per_token.map_or(0, |per| self.bytes.div_ceil(per.max(1)));
         output.saturating_add(input).clamp(min, max)
-    }
-}
-
-/// The value at `path` in `document` (objects only).
-pub fn field_at<'v>(document: &'v Value, path: &[String]) -> Option<&'v Value> {
-    path.iter()
-        .try_fold(document, |v, name| v.as_object()?.get(name))
-}
-
-/// A JSON value as a whole number: a number without fraction (`2000`, `2000.0`, `2e3`; beyond
-/// 64 bits `u64::MAX`), or a string of ASCII digits.
-pub fn whole(value: &Value) -> Option<u64> {
-    match value {
-        Value::Number(n) => n.as_u64().or_else(|| {
-            let f = n.as_f64()?;
-            // A float cast saturates: 1e30 is u64::MAX.
-            (f >= 0.0 && f.fract() == 0.0).then_some(f as u64)
-        }),
-        Value::String(s) => whole_number(s.as_bytes()),
-        _ => None,
     }
 }
 

@@ -202,9 +202,7 @@ impl UsageReader {
             return;
         };
         for (path, last) in &mut self.fields {
-            if let Some(n) =
-                crate::request_body::field_at(&value, path).and_then(crate::request_body::whole)
-            {
+            if let Some(n) = crate::number::field_at(&value, path).and_then(crate::number::whole) {
                 *last = Some(n);
             }
         }

@@ -10,7 +10,8 @@ use super::quota_call;
 use crate::engine::{
     Holds, Inputs, QuotaReport, Reservations, ResponseSeen, Seats, Step, Strict, WAIT_GRACE_MS,
 };
-use crate::request::{whole_number, Request};
+use crate::number::whole_number;
+use crate::request::Request;
 use crate::request_body::RequestBody;
 use crate::stats::ProcessStat;
 use crate::usage::UsageReader;
