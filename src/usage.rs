@@ -1,6 +1,7 @@
 //! What an LLM API's response says it used: the token usage in a JSON body or in a stream of
-//! server-sent events (OpenAI chat and responses, Anthropic, Gemini), read chunk by chunk as the
-//! body passes, within a bound on the bytes kept, never delaying it.
+//! server-sent events (OpenAI chat and responses, Anthropic, Gemini), or a number at a chosen
+//! field, read chunk by chunk as the body passes, within a bound on the bytes kept, never
+//! delaying it.
 
 use serde::Deserialize;
 
@@ -94,9 +95,9 @@ fn grow(slot: &mut Option<u64>, seen: Option<u64>) {
     }
 }
 
-/// Reads a response body's usage as it passes. A JSON body is kept (up to `max_bytes`) and read
-/// at its end; an event stream is read event by event, keeping only the line being received (a
-/// line longer than `max_bytes` is skipped).
+/// Reads a response body's usage (and whole numbers at chosen fields) as it passes. A JSON body
+/// is kept (up to `max_bytes`) and read at its end; an event stream is read event by event,
+/// keeping only the line being received (a line longer than `max_bytes` is skipped).
 #[derive(Debug)]
 pub struct UsageReader {
     stream: bool,

@@ -29,7 +29,8 @@ pub struct Stream<H: Host> {
     /// What it reserved of rules that settle after the response, and what the response showed.
     reservations: Reservations,
     seen: ResponseSeen,
-    usage: Option<UsageReader>,
+    /// Reads the response body for the usage or fields reservations settle by.
+    body_reader: Option<UsageReader>,
     /// Set while the request is held by a leaky bucket.
     held_until: Option<u64>,
     /// The call this request waits for, with its checks.
@@ -52,7 +53,7 @@ impl<H: Host> Stream<H> {
             holds: Holds::new(),
             reservations: Reservations::new(),
             seen: ResponseSeen::default(),
-            usage: None,
+            body_reader: None,
             held_until: None,
             own_call: None,
             seats: Seats::new(),
@@ -456,7 +457,7 @@ impl<H: Host> Stream<H> {
             .collect();
         if let Some(reading) = engine.body_reading(&self.reservations) {
             let content_type = plugin.host.response_header("content-type");
-            self.usage = Some(UsageReader::with_fields(
+            self.body_reader = Some(UsageReader::with_fields(
                 content_type.as_deref(),
                 reading.max_bytes,
                 reading.usage,
@@ -475,7 +476,7 @@ impl<H: Host> Stream<H> {
             .seen
             .body_bytes
             .saturating_add(u64::try_from(size).unwrap_or(u64::MAX));
-        if let (Some(reader), Some(plugin)) = (self.usage.as_mut(), &self.plugin) {
+        if let (Some(reader), Some(plugin)) = (self.body_reader.as_mut(), &self.plugin) {
             if size > 0 {
                 if let Some(chunk) = plugin.host.response_body(size) {
                     reader.push(&chunk);
@@ -496,7 +497,7 @@ impl<H: Host> Stream<H> {
         let Some(plugin) = self.plugin.clone() else {
             return;
         };
-        if let Some(reader) = self.usage.as_mut() {
+        if let Some(reader) = self.body_reader.as_mut() {
             self.seen.usage = reader.finish();
             self.seen.fields = reader.fields();
         }
