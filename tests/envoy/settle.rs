@@ -538,3 +538,58 @@ fn a_cost_from_a_field_of_the_upstreams_json_answer() {
     assert_eq!(statuses, [200, 200, 200, 429]);
     assert_eq!(envoy.counter("credits", "settled"), 120);
 }
+
+#[test]
+fn usage_settles_in_every_format_json_and_streamed_and_from_a_response_header() {
+    let app = Upstream::start(&[]);
+    let mut header_route = answer("/metered", 200, "done\n", "text/plain");
+    header_route["response_headers_to_add"] = json!([{"header": {"key": "x-usage-tokens", "value": "7"},
+        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]);
+    let opts = Options {
+        app_port: Some(app.port),
+        routes: vec![header_route],
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [
+            {"name": "llm", "match": {"path_prefix": "/app/llm"}, "key": ["header:x-api-key"],
+             "limit": {"requests": 100000, "per": "1m"}, "cost": 2000,
+             "settle": {"usage": {"input": 1, "output": 2}}},
+            {"name": "metered", "match": {"path_prefix": "/metered"},
+             "limit": {"requests": 100, "per": "1m"}, "cost": 50,
+             "settle": {"header": "x-usage-tokens"}}]}),
+        &opts,
+    );
+    let client = Client::new();
+    let mut want = 0;
+    for format in ["openai", "responses", "anthropic", "gemini"] {
+        for stream in ["0", "1"] {
+            let reply = client.get(
+                &envoy.url("/app/llm/chat"),
+                &[
+                    ("x-api-key", "k"),
+                    ("x-format", format),
+                    ("x-stream", stream),
+                    ("x-usage-input", "30"),
+                    ("x-usage-output", "100"),
+                ],
+            );
+            assert_eq!(reply.status, 200, "{format} {stream}");
+            // Input once, output twice.
+            want += 230;
+            let settled = testkit::eventually(std::time::Duration::from_secs(5), || {
+                envoy.counter("llm", "settled") == want
+            });
+            assert!(
+                settled,
+                "{format}, stream {stream}: {}",
+                envoy.counter("llm", "settled")
+            );
+        }
+    }
+    for _ in 0..3 {
+        assert_eq!(client.get(&envoy.url("/metered"), &[]).status, 200);
+    }
+    assert_eq!(envoy.counter("metered", "settled"), 21);
+    assert_eq!(envoy.counter("metered", "refunded"), 3 * 43);
+}
