@@ -19,7 +19,7 @@ pub use algorithm::{Limit, Standing};
 pub use global::allowance::{Ask, Grant, LeaseAllowance};
 pub use global::permits::PermitAllowance;
 pub use limiter::{
-    admit, release, return_stash, settle, Check, CheckOutcome, CheckOutcomes, Hold, Outcome,
+    admit, pace, release, return_stash, settle, Check, CheckOutcome, CheckOutcomes, Hold, Outcome,
     SlotEvent, Verdict,
 };
 pub use local::concurrency::Concurrency;

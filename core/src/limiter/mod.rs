@@ -385,6 +385,43 @@ pub fn settle<S: CasStore + ?Sized>(
     }
 }
 
+/// Charge `bytes` a stream of the key tagged `slot.tag` is about to pass on to the key's byte
+/// bucket (`limit`, a token bucket of bytes), taking the key a slot of its group as a request
+/// would; returns how long (ns) to hold them first ([`TokenBucket::pace`]). `Err` only if the
+/// store failed or every attempt lost a race.
+///
+/// [`TokenBucket::pace`]: crate::local::token_bucket::TokenBucket::pace
+pub fn pace<S: CasStore + ?Sized>(
+    store: &S,
+    limit: &Limit,
+    table: &SlotTable,
+    slot: SlotId,
+    bytes: u64,
+    now_ns: u64,
+) -> Result<u64, StoreError> {
+    let Limit::TokenBucket(bucket) = limit else {
+        return Ok(0);
+    };
+    let key = table.store_key(slot.group);
+    let paced = crate::store::update(store, key.as_str(), MAX_CAS_ATTEMPTS, |bytes_read| {
+        let group = Group::decode(bytes_read.unwrap_or_default());
+        let (index, _, current) = choose(limit, &group, slot.tag, now_ns);
+        let (state, wait) = bucket.pace(&current.state, now_ns, bytes);
+        let mut next = group;
+        next.slots[index] = Slot {
+            tag: current.tag,
+            last_ns: now_ns,
+            state,
+        };
+        (Some(next.encode()), wait)
+    });
+    match paced {
+        Ok(wait) => Ok(wait),
+        Err(UpdateError::Contended) => Err(StoreError::CasMismatch),
+        Err(UpdateError::Unavailable(e)) => Err(StoreError::Unavailable(e)),
+    }
+}
+
 /// Give back `tokens` a worker stashed for the key tagged `slot.tag` and did not spend, unless
 /// its slot has changed hands since. `Err` only if the store failed or every attempt lost a race.
 pub fn return_stash<S: CasStore + ?Sized>(
