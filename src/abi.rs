@@ -26,12 +26,16 @@ pub const MAP_HTTP_RESPONSE_HEADERS: u32 = 2;
 pub const MAP_HTTP_CALL_RESPONSE_HEADERS: u32 = 6;
 
 pub const STREAM_HTTP_REQUEST: u32 = 0;
+pub const STREAM_HTTP_RESPONSE: u32 = 1;
 
 pub const METRIC_COUNTER: u32 = 0;
 pub const METRIC_GAUGE: u32 = 1;
 
 pub const ACTION_CONTINUE: u32 = 0;
 pub const ACTION_PAUSE: u32 = 1;
+/// Body callbacks: stop passing data on; the host buffers it under flow control (Envoy's
+/// StopIterationAndWatermark: its buffer limit pauses the reads, never fails the stream).
+pub const ACTION_HOLD_BODY: u32 = 2;
 
 #[link(wasm_import_module = "env")]
 extern "C" {

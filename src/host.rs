@@ -370,6 +370,10 @@ impl Host for WasmHost {
     fn continue_request(&self) -> Result<(), Status> {
         continue_request()
     }
+    fn continue_response(&self) -> Result<(), Status> {
+        // SAFETY: plain value.
+        check(unsafe { abi::proxy_continue_stream(abi::STREAM_HTTP_RESPONSE) })
+    }
     fn set_effective_context(&self, context_id: u32) -> Result<(), Status> {
         set_effective_context(context_id)
     }

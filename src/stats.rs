@@ -36,6 +36,9 @@ pub enum RuleStat {
     Refunded,
     Charged,
     Debt,
+    /// Byte limits: bytes charged to keys' byte buckets, and the time bodies were held (ms).
+    PacedBytes,
+    HeldMs,
     /// Overload rules: admitted and shed requests per priority level.
     Level0Allowed,
     Level1Allowed,
@@ -51,7 +54,7 @@ pub enum RuleStat {
 }
 
 impl RuleStat {
-    pub const ALL: [Self; 31] = [
+    pub const ALL: [Self; 33] = [
         Self::Allowed,
         Self::Limited,
         Self::Delayed,
@@ -73,6 +76,8 @@ impl RuleStat {
         Self::Refunded,
         Self::Charged,
         Self::Debt,
+        Self::PacedBytes,
+        Self::HeldMs,
         Self::Level0Allowed,
         Self::Level1Allowed,
         Self::Level2Allowed,
@@ -130,6 +135,8 @@ impl RuleStat {
             Self::Refunded => "refunded",
             Self::Charged => "charged",
             Self::Debt => "debt",
+            Self::PacedBytes => "paced_bytes",
+            Self::HeldMs => "held_ms",
             Self::Level0Allowed => "level_0_allowed",
             Self::Level1Allowed => "level_1_allowed",
             Self::Level2Allowed => "level_2_allowed",
@@ -183,10 +190,12 @@ pub enum ProcessStat {
     QuotaWaiting,
     /// Gauge: tokens in worker stashes.
     StashHeld,
+    /// Gauge: bodies held by byte limits now.
+    BodiesHeld,
 }
 
 impl ProcessStat {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::QueueHeld,
         Self::ReleaseErrors,
         Self::QuotaCalls,
@@ -194,6 +203,7 @@ impl ProcessStat {
         Self::QuotaGranted,
         Self::QuotaWaiting,
         Self::StashHeld,
+        Self::BodiesHeld,
     ];
 
     pub fn name(self) -> &'static str {
@@ -205,11 +215,15 @@ impl ProcessStat {
             Self::QuotaGranted => "tollgate.quota.granted",
             Self::QuotaWaiting => "tollgate.quota.waiting",
             Self::StashHeld => "tollgate.stash.held",
+            Self::BodiesHeld => "tollgate.bodies.held",
         }
     }
 
     pub fn is_gauge(self) -> bool {
-        matches!(self, Self::QueueHeld | Self::QuotaWaiting | Self::StashHeld)
+        matches!(
+            self,
+            Self::QueueHeld | Self::QuotaWaiting | Self::StashHeld | Self::BodiesHeld
+        )
     }
 }
 

@@ -14,6 +14,7 @@ fn action(a: Action) -> u32 {
     match a {
         Action::Continue => abi::ACTION_CONTINUE,
         Action::Pause => abi::ACTION_PAUSE,
+        Action::HoldBody => abi::ACTION_HOLD_BODY,
     }
 }
 

@@ -103,6 +103,16 @@ impl Config {
             self.check_no_metadata(host)?;
         }
         if !host.resume_from_timer {
+            if let Some(i) = self.rules.iter().position(|r| r.pace.is_some()) {
+                return Err(err(
+                    format!("rules[{i}].limit.bytes"),
+                    format!(
+                        "{} cannot resume a paused body from a timer, so it cannot pace a key's \
+                         bytes: use nginx's own limit_rate (per request) there",
+                        host.name
+                    ),
+                ));
+            }
             if let Some(i) = self.rules.iter().position(|r| r.delays()) {
                 return Err(err(
                     format!("rules[{i}].delay"),

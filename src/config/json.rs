@@ -129,6 +129,22 @@ pub(super) struct RawRule {
     pub settle: Option<RawSettle>,
     /// Each key's own limit, from what a trusted filter before tollgate set (a tenant's plan).
     pub limit_from: Option<RawLimitFrom>,
+    /// A byte limit (`limit.bytes`): which body it paces, `"response"` (the default) or
+    /// `"request"` (uploads).
+    pub pace: Option<PaceBody>,
+    /// A byte limit: bytes of each body passed on before pacing starts (nginx's
+    /// `limit_rate_after`); default 0.
+    pub after: Option<u64>,
+}
+
+/// Which body a byte limit paces.
+#[derive(Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+pub enum PaceBody {
+    #[default]
+    Response,
+    Request,
 }
 
 /// Where a key's own `limit.requests` comes from: a request header or request metadata (Envoy)
@@ -340,6 +356,8 @@ pub(super) struct RawMatch {
 #[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Limit"))]
 pub(super) struct RawLimit {
     pub requests: Option<NonZeroU64>,
+    /// Bytes per `per` (a byte limit: paces bodies, never refuses a request).
+    pub bytes: Option<NonZeroU64>,
     pub per: Option<Period>,
     pub concurrent: Option<NonZeroU64>,
 }

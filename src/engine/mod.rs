@@ -8,6 +8,7 @@ mod dry_run;
 mod failure;
 mod guard;
 mod lease;
+mod pace;
 mod reply;
 mod settle;
 mod strict;
@@ -16,6 +17,7 @@ mod tests;
 
 pub use guard::{reported_cpu, Seat, Seats};
 pub use lease::{read_answer, read_permit_answer, Call, Refill};
+pub use pace::{Pacer, Pacers};
 pub use settle::{Reservation, Reservations, ResponseSeen};
 pub use strict::Strict;
 
@@ -154,6 +156,8 @@ pub struct Engine {
     draws: u64,
     /// Some rule is an overload rule.
     guarded: bool,
+    /// Some rule is a byte limit.
+    paces: bool,
     /// Global concurrency keys this worker has had requests of (renewed on the tick).
     permit_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
     /// When the tick looks at them next (ms).
@@ -171,6 +175,7 @@ impl Engine {
     pub fn new(config: Config, deployment: KeyPlacement) -> Self {
         let placement = config.placement.unwrap_or(deployment);
         let guarded = config.rules.iter().any(|r| r.guard().is_some());
+        let paces = config.rules.iter().any(|r| r.pace.is_some());
         Self {
             stats: Stats::new(config.rules.len()),
             dry_run_log: dry_run::DryRunLog::new(config.rules.len()),
@@ -183,6 +188,7 @@ impl Engine {
             calls_off_until_ms: 0,
             draws: 0,
             guarded,
+            paces,
             permit_keys: rustc_hash::FxHashMap::default(),
             next_slot_scan_ms: 0,
             placement,
@@ -247,6 +253,10 @@ impl Engine {
             let Some(own) = rule.quota() else {
                 continue;
             };
+            // Byte limits pace bodies; they never refuse a request.
+            if rule.pace.is_some() {
+                continue;
+            }
             if !request.matches(&rule.matcher) {
                 continue;
             }

@@ -39,6 +39,9 @@ impl fmt::Display for Status {
 pub enum Action {
     Continue,
     Pause,
+    /// From a body callback: keep the body's data back under the host's flow control until the
+    /// stream is continued (pacing).
+    HoldBody,
 }
 
 /// How the host keeps a metric.
@@ -77,6 +80,8 @@ pub trait Host: CasStore {
     fn send_local_response(&self, status: u32, headers: &[u8], body: &[u8]) -> Result<(), Status>;
     /// Let the current (paused) request go on.
     fn continue_request(&self) -> Result<(), Status>;
+    /// Pass on a response whose body was held.
+    fn continue_response(&self) -> Result<(), Status>;
     /// Make another context current (to resume it from the timer, or to read a call's answer
     /// delivered to the root context).
     fn set_effective_context(&self, context_id: u32) -> Result<(), Status>;

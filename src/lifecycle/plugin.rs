@@ -6,7 +6,7 @@ use super::host::{Host, MetricKind};
 use super::queues::Queues;
 use super::quota_call;
 use super::respond::{self, Scratch};
-use crate::config::{Config, HostCaps, LogLevel};
+use crate::config::{Config, HostCaps, LogLevel, PaceBody};
 use crate::engine::{read_answer, read_permit_answer, Call, Engine, Refusal, Step};
 use crate::stats::{ProcessStat, RuleStat, Stat};
 use log::{debug, info, warn};
@@ -78,6 +78,7 @@ impl<H: Host> Plugin<H> {
                                     matches!(q.limit, tollgate_core::Limit::PermitLease(_))
                                 }),
                                 s if s.is_settle() => rule.settle.is_some(),
+                                RuleStat::PacedBytes | RuleStat::HeldMs => rule.pace.is_some(),
                                 s => !s.is_overload(),
                             },
                             Some(g) => rule_has(g, stat),
@@ -181,7 +182,10 @@ impl<H: Host> Plugin<H> {
     pub fn tick_ms(&self) -> u32 {
         let engine = self.engine.borrow();
         let rules = &engine.config().rules;
-        if rules.iter().any(|r| r.delays() || r.global().is_some()) {
+        if rules
+            .iter()
+            .any(|r| r.delays() || r.global().is_some() || r.pace.is_some())
+        {
             TICK_MS
         } else {
             STATS_TICK_MS
@@ -201,6 +205,19 @@ impl<H: Host> Plugin<H> {
         }
         self.send_refills(now);
         self.retry_waiting(now);
+        let bodies = self.queues.borrow_mut().bodies_due(now);
+        for (id, body) in bodies {
+            self.add(ProcessStat::BodiesHeld, -1);
+            if self.host.set_effective_context(id).is_ok() {
+                let resumed = match body {
+                    PaceBody::Response => self.host.continue_response(),
+                    PaceBody::Request => self.host.continue_request(),
+                };
+                if let Err(s) = resumed {
+                    debug!("cannot pass on held body of {id}: {s}");
+                }
+            }
+        }
         let due = self.queues.borrow_mut().due(now);
         for id in due {
             self.add(ProcessStat::QueueHeld, -1);
@@ -356,6 +373,16 @@ impl<H: Host> Plugin<H> {
     /// the failure mode, and stats are handed over.
     pub fn retire(&self) {
         let now = self.host.now_ns().unwrap_or(0);
+        let bodies = self.queues.borrow_mut().drain_bodies();
+        for (id, body) in bodies {
+            self.add(ProcessStat::BodiesHeld, -1);
+            if self.host.set_effective_context(id).is_ok() {
+                let _ = match body {
+                    PaceBody::Response => self.host.continue_response(),
+                    PaceBody::Request => self.host.continue_request(),
+                };
+            }
+        }
         let (held, waiting) = self.queues.borrow_mut().drain();
         for id in held {
             self.add(ProcessStat::QueueHeld, -1);

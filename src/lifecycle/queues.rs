@@ -2,6 +2,7 @@
 //! for global quota, decided on the tick and not yet picked up by their context; and its lease
 //! calls in flight. Host-independent: the callbacks resume what these say.
 
+use crate::config::PaceBody;
 use crate::engine::{Admitted, Inputs, Refill};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
@@ -23,6 +24,8 @@ pub struct Queues {
     resumed: FxHashMap<u32, Admitted>,
     /// Refills sent and not answered yet, by call token, and whether the call was for slots.
     in_flight: FxHashMap<u32, (bool, Vec<Refill>)>,
+    /// (due time ns, context id, which body) of bodies held by byte limits.
+    bodies: BTreeSet<(u64, u32, PaceBody)>,
 }
 
 impl Queues {
@@ -54,6 +57,41 @@ impl Queues {
             .iter()
             .find(|(_, id)| *id == context_id)
             .map(|(due, _)| *due)
+    }
+
+    /// Hold a request's `body` until `due_ns` (a later time replaces an earlier one).
+    pub fn hold_body(&mut self, due_ns: u64, context_id: u32, body: PaceBody) {
+        self.bodies
+            .retain(|&(_, id, b)| !(id == context_id && b == body));
+        self.bodies.insert((due_ns, context_id, body));
+    }
+
+    /// When a held body is due, if it is held.
+    pub fn body_held_until(&self, context_id: u32, body: PaceBody) -> Option<u64> {
+        self.bodies
+            .iter()
+            .find(|&&(_, id, b)| id == context_id && b == body)
+            .map(|&(due, _, _)| due)
+    }
+
+    /// Take out the bodies due by `now_ns`, earliest first.
+    pub fn bodies_due(&mut self, now_ns: u64) -> Vec<(u32, PaceBody)> {
+        let mut due = Vec::new();
+        while let Some(&(at, id, body)) = self.bodies.first() {
+            if at > now_ns {
+                break;
+            }
+            self.bodies.pop_first();
+            due.push((id, body));
+        }
+        due
+    }
+
+    /// Take a request's held bodies out (it ended); how many there were.
+    pub fn unhold_bodies(&mut self, context_id: u32) -> usize {
+        let before = self.bodies.len();
+        self.bodies.retain(|&(_, id, _)| id != context_id);
+        before - self.bodies.len()
     }
 
     pub fn wait(&mut self, waiting: Waiting) {
@@ -105,6 +143,14 @@ impl Queues {
             held.into_iter().map(|(_, id)| id).collect(),
             self.take_waiting(),
         )
+    }
+
+    /// Every held body, for a configuration that goes away.
+    pub fn drain_bodies(&mut self) -> Vec<(u32, PaceBody)> {
+        std::mem::take(&mut self.bodies)
+            .into_iter()
+            .map(|(_, id, body)| (id, body))
+            .collect()
     }
 
     #[cfg(test)]

@@ -7,8 +7,10 @@ use super::host::{Action, Host, HostRequest};
 use super::plugin::Plugin;
 use super::queues::Waiting;
 use super::quota_call;
+use crate::config::PaceBody;
 use crate::engine::{
-    Holds, Inputs, QuotaReport, Reservations, ResponseSeen, Seats, Step, Strict, WAIT_GRACE_MS,
+    Holds, Inputs, Pacers, QuotaReport, Reservations, ResponseSeen, Seats, Step, Strict,
+    WAIT_GRACE_MS,
 };
 use crate::number::whole_number;
 use crate::request::Request;
@@ -39,6 +41,8 @@ pub struct Stream<H: Host> {
     seats: Seats,
     /// Set once the request was let through to the upstream (a response without it is ours).
     forwarded: bool,
+    /// Byte limits that pace its bodies.
+    pacers: Pacers,
     /// The decision waits for the request body (a rule that applies reads it).
     awaiting_body: bool,
     ended: bool,
@@ -58,6 +62,7 @@ impl<H: Host> Stream<H> {
             own_call: None,
             seats: Seats::new(),
             forwarded: false,
+            pacers: Pacers::new(),
             awaiting_body: false,
             ended: false,
         }
@@ -193,6 +198,7 @@ impl<H: Host> Stream<H> {
         };
         let trusted_hops = plugin.engine.borrow().config().client_ip;
         let request = Request::new(&view, trusted_hops).with_body(body);
+        self.pacers = plugin.engine.borrow().pacers(&request);
         let mut now = None;
         if plugin.engine.borrow().has_guards() {
             now = plugin.host.now_ns();
@@ -466,27 +472,65 @@ impl<H: Host> Stream<H> {
         }
     }
 
-    /// A chunk of the response body (`size` bytes; `end`: the last): counted and read for the
-    /// usage it reports where a reservation needs it. The body is never held.
+    /// `size` more bytes of the response body (`end`: the last have come): counted and read for
+    /// what reservations settle by, and paced by byte limits — held back while the key's byte
+    /// bucket says so, else passed on at once. (While a body is held back, Envoy hands over each
+    /// chunk as it comes, and passes them all on when the stream is continued.)
     pub fn on_response_body(&mut self, size: usize, end: bool) -> Action {
-        if self.reservations.is_empty() {
+        if self.reservations.is_empty() && self.pacers.is_empty() {
             return Action::Continue;
         }
-        self.seen.body_bytes = self
-            .seen
-            .body_bytes
-            .saturating_add(u64::try_from(size).unwrap_or(u64::MAX));
-        if let (Some(reader), Some(plugin)) = (self.body_reader.as_mut(), &self.plugin) {
-            if size > 0 {
-                if let Some(chunk) = plugin.host.response_body(size) {
-                    reader.push(&chunk);
+        let Some(plugin) = self.plugin.clone() else {
+            return Action::Continue;
+        };
+        if !self.reservations.is_empty() {
+            self.seen.body_bytes = self
+                .seen
+                .body_bytes
+                .saturating_add(u64::try_from(size).unwrap_or(u64::MAX));
+            if let Some(reader) = self.body_reader.as_mut() {
+                if size > 0 {
+                    if let Some(chunk) = plugin.host.response_body(size) {
+                        reader.push(&chunk);
+                    }
                 }
             }
+            if end {
+                self.settle();
+            }
         }
-        if end {
-            self.settle();
+        if self.pacers.is_empty() {
+            return Action::Continue;
         }
-        Action::Continue
+        self.pace(&plugin, PaceBody::Response, size)
+    }
+
+    /// `new` bytes of `body` are about to go on: charge them to the byte limits, and hold the
+    /// body until they are covered.
+    fn pace(&mut self, plugin: &Plugin<H>, body: PaceBody, new: usize) -> Action {
+        let Some(now) = plugin.host.now_ns() else {
+            return Action::Continue;
+        };
+        let wait = plugin.engine.borrow_mut().pace(
+            &plugin.host,
+            &mut self.pacers,
+            body,
+            u64::try_from(new).unwrap_or(u64::MAX),
+            now,
+        );
+        let held = plugin.queues.borrow().body_held_until(self.id, body);
+        if wait == 0 && held.is_none() {
+            return Action::Continue;
+        }
+        let until = held.map_or(now + wait, |h| h.max(now + wait));
+        plugin.queues.borrow_mut().hold_body(until, self.id, body);
+        if held.is_none() {
+            plugin.add(ProcessStat::BodiesHeld, 1);
+        }
+        // The time it is held for, as scheduled (what the tick's resolution adds is not).
+        let added = until.saturating_sub(held.unwrap_or(now).max(now));
+        plugin.engine.borrow_mut().held(&self.pacers, body, added);
+        Action::HoldBody
     }
 
     /// Settle the reservations with what the response showed (exactly once).
@@ -520,6 +564,13 @@ impl<H: Host> Stream<H> {
         self.take_resumed();
         if self.awaiting_body {
             plugin.body_came(self.id, false);
+        }
+        if !self.pacers.is_empty() {
+            let unheld = plugin.queues.borrow_mut().unhold_bodies(self.id);
+            plugin.add(
+                ProcessStat::BodiesHeld,
+                -i64::try_from(unheld).unwrap_or(i64::MAX),
+            );
         }
         if let Some(due) = self.held_until.take() {
             // Still queued means the client went away while held.

@@ -25,7 +25,7 @@ enum Command {
     /// `responses`, `anthropic`, `gemini`), `x-stream: 1` (server-sent events, else one JSON
     /// body), `x-events` (content events before the usage, default 5), `x-event-ms` (pause
     /// between events: a slow stream), `x-cut-after` (end the connection after this many
-    /// content events, before any usage).
+    /// content events, before any usage). Paths ending `/bytes/N` answer N bytes (downloads).
     Upstream(upstream::Args),
     /// Send requests at a fixed rate (open loop) and print what came back as JSON.
     Load(load::Args),

@@ -3,7 +3,8 @@
 //! at the service, queued ones included, over its capacity) and fail a share of its answers.
 //! `GET /__stats` answers the most requests it had at once, and how many it served;
 //! `GET /__set?service_ms=N&capacity=N` changes either while it runs (a slower upstream, one
-//! that scaled out). Paths with `/llm` answer as an LLM API does (`llm.rs`).
+//! that scaled out). Paths with `/llm` answer as an LLM API does (`llm.rs`); `/bytes/N` answers
+//! N bytes.
 
 use crate::http::{read_head, skip_body};
 use std::io::{BufReader, Write};
@@ -107,6 +108,20 @@ impl Service {
                     }
                 }
                 "HTTP/1.1 204 No Content\r\n\r\n".to_string()
+            } else if let Some(n) = bytes_asked(path) {
+                // A download of `n` bytes, written as fast as the connection takes them.
+                write!(
+                    out,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {n}\r\n\r\n"
+                )?;
+                let block = [b'x'; 64 * 1024];
+                let mut left = n;
+                while left > 0 {
+                    let take = left.min(block.len() as u64) as usize;
+                    out.write_all(&block[..take])?;
+                    left -= take as u64;
+                }
+                continue;
             } else if path.contains("/llm") {
                 if !crate::llm::answer(&head, &mut out)? {
                     return Ok(());
@@ -164,4 +179,10 @@ impl Service {
         };
         format!("HTTP/1.1 {status}\r\ncontent-length: 3\r\n{cpu}\r\nok\n")
     }
+}
+
+/// `N` of a path `…/bytes/N`: a download of that many bytes.
+fn bytes_asked(path: &str) -> Option<u64> {
+    let (_, n) = path.split_once("/bytes/")?;
+    n.split(['?', '/']).next()?.parse().ok()
 }

@@ -8,6 +8,7 @@ mod harness;
 
 mod algorithms;
 mod answers;
+mod bandwidth;
 mod cluster;
 mod concurrency;
 mod config;

@@ -548,6 +548,9 @@ fn two_streams_of_one_key_share_its_byte_rate_and_another_key_has_its_own() {
     let (a, b) = (r.table.locate(b"a"), r.table.locate(b"b"));
     assert_eq!(pace(&store, &r.limit, &r.table, a, 100_000, NOW), Ok(0));
     // The key's second stream waits for the first's bytes: 50 ms for 50 000 bytes.
-    assert_eq!(pace(&store, &r.limit, &r.table, a, 50_000, NOW), Ok(50 * MS));
+    assert_eq!(
+        pace(&store, &r.limit, &r.table, a, 50_000, NOW),
+        Ok(50 * MS)
+    );
     assert_eq!(pace(&store, &r.limit, &r.table, b, 100_000, NOW), Ok(0));
 }

@@ -2,6 +2,7 @@
 
 pub mod overload;
 
+pub use super::json::PaceBody;
 use super::period::format_duration;
 pub use super::syntax::{FailureMode, FirstLease, HeaderFormat, KeyPart, LogLevel, MissingKey};
 use tollgate_core::slot::KeyPlacement;
@@ -100,6 +101,16 @@ pub struct Rule {
     pub settle: Option<Settle>,
     /// Each key's own `limit.requests`, from the request (a tenant's plan).
     pub limit_from: Option<LimitFrom>,
+    /// A byte limit: the body it paces (the rule never refuses a request).
+    pub pace: Option<Pace>,
+}
+
+/// What a byte limit paces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pace {
+    pub body: PaceBody,
+    /// Bytes of each body passed on before pacing starts.
+    pub after: u64,
 }
 
 /// Where a key's own limit comes from, and the most it may be.

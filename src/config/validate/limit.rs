@@ -51,6 +51,28 @@ impl LimitParams {
                 "only applies to algorithm \"concurrency\"",
             ));
         }
+        if let Some(bytes) = raw.bytes {
+            if raw.requests.is_some() {
+                return Err(err(
+                    format!("{path}.limit"),
+                    "give requests or bytes, not both",
+                ));
+            }
+            if self.algorithm != Algorithm::TokenBucket || self.warmup_ns.is_some() {
+                return Err(err(
+                    field("bytes"),
+                    "a byte limit is a token bucket of bytes (algorithm \"token_bucket\", no warmup)",
+                ));
+            }
+            let per = raw.per.ok_or_else(|| err(field("per"), "required"))?.ns;
+            let burst = burst.unwrap_or(bytes.get());
+            if burst == 0 {
+                return Err(err(format!("{path}.burst"), "must be at least 1"));
+            }
+            return TokenBucket::new(bytes.get(), per, burst)
+                .map(Limit::TokenBucket)
+                .ok_or_else(|| err(format!("{path}.limit"), "must be positive"));
+        }
         let requests = raw
             .requests
             .ok_or_else(|| err(field("requests"), "required"))?

@@ -7,9 +7,9 @@ use crate::config::json::{
     Algorithm, RawCost, RawCostFrom, RawResponse, RawRule, RawSettle, RawUsage, Scope, UsageCount,
 };
 use crate::config::model::{
-    Cost, KeyPart, LimitFrom, Override, OverrideAction, Quota, Rule, RuleKind, Settle, SettleFrom,
-    UsageCost, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH, MAX_MAX_KEYS,
-    MAX_WORKER_BATCH,
+    Cost, KeyPart, LimitFrom, Override, OverrideAction, Pace, PaceBody, Quota, Rule, RuleKind,
+    Settle, SettleFrom, UsageCost, DEFAULT_MAX_DELAY_NS, DEFAULT_MAX_KEYS, DEFAULT_WORKER_BATCH,
+    MAX_MAX_KEYS, MAX_WORKER_BATCH,
 };
 use crate::config::syntax::{body_path, is_token};
 use crate::config::{err, ConfigError};
@@ -105,6 +105,8 @@ impl RawRule {
             // worker would be missing to another's request at the end of a burst, and the service
             // would say there is no more (a refusal with budget left).
             None if self.scope == Scope::Global => 0,
+            // A byte limit charges every chunk to the key's shared bucket.
+            None if self.limit.as_ref().is_some_and(|l| l.bytes.is_some()) => 0,
             None if algorithm == Algorithm::TokenBucket && self.warmup.is_none() => {
                 DEFAULT_WORKER_BATCH
             }
@@ -124,6 +126,19 @@ impl RawRule {
         };
         let name = self.name.0;
         let limit = params.limit(raw_limit, self.burst, path)?;
+        let pace = pace_of(
+            raw_limit.bytes.is_some(),
+            (self.pace, self.after),
+            [
+                (self.cost.is_some(), "cost"),
+                (self.settle.is_some(), "settle"),
+                (self.limit_from.is_some(), "limit_from"),
+                (!self.overrides.is_empty(), "overrides"),
+                (self.worker_batch.is_some_and(|n| n > 0), "worker_batch"),
+                (self.scope == Scope::Global, "scope"),
+            ],
+            path,
+        )?;
         let quota = Quota::new(limit, &name, max_keys);
         check_key(&self.key, path)?;
         let cost = match self.cost {
@@ -270,6 +285,7 @@ impl RawRule {
             worker_batch_by_default: self.worker_batch.is_none() && worker_batch > 0,
             settle,
             limit_from,
+            pace,
         })
     }
 
@@ -314,6 +330,7 @@ impl RawRule {
             worker_batch_by_default: false,
             settle: None,
             limit_from: None,
+            pace: None,
         })
     }
 }
@@ -480,4 +497,36 @@ fn cost_from(c: RawCostFrom, path: &str) -> Result<Cost, ConfigError> {
             "needs \"header\": NAME or \"body\": [FIELD, …]",
         )),
     }
+}
+
+/// What a byte limit (`limit.bytes`) paces; `pace` and `after` belong to byte limits only, which
+/// take none of `refused` (request costs, plans, overrides, stashes; they stay local).
+fn pace_of(
+    bytes: bool,
+    (pace, after): (Option<PaceBody>, Option<u64>),
+    refused: [(bool, &str); 6],
+    path: &str,
+) -> Result<Option<Pace>, ConfigError> {
+    if !bytes {
+        for (given, field) in [(pace.is_some(), "pace"), (after.is_some(), "after")] {
+            if given {
+                return Err(err(
+                    format!("{path}.{field}"),
+                    "only applies to a byte limit (limit.bytes)",
+                ));
+            }
+        }
+        return Ok(None);
+    }
+    if let Some((_, field)) = refused.iter().find(|(given, _)| *given) {
+        return Err(err(
+            format!("{path}.{field}"),
+            "does not apply to a byte limit (limit.bytes), which paces bodies per key in this \
+             proxy",
+        ));
+    }
+    Ok(Some(Pace {
+        body: pace.unwrap_or_default(),
+        after: after.unwrap_or(0),
+    }))
 }

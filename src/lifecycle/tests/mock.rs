@@ -54,6 +54,8 @@ struct State {
     request_body: RefCell<Vec<u8>>,
     /// The response body chunk being delivered.
     body_chunk: RefCell<Vec<u8>>,
+    /// Streams whose held response the filter continued.
+    continued_responses: RefCell<Vec<u32>>,
     /// The answer being delivered: headers and body.
     answer: RefCell<Option<(Headers, Vec<u8>)>>,
     metric_names: RefCell<Vec<String>>,
@@ -140,6 +142,14 @@ impl Host for MockHost {
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
         let chunk = self.0.body_chunk.borrow();
         Some(chunk[..size.min(chunk.len())].to_vec())
+    }
+    fn continue_response(&self) -> Result<(), Status> {
+        let context = self.0.current.get();
+        if !self.0.live.borrow().contains(&context) {
+            return Err(Status::BAD_ARGUMENT);
+        }
+        self.0.continued_responses.borrow_mut().push(context);
+        Ok(())
     }
     fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status> {
         self.0
@@ -403,6 +413,39 @@ impl Proxy {
             );
         }
         self.end(id);
+    }
+
+    /// One more chunk of request `id`'s response body, as Envoy delivers it while the filter
+    /// holds the body back under flow control: the new chunk alone.
+    pub fn response_chunk(&self, id: u32, chunk: &[u8], end: bool) -> Action {
+        *self.host.0.body_chunk.borrow_mut() = chunk.to_vec();
+        self.host.0.current.set(id);
+        self.contexts.response_body(id, chunk.len(), end)
+    }
+
+    /// The upstream's response headers for request `id` (status 200, `headers`).
+    pub fn response_headers(&self, id: u32, headers: &[(&str, &str)]) -> Action {
+        let mut all = vec![(":status".to_string(), b"200".to_vec())];
+        all.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())),
+        );
+        self.host.0.response_headers.borrow_mut().insert(id, all);
+        self.host.0.body_chunk.borrow_mut().clear();
+        self.host.0.current.set(id);
+        self.contexts.response_headers(id)
+    }
+
+    /// How many times request `id`'s held response was continued.
+    pub fn response_continued(&self, id: u32) -> usize {
+        self.host
+            .0
+            .continued_responses
+            .borrow()
+            .iter()
+            .filter(|&&c| c == id)
+            .count()
     }
 
     /// The stream ends normally: its log callback, then its deletion.

@@ -1,0 +1,88 @@
+//! Byte limits: a key's downloads paced to its rate across its connections and both workers.
+
+use crate::harness::{parallel, Client, Envoy, Options, Upstream};
+use serde_json::json;
+use std::io::{Read, Write};
+use std::time::Instant;
+
+const RATE: f64 = 1_000_000.0;
+const BURST: u64 = 65_536;
+
+fn envoy(app: &Upstream) -> Envoy {
+    let opts = Options {
+        app_port: Some(app.port),
+        ..Options::default()
+    };
+    Envoy::start_with(
+        &json!({"rules": [{"name": "downloads", "key": ["header:x-user"],
+            "limit": {"bytes": 1_000_000, "per": "1s"}, "burst": BURST}]}),
+        &opts,
+    )
+}
+
+/// `connections` downloads at once of `total` bytes in all for `user`: the seconds until the
+/// last one ended, each having read its whole body.
+fn download(envoy: &Envoy, user: &str, connections: u64, total: u64) -> f64 {
+    let each = total / connections;
+    let started = Instant::now();
+    let sizes = parallel(connections as usize, |_| {
+        let reply = Client::with_timeout(std::time::Duration::from_secs(30)).get(
+            &envoy.url(&format!("/app/bytes/{each}")),
+            &[("x-user", user)],
+        );
+        assert_eq!(reply.status, 200);
+        reply.body.len() as u64
+    });
+    assert!(sizes.iter().all(|&n| n == each), "{sizes:?}");
+    started.elapsed().as_secs_f64()
+}
+
+fn assert_paced(seconds: f64, bytes: u64, case: &str) {
+    let want = (bytes - BURST) as f64 / RATE;
+    eprintln!("{case}: {bytes} bytes in {seconds:.2} s (paced: {want:.2} s)");
+    assert!(
+        (seconds - want).abs() <= want * 0.1,
+        "{case}: {seconds:.2} s, not {want:.2} s ± 10%"
+    );
+}
+
+#[test]
+fn a_keys_downloads_keep_to_its_rate_over_one_connection_or_four() {
+    let app = Upstream::start(&[]);
+    let envoy = envoy(&app);
+    let t = download(&envoy, "a", 1, 5_000_000);
+    eprintln!(
+        "DEBUG paced {} held {}",
+        envoy.counter("downloads", "paced_bytes"),
+        envoy.counter("downloads", "held_ms")
+    );
+    assert_paced(t, 5_000_000, "1 connection");
+    // A fresh key: four connections together get the key's rate, not four times it.
+    assert_paced(
+        download(&envoy, "b", 4, 5_000_000),
+        5_000_000,
+        "4 connections",
+    );
+    assert_eq!(envoy.await_prometheus("tollgate_bodies_held{}", 0), 0);
+    let paced = envoy.counter("downloads", "paced_bytes");
+    assert_eq!(paced, 10_000_000);
+}
+
+#[test]
+fn two_keys_do_not_slow_each_other_and_a_client_gone_mid_transfer_leaves_nothing_held() {
+    let app = Upstream::start(&[]);
+    let envoy = envoy(&app);
+    let times = parallel(2, |i| download(&envoy, ["c", "d"][i], 1, 2_000_000));
+    for t in times {
+        assert_paced(t, 2_000_000, "each of two keys at once");
+    }
+    // A client that reads a little and goes away.
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
+    stream
+        .write_all(b"GET /app/bytes/5000000 HTTP/1.1\r\nhost: h\r\nx-user: e\r\n\r\n")
+        .unwrap();
+    let mut first = vec![0; 200_000];
+    stream.read_exact(&mut first).unwrap();
+    drop(stream);
+    assert_eq!(envoy.await_prometheus("tollgate_bodies_held{}", 0), 0);
+}
