@@ -467,6 +467,26 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].key[0]: invalid body field in key part",
         ),
         (
+            r#"{"rules":[{"name":"r","limit":{"requests":9,"per":"1s"},"pace":"response"}]}"#,
+            "rules[0].pace: only applies to a byte limit (limit.bytes)",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"bytes":9,"requests":9,"per":"1s"}}]}"#,
+            "rules[0].limit: give requests or bytes, not both",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"bytes":9,"per":"1s"},"cost":5}]}"#,
+            "rules[0].cost: does not apply to a byte limit",
+        ),
+        (
+            r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","limit":{"bytes":9,"per":"1s"}}]}"#,
+            "rules[0].limit.bytes: a byte limit is a token bucket of bytes",
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"bytes":9,"per":"1s"},"pace":"both"}]}"#,
+            "rules[0].pace: unknown variant `both`",
+        ),
+        (
             r#"{"rules":[{"name":"r","limit":{"requests":9,"per":"1s"}}],"max_request_body_bytes":0}"#,
             "max_request_body_bytes: 0 is not within",
         ),

@@ -109,14 +109,14 @@ impl<H: Host> Stream<H> {
         if !self.awaiting_body {
             // Decided already (on the headers or an earlier chunk): the body follows unless the
             // request is still paused by that decision (Envoy calls this while a request paused
-            // on its headers waits, when `allow_on_headers_stop_iteration` is set).
+            // on its headers waits, when `allow_on_headers_stop_iteration` is set), or paced.
             if self.forwarded && self.held_until.is_none() {
-                return Action::Continue;
+                return self.pace_upload(&plugin, size);
             }
             return if self.still_paused(&plugin) {
                 Action::Pause
             } else {
-                Action::Continue
+                self.pace_upload(&plugin, size)
             };
         }
         plugin.body_came(self.id, true);
@@ -136,7 +136,19 @@ impl<H: Host> Stream<H> {
             u64::try_from(size).unwrap_or(u64::MAX),
             cut,
         );
-        self.decide(plugin, callers, Some(&body))
+        match self.decide(plugin.clone(), callers, Some(&body)) {
+            // What was buffered for the decision goes on as the byte limits allow.
+            Action::Continue => self.pace_upload(&plugin, size),
+            other => other,
+        }
+    }
+
+    /// `size` bytes of the request body are about to go on: paced by byte limits of uploads.
+    fn pace_upload(&mut self, plugin: &Plugin<H>, size: usize) -> Action {
+        if !self.pacers.iter().any(|p| p.body == PaceBody::Request) {
+            return Action::Continue;
+        }
+        self.pace(plugin, PaceBody::Request, size)
     }
 
     /// No body came to this request paused for it (see [`Plugin::stale_body_waits`]): decide it

@@ -86,3 +86,27 @@ fn two_keys_do_not_slow_each_other_and_a_client_gone_mid_transfer_leaves_nothing
     drop(stream);
     assert_eq!(envoy.await_prometheus("tollgate_bodies_held{}", 0), 0);
 }
+
+#[test]
+fn a_keys_uploads_keep_to_its_rate() {
+    let app = Upstream::start(&[]);
+    let opts = Options {
+        app_port: Some(app.port),
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "uploads", "key": ["header:x-user"], "pace": "request",
+            "limit": {"bytes": 1_000_000, "per": "1s"}, "burst": BURST}]}),
+        &opts,
+    );
+    let body = vec![b'u'; 3_000_000];
+    let started = Instant::now();
+    let reply = Client::with_timeout(std::time::Duration::from_secs(30)).post(
+        &envoy.url("/app/upload"),
+        &[("x-user", "f")],
+        &body,
+    );
+    assert_eq!(reply.status, 200);
+    assert_paced(started.elapsed().as_secs_f64(), 3_000_000, "an upload");
+    assert_eq!(envoy.counter("uploads", "paced_bytes"), 3_000_000);
+}

@@ -113,6 +113,26 @@ pub struct Pace {
     pub after: u64,
 }
 
+impl Pace {
+    /// For the log: "paces response bodies: N bytes per 1s, burst B".
+    fn describe(&self, bucket: &tollgate_core::TokenBucket) -> String {
+        let body = match self.body {
+            PaceBody::Response => "response",
+            PaceBody::Request => "request",
+        };
+        let after = match self.after {
+            0 => String::new(),
+            n => format!(", after {n} bytes"),
+        };
+        format!(
+            "paces {body} bodies: {} bytes per {}, burst {}{after}",
+            bucket.requests(),
+            format_duration(bucket.period_ns()),
+            bucket.burst()
+        )
+    }
+}
+
 /// Where a key's own limit comes from, and the most it may be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitFrom {
@@ -448,6 +468,10 @@ impl Config {
                             g.burst,
                             l.lease_size
                         ),
+                        (None, Limit::TokenBucket(tb)) => match r.pace {
+                            Some(p) => p.describe(tb),
+                            None => describe(&quota.limit),
+                        },
                         _ => describe(&quota.limit),
                     },
                     quota.table.capacity(),

@@ -508,3 +508,25 @@ fn a_byte_limit_holds_a_keys_response_bodies_until_its_bucket_covers_them() {
     // Held 1 s, 0.1 s, and 5 s more as scheduled when the client went away.
     assert_eq!(proxy.metric("tollgate.rule.dl.held_ms"), 6_100);
 }
+
+#[test]
+fn a_byte_limits_after_passes_the_first_bytes_of_each_body_unpaced() {
+    let config = r#"{"rules":[{"name":"dl","limit":{"bytes":1000,"per":"1s"},"burst":100,
+        "after":500}]}"#;
+    let mut proxy = Proxy::new(HostCaps::ENVOY, config);
+    for _ in 0..2 {
+        let (id, _) = proxy.request(&[]);
+        proxy.response_headers(id, &[]);
+        assert_eq!(proxy.response_chunk(id, &[0; 500], false), Action::Continue);
+        proxy.end(id);
+    }
+    let (id, _) = proxy.request(&[]);
+    proxy.response_headers(id, &[]);
+    // 600: 500 free, 100 within the burst; 100 more wait 0.1 s.
+    assert_eq!(proxy.response_chunk(id, &[0; 600], false), Action::Continue);
+    assert_eq!(proxy.response_chunk(id, &[0; 100], true), Action::HoldBody);
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.rule.dl.paced_bytes"), 200);
+    // nginx cannot pace: refused at load.
+    assert!(Proxy::try_new(HostCaps::NGINX, config).is_none());
+}
