@@ -110,3 +110,33 @@ fn a_keys_uploads_keep_to_its_rate() {
     assert_paced(started.elapsed().as_secs_f64(), 3_000_000, "an upload");
     assert_eq!(envoy.counter("uploads", "paced_bytes"), 3_000_000);
 }
+
+#[test]
+fn a_request_limit_and_a_byte_limit_for_one_key_in_one_configuration() {
+    let app = Upstream::start(&[]);
+    let opts = Options {
+        app_port: Some(app.port),
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [
+            {"name": "requests", "key": ["header:x-user"], "limit": {"requests": 3, "per": "1m"}},
+            {"name": "bytes", "key": ["header:x-user"], "limit": {"bytes": 1_000_000, "per": "1s"},
+             "burst": BURST, "after": 100_000}]}),
+        &opts,
+    );
+    let client = Client::new();
+    let url = envoy.url("/app/bytes/600000");
+    let started = Instant::now();
+    for _ in 0..3 {
+        assert_eq!(client.get(&url, &[("x-user", "g")]).status, 200);
+    }
+    // Each download's first 100 000 bytes go on unpaced: 1 500 000 paced, the burst at once.
+    assert_paced(
+        started.elapsed().as_secs_f64(),
+        1_500_000,
+        "three downloads with after",
+    );
+    assert_eq!(client.get(&url, &[("x-user", "g")]).status, 429);
+    assert_eq!(envoy.counter("bytes", "paced_bytes"), 1_500_000);
+}

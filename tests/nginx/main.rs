@@ -762,3 +762,14 @@ fn reservations_and_keys_from_the_request_body_in_nginx() {
     );
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
+
+#[test]
+fn a_byte_limit_is_refused_in_nginx_naming_it() {
+    nginx_or_skip!();
+    let log = Nginx::expect_refusal(&json!({"rules": [{"name": "dl", "key": ["client_ip"],
+        "limit": {"bytes": 1000000, "per": "1s"}}]}));
+    assert!(
+        log.contains("rules[0].limit.bytes: nginx (ngx_wasm_module) cannot resume a paused body"),
+        "{log}"
+    );
+}
