@@ -511,7 +511,8 @@ impl<H: Host> Stream<H> {
                 self.settle();
             }
         }
-        if self.pacers.is_empty() {
+        // A response of this filter's own (a refusal) is not paced.
+        if self.pacers.is_empty() || !self.forwarded {
             return Action::Continue;
         }
         self.pace(&plugin, PaceBody::Response, size)
