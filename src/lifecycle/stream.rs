@@ -535,7 +535,8 @@ impl<H: Host> Stream<H> {
         if wait == 0 && held.is_none() {
             return Action::Continue;
         }
-        let until = held.map_or(now + wait, |h| h.max(now + wait));
+        let due = now.saturating_add(wait);
+        let until = held.map_or(due, |h| h.max(due));
         plugin.queues.borrow_mut().hold_body(until, self.id, body);
         if held.is_none() {
             plugin.add(ProcessStat::BodiesHeld, 1);
