@@ -182,10 +182,7 @@ impl<H: Host> Plugin<H> {
     pub fn tick_ms(&self) -> u32 {
         let engine = self.engine.borrow();
         let rules = &engine.config().rules;
-        if rules
-            .iter()
-            .any(|r| r.delays() || r.global().is_some() || r.pace.is_some())
-        {
+        if rules.iter().any(|r| r.delays() || r.global().is_some()) {
             TICK_MS
         } else {
             STATS_TICK_MS
