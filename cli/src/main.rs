@@ -103,11 +103,11 @@ fn main() -> ExitCode {
              `allow_on_headers_stop_iteration: true` in the wasm filter's config \
              (docs/llm-budgets.md)"
         );
-        if parsed.max_request_body_bytes > 512 << 10 {
+        if parsed.max_request_body_bytes >= 1 << 20 {
             println!(
-                "note: in Envoy, max_request_body_bytes ({}) is more than half of the default \
-                 per_connection_buffer_limit_bytes (1 MiB): a body that fills the buffer first \
-                 is answered 413 unless the listener's limit is raised",
+                "note: in Envoy, max_request_body_bytes ({}) is not below the default \
+                 per_connection_buffer_limit_bytes (1 MiB): a body Envoy stops holding there is \
+                 decided as one too long to read unless the listener's limit is raised",
                 parsed.max_request_body_bytes
             );
         }

@@ -21,6 +21,16 @@ const STATS_TICK_MS: u32 = 10;
 /// How long a request paused for its body waits for the first body callback before this worker
 /// concludes that Envoy holds bodies back from paused requests.
 const BODY_WAIT_NS: u64 = 2_000_000_000;
+/// How long a body may stop coming before its request is decided without it.
+const BODY_STALL_NS: u64 = 500_000_000;
+
+/// A request paused for its body: since when, and when its last chunk came.
+#[derive(Debug)]
+struct BodyWait {
+    id: u32,
+    since: u64,
+    last_chunk: Option<u64>,
+}
 
 /// A stat's place at the host.
 #[derive(Clone)]
@@ -41,8 +51,8 @@ pub struct Plugin<H: Host> {
     scratch: RefCell<Scratch>,
     rule_metrics: Vec<Vec<Option<Metric>>>,
     process_metrics: Vec<Option<Metric>>,
-    /// Requests paused for their body, and since when (Envoy).
-    body_waits: RefCell<Vec<(u32, u64)>>,
+    /// Requests paused for their body (Envoy).
+    body_waits: RefCell<Vec<BodyWait>>,
     /// The host delivered a request body to this worker: it lets a request paused on its
     /// headers read its body.
     body_seen: Cell<bool>,
@@ -133,39 +143,47 @@ impl<H: Host> Plugin<H> {
 
     /// Request `id` pauses on its headers for its body (Envoy).
     pub fn awaits_body(&self, id: u32, now: u64) {
-        if !self.body_seen.get() {
-            self.body_waits.borrow_mut().push((id, now));
+        self.body_waits.borrow_mut().push(BodyWait {
+            id,
+            since: now,
+            last_chunk: None,
+        });
+    }
+
+    /// A chunk of the body request `id` waits for came.
+    pub fn body_chunk(&self, id: u32, now: u64) {
+        self.body_seen.set(true);
+        if let Some(w) = self.body_waits.borrow_mut().iter_mut().find(|w| w.id == id) {
+            w.last_chunk = Some(now);
         }
     }
 
-    /// Request `id` got a body callback, or ended.
-    pub fn body_came(&self, id: u32, seen: bool) {
-        if seen {
-            self.body_seen.set(true);
-        }
-        self.body_waits.borrow_mut().retain(|(w, _)| *w != id);
+    /// Request `id` waits for its body no more (decided, or gone).
+    pub fn body_done(&self, id: u32) {
+        self.body_waits.borrow_mut().retain(|w| w.id != id);
     }
 
-    /// Requests paused for their body that no body callback reached in time while none ever
-    /// has in this worker: Envoy holds bodies back from a request paused on its headers unless
-    /// the filter's `allow_on_headers_stop_iteration` is set. They are taken, to be decided
-    /// without their body; the first time, an error says what to set.
+    /// Requests paused for their body that must be decided without it, taken: those whose body
+    /// stopped coming (Envoy stops reading a client whose held body fills its buffer limit), and
+    /// — while no body callback ever came to this worker — those that got none in 2 s: Envoy holds
+    /// bodies back from a request paused on its headers unless the filter's
+    /// `allow_on_headers_stop_iteration` is set (the first time, an error says so).
     pub fn stale_body_waits(&self, now: u64) -> Vec<u32> {
         let mut waits = self.body_waits.borrow_mut();
-        if self.body_seen.get() {
-            waits.clear();
-            return Vec::new();
-        }
+        let seen = self.body_seen.get();
         let stale: Vec<u32> = waits
             .iter()
-            .filter(|(_, since)| now.saturating_sub(*since) >= BODY_WAIT_NS)
-            .map(|(id, _)| *id)
+            .filter(|w| match w.last_chunk {
+                Some(last) => now.saturating_sub(last) >= BODY_STALL_NS,
+                None => !seen && now.saturating_sub(w.since) >= BODY_WAIT_NS,
+            })
+            .map(|w| w.id)
             .collect();
         if stale.is_empty() {
             return stale;
         }
-        waits.retain(|(id, _)| !stale.contains(id));
-        if !self.body_warned.replace(true) {
+        waits.retain(|w| !stale.contains(&w.id));
+        if !seen && !self.body_warned.replace(true) {
             log::error!(
                 "a rule reads the request body, but Envoy delivered none to a request paused \
                  for it for {} s: set \"allow_on_headers_stop_iteration\": true in the wasm \

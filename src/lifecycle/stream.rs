@@ -43,8 +43,11 @@ pub struct Stream<H: Host> {
     forwarded: bool,
     /// Byte limits that pace its bodies.
     pacers: Pacers,
-    /// The decision waits for the request body (a rule that applies reads it).
+    /// The decision waits for the request body (a rule that applies reads it), kept here as it
+    /// comes (at most `max_request_body_bytes`), and how many bytes came.
     awaiting_body: bool,
+    request_body: Vec<u8>,
+    request_body_bytes: usize,
     ended: bool,
 }
 
@@ -64,6 +67,8 @@ impl<H: Host> Stream<H> {
             forwarded: false,
             pacers: Pacers::new(),
             awaiting_body: false,
+            request_body: Vec::new(),
+            request_body_bytes: 0,
             ended: false,
         }
     }
@@ -114,31 +119,42 @@ impl<H: Host> Stream<H> {
                 return self.pace_upload(&plugin, size);
             }
             return if self.still_paused(&plugin) {
-                Action::Pause
+                hold_body(&plugin)
             } else {
                 self.pace_upload(&plugin, size)
             };
         }
-        plugin.body_came(self.id, true);
+        let now = plugin.host.now_ns().unwrap_or(0);
+        plugin.body_chunk(self.id, now);
+        // ngx_wasm_module hands over the whole body at once.
+        let end = end || !plugin.caps.request_end_known;
+        // Kept here, chunk by chunk, up to the configured bytes: the host holds the body back
+        // under flow control meanwhile (Envoy: each callback hands over the new chunk alone, and a
+        // body larger than its buffer limit stops the client's upload instead of failing it;
+        // nginx: one callback with all of it).
         let max = plugin.engine.borrow().config().max_request_body_bytes;
-        if !end && size < max {
-            return Action::Pause;
+        let room = max.saturating_sub(self.request_body.len());
+        if size > 0 && room > 0 {
+            if let Some(chunk) = plugin.host.request_body(size.min(room)) {
+                self.request_body.extend_from_slice(&chunk);
+            }
+        }
+        self.request_body_bytes = self.request_body_bytes.saturating_add(size);
+        if !end && self.request_body_bytes < max {
+            return hold_body(&plugin);
         }
         self.awaiting_body = false;
-        let cut = !end || size > max;
-        let buffered = if cut {
-            None
-        } else {
-            plugin.host.request_body(size)
-        };
-        let body = RequestBody::read(
-            buffered.as_deref().unwrap_or_default(),
-            u64::try_from(size).unwrap_or(u64::MAX),
-            cut,
-        );
+        plugin.body_done(self.id);
+        let cut = !end || self.request_body_bytes > max;
+        let kept = std::mem::take(&mut self.request_body);
+        let total = self.request_body_bytes;
+        let body = RequestBody::read(&kept, u64::try_from(total).unwrap_or(u64::MAX), cut);
+        drop(kept);
         match self.decide(plugin.clone(), callers, Some(&body)) {
-            // What was buffered for the decision goes on as the byte limits allow.
-            Action::Continue => self.pace_upload(&plugin, size),
+            // What was held for the decision goes on as the byte limits allow.
+            Action::Continue => self.pace_upload(&plugin, total),
+            // Still waiting: the body stays under flow control.
+            Action::Pause => hold_body(&plugin),
             other => other,
         }
     }
@@ -151,8 +167,8 @@ impl<H: Host> Stream<H> {
         self.pace(plugin, PaceBody::Request, size)
     }
 
-    /// No body came to this request paused for it (see [`Plugin::stale_body_waits`]): decide it
-    /// as one whose body was too large to read, and resume it if it may go on.
+    /// This request's body does not come, or stopped coming (see [`Plugin::stale_body_waits`]):
+    /// decide it as one whose body was too large to read, and resume it if it may go on.
     pub fn decide_without_body(&mut self, callers: &Callers) {
         let Some(plugin) = self.plugin.clone() else {
             return;
@@ -186,8 +202,10 @@ impl<H: Host> Stream<H> {
         if !std::mem::replace(&mut self.awaiting_body, false) {
             return None;
         }
-        plugin.body_came(self.id, false);
-        let body = RequestBody::read(&[], 0, true);
+        plugin.body_done(self.id);
+        self.request_body = Vec::new();
+        let total = u64::try_from(self.request_body_bytes).unwrap_or(u64::MAX);
+        let body = RequestBody::read(&[], total, true);
         Some(self.decide(plugin.clone(), callers, Some(&body)))
     }
 
@@ -577,7 +595,7 @@ impl<H: Host> Stream<H> {
         };
         self.take_resumed();
         if self.awaiting_body {
-            plugin.body_came(self.id, false);
+            plugin.body_done(self.id);
         }
         if !self.pacers.is_empty() {
             let unheld = plugin.queues.borrow_mut().unhold_bodies(self.id);
@@ -617,4 +635,14 @@ fn body_follows<H: Host>(plugin: &Plugin<H>, end_of_stream: bool) -> bool {
     let length = plugin.host.request_header("content-length");
     length.is_some_and(|l| whole_number(&l).is_some_and(|n| n > 0))
         || plugin.host.request_header("transfer-encoding").is_some()
+}
+
+/// Keep a request's body back: under flow control where the host has it (Envoy: a body larger
+/// than its buffer limit then stops the client instead of failing the request), else paused.
+fn hold_body<H: Host>(plugin: &Plugin<H>) -> Action {
+    if plugin.caps.request_end_known {
+        Action::HoldBody
+    } else {
+        Action::Pause
+    }
 }

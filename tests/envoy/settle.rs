@@ -412,8 +412,9 @@ fn keys_from_a_body_field_and_a_body_larger_than_the_buffer_goes_through() {
     assert_eq!(post(r#"{"model":"a","max_tokens":1}"#), 200);
     assert_eq!(post(r#"{"model":"a","max_tokens":1}"#), 429);
     assert_eq!(post(r#"{"model":"b"}"#), 200);
-    // 2 MiB, more than the default 256 KiB read: decided once that much is buffered, at `max`,
-    // before Envoy's 1 MiB buffer limit answers 413; the per-model rule cannot read its model.
+    // 2 MiB, more than the default 256 KiB read, and than Envoy's 1 MiB buffer limit: decided once
+    // 256 KiB came, at `max` (the per-model rule cannot read its model); held under flow control
+    // meanwhile, never answered 413.
     let big = format!(
         r#"{{"model":"a","max_tokens":1,"pad":"{}"}}"#,
         "x".repeat(2 << 20)
@@ -592,4 +593,29 @@ fn usage_settles_in_every_format_json_and_streamed_and_from_a_response_header() 
     }
     assert_eq!(envoy.counter("metered", "settled"), 21);
     assert_eq!(envoy.counter("metered", "refunded"), 3 * 43);
+}
+
+#[test]
+fn a_body_larger_than_envoy_holds_is_decided_when_it_stops_coming() {
+    let opts = Options {
+        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
+        body_readable: true,
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "per-model", "key": ["body:model"],
+            "limit": {"requests": 1, "per": "1h"}, "missing_key": "limit"}],
+            "max_request_body_bytes": 4 << 20}),
+        &opts,
+    );
+    let client = Client::new();
+    // 3 MiB with the model at its end: more than Envoy's 1 MiB buffer limit holds, so the client
+    // is stopped before the end; 0.5 s later the request is decided as one too long to read
+    // (the model absent: with missing_key "limit", one shared bucket) — never a 413, never stuck.
+    let body = |model: &str| format!(r#"{{"pad":"{}","model":"{model}"}}"#, "x".repeat(3 << 20));
+    let url = envoy.url("/v1/chat");
+    let started = Instant::now();
+    assert_eq!(client.post(&url, &[], body("a").as_bytes()).status, 200);
+    assert!(started.elapsed().as_secs_f64() >= 0.5);
+    assert_eq!(client.post(&url, &[], body("b").as_bytes()).status, 429);
 }

@@ -321,29 +321,21 @@ impl Proxy {
             return (id, self.contexts.request_body(id, whole.len(), true));
         }
         for (n, chunk) in chunks.iter().enumerate() {
-            let mut body = self.host.0.request_body.borrow_mut();
-            if action == Action::Continue {
-                // Passed on: the host keeps only the new chunk.
-                body.clear();
-            }
-            body.extend_from_slice(chunk);
-            let size = body.len();
-            drop(body);
+            // Under flow control Envoy hands over each chunk alone.
+            *self.host.0.request_body.borrow_mut() = chunk.to_vec();
             self.host.0.current.set(id);
-            action = self.contexts.request_body(id, size, n + 1 == chunks.len());
+            action = self
+                .contexts
+                .request_body(id, chunk.len(), n + 1 == chunks.len());
         }
         (id, action)
     }
 
-    /// One more chunk of request `id`'s body, added to what the host buffered.
+    /// One more chunk of request `id`'s body, handed over alone (Envoy under flow control).
     pub fn request_body(&self, id: u32, chunk: &[u8], end: bool) -> Action {
-        let size = {
-            let mut body = self.host.0.request_body.borrow_mut();
-            body.extend_from_slice(chunk);
-            body.len()
-        };
+        *self.host.0.request_body.borrow_mut() = chunk.to_vec();
         self.host.0.current.set(id);
-        self.contexts.request_body(id, size, end)
+        self.contexts.request_body(id, chunk.len(), end)
     }
 
     /// Request `id`'s trailers (its body ended with them).

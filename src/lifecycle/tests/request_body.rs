@@ -14,6 +14,16 @@ const LLM: &str = r#"{"rules":[{"name":"llm","key":["header:x-api-key"],
 const USAGE_1000: &[u8] =
     br#"{"usage":{"prompt_tokens":100,"completion_tokens":900,"total_tokens":1000}}"#;
 
+/// What a body callback answers for a body kept back: under flow control in Envoy, paused in
+/// nginx.
+fn kept_back(caps: HostCaps) -> Action {
+    if caps.request_end_known {
+        Action::HoldBody
+    } else {
+        Action::Pause
+    }
+}
+
 /// What the headers callback answers when a rule waits for the body.
 fn paused_for_body(caps: HostCaps) -> Action {
     if caps.request_end_known {
@@ -35,7 +45,7 @@ fn a_reservation_is_the_bodys_largest_maximum_plus_its_input_and_settles_after()
         let reserved = 6_000 + (body.len() as u64).div_ceil(4);
         // 10 000 − 6 012 left: a second such request does not fit.
         let (second, action) = proxy.request_with_body(&[key], &[body]);
-        assert_eq!(action, Action::Pause, "{}", caps.name);
+        assert_eq!(action, kept_back(caps), "{}", caps.name);
         let refused = proxy.local_response(second).expect("refused");
         assert_eq!(refused.status, 429, "{}", caps.name);
         // The first used 1 000: the rest comes back, and the second fits now.
@@ -103,7 +113,7 @@ fn keys_from_a_body_field_and_a_body_too_large_to_read_reserves_the_most() {
         assert_eq!(send(r#"{"model":"a","max_tokens":1}"#), Action::Continue);
         assert_eq!(
             send(r#"{"model":"a","max_tokens":1}"#),
-            Action::Pause,
+            kept_back(caps),
             "{}",
             caps.name
         );
@@ -149,10 +159,19 @@ fn a_request_decided_before_its_body_ended_keeps_the_rest_back_while_it_is_held(
     assert_eq!(proxy.request(&[]).1, Action::Continue);
     let (held, action) = proxy.request_headers(&[("content-length", "100")], false);
     assert_eq!(action, Action::Pause, "waits for the body");
-    assert_eq!(proxy.request_body(held, &[b' '; 40], false), Action::Pause);
+    assert_eq!(
+        proxy.request_body(held, &[b' '; 40], false),
+        Action::HoldBody
+    );
     // 70 of 100 bytes: decided (held 100 ms behind the first); the rest stays back.
-    assert_eq!(proxy.request_body(held, &[b' '; 30], false), Action::Pause);
-    assert_eq!(proxy.request_body(held, &[b' '; 10], false), Action::Pause);
+    assert_eq!(
+        proxy.request_body(held, &[b' '; 30], false),
+        Action::HoldBody
+    );
+    assert_eq!(
+        proxy.request_body(held, &[b' '; 10], false),
+        Action::HoldBody
+    );
     proxy.advance_ms(100);
     proxy.tick();
     assert!(proxy.resumed(held));
@@ -187,7 +206,7 @@ fn without_body_callbacks_a_paused_request_is_decided_at_its_most_after_two_seco
     assert_eq!(proxy.metric("tollgate.rule.llm.reserved"), 6_000);
     // Once a body callback came, requests wait for theirs however long it takes.
     let (third, _) = proxy.request_headers(&[("content-length", "2")], false);
-    assert_eq!(proxy.request_body(third, b"{", false), Action::Pause);
+    assert_eq!(proxy.request_body(third, b"{", false), Action::HoldBody);
     let (fourth, _) = proxy.request_headers(&[("content-length", "2")], false);
     proxy.advance_ms(5_000);
     proxy.tick();
@@ -202,7 +221,7 @@ fn the_body_of_a_request_waiting_for_quota_stays_back_until_it_is_admitted() {
     let mut proxy = Proxy::new(HostCaps::ENVOY, &config);
     let (id, action) = proxy.request_headers(&[("x-user", "u"), ("content-length", "4")], false);
     assert_eq!(action, Action::Pause, "waits for its first lease");
-    assert_eq!(proxy.request_body(id, b"ab", false), Action::Pause);
+    assert_eq!(proxy.request_body(id, b"ab", false), Action::HoldBody);
     let call = super::lease_call_for(&proxy, HostCaps::ENVOY, id);
     proxy.answer(&call, Some((200, super::grant(40))));
     proxy.tick();
@@ -266,7 +285,7 @@ fn a_body_that_ends_with_trailers_is_decided_on_them_at_its_most() {
     assert_eq!(action, Action::Pause);
     assert_eq!(
         proxy.request_body(id, b"{\"max_tokens\":5}", false),
-        Action::Pause
+        Action::HoldBody
     );
     assert_eq!(proxy.request_trailers(id), Action::Continue);
     proxy.tick();
@@ -274,4 +293,22 @@ fn a_body_that_ends_with_trailers_is_decided_on_them_at_its_most() {
     // Trailers of a request decided already change nothing.
     let (id, _) = proxy.request_with_body(&[key], &[b"{\"max_tokens\":5}"]);
     assert_eq!(proxy.request_trailers(id), Action::Continue);
+}
+
+#[test]
+fn a_body_that_stops_coming_is_decided_without_it_after_half_a_second() {
+    let mut proxy = Proxy::new(HostCaps::ENVOY, LLM);
+    let (id, _) = proxy.request_headers(&[("x-api-key", "k"), ("content-length", "99")], false);
+    assert_eq!(
+        proxy.request_body(id, b"{\"max_tokens\":", false),
+        Action::HoldBody
+    );
+    proxy.advance_ms(400);
+    proxy.tick();
+    assert!(!proxy.resumed(id));
+    proxy.advance_ms(100);
+    proxy.tick();
+    assert!(proxy.resumed(id), "decided at its most");
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.rule.llm.reserved"), 8_000);
 }
