@@ -112,6 +112,14 @@ fn main() -> ExitCode {
             );
         }
     }
+    if parsed.rules.iter().any(|r| r.pace.is_some()) && !matches!(host, Some(Host::Nginx)) {
+        println!(
+            "note: in Envoy, a paced body lasts as long as its bytes take at the rate: give the \
+             route a timeout that long (Envoy's default is 15 s; \"timeout\": \"0s\" for none); \
+             held bodies go on in steps of about twice per_connection_buffer_limit_bytes \
+             (listener and cluster): lower both for smoother delivery"
+        );
+    }
     for warning in parsed.warnings() {
         println!("warning: {warning}");
     }

@@ -102,6 +102,18 @@ fn global_rules_carry_the_nginx_note() {
 }
 
 #[test]
+fn byte_limits_carry_the_envoy_route_timeout_note() {
+    let bytes = r#"{"rules":[{"name":"dl","limit":{"bytes":1000000,"per":"1s"}}]}"#;
+    let out = check(&["--host", "envoy", "-"], Some(bytes));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("paces response bodies"), "{stdout}");
+    assert!(stdout.contains("give the route a timeout"), "{stdout}");
+    let out = check(&["--host", "nginx", "-"], Some(bytes));
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
 fn rules_that_read_the_body_carry_the_envoy_note() {
     let body = r#"{"rules":[{"name":"llm","limit":{"requests":1000,"per":"1m"},"cost":{"body":["max_tokens"],"max":900}}]}"#;
     let out = check(&["--host", "envoy", "-"], Some(body));

@@ -480,7 +480,7 @@ fn errors_name_the_field_and_the_reason() {
         ),
         (
             r#"{"rules":[{"name":"r","algorithm":"leaky_bucket","limit":{"bytes":9,"per":"1s"}}]}"#,
-            "rules[0].limit.bytes: a byte limit is a token bucket of bytes",
+            "rules[0].algorithm: a byte limit is a token bucket of bytes",
         ),
         (
             r#"{"rules":[{"name":"r","limit":{"bytes":9,"per":"1s"},"pace":"both"}]}"#,

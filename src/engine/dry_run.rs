@@ -45,10 +45,21 @@ impl Engine {
             if *count == 0 || (*last_ms != 0 && now_ms.saturating_sub(*last_ms) < EVERY_MS) {
                 continue;
             }
-            let name = self.config.rules.get(rule).map_or("?", |r| r.name.as_str());
+            let rule = self.config.rules.get(rule);
+            let name = rule.map_or("?", |r| r.name.as_str());
+            let what = if rule.is_some_and(|r| r.pace.is_some()) {
+                "held back"
+            } else {
+                "refused"
+            };
+            let unit = if what == "refused" {
+                "request(s)"
+            } else {
+                "body chunk(s)"
+            };
             info!(
-                "dry run: rule {name} would have refused {count} request(s) (logged at most once \
-                 a second; all counted in dry_run_limited)"
+                "dry run: rule {name} would have {what} {count} {unit} (logged at most once a \
+                 second; all counted in dry_run_limited)"
             );
             (*count, *last_ms) = (0, now_ms.max(1));
         }

@@ -83,7 +83,7 @@ impl Engine {
                     if !rule.dry_run {
                         wait = wait.max(w);
                     } else if w > 0 {
-                        self.stats.bump(p.rule, RuleStat::DryRunLimited);
+                        self.dry_run_log.note(&mut self.stats, p.rule);
                     }
                 }
                 // The store failed: these bytes go on unpaced.

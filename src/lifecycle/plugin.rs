@@ -87,8 +87,16 @@ impl<H: Host> Plugin<H> {
                                 RuleStat::SlotsHeld => rule.quota().is_some_and(|q| {
                                     matches!(q.limit, tollgate_core::Limit::PermitLease(_))
                                 }),
+                                // A byte limit decides no requests: its bytes and holds only.
+                                s if rule.pace.is_some() => matches!(
+                                    s,
+                                    RuleStat::PacedBytes
+                                        | RuleStat::HeldMs
+                                        | RuleStat::DryRunLimited
+                                        | RuleStat::StoreErrors
+                                ),
+                                RuleStat::PacedBytes | RuleStat::HeldMs => false,
                                 s if s.is_settle() => rule.settle.is_some(),
-                                RuleStat::PacedBytes | RuleStat::HeldMs => rule.pace.is_some(),
                                 s => !s.is_overload(),
                             },
                             Some(g) => rule_has(g, stat),

@@ -58,11 +58,16 @@ impl LimitParams {
                     "give requests or bytes, not both",
                 ));
             }
+            let (given, what) = if self.warmup_ns.is_some() {
+                ("warmup", "a byte limit has no warmup")
+            } else {
+                (
+                    "algorithm",
+                    "a byte limit is a token bucket of bytes (\"token_bucket\")",
+                )
+            };
             if self.algorithm != Algorithm::TokenBucket || self.warmup_ns.is_some() {
-                return Err(err(
-                    field("bytes"),
-                    "a byte limit is a token bucket of bytes (algorithm \"token_bucket\", no warmup)",
-                ));
+                return Err(err(format!("{path}.{given}"), what));
             }
             let per = raw.per.ok_or_else(|| err(field("per"), "required"))?.ns;
             let burst = burst.unwrap_or(bytes.get());

@@ -530,3 +530,21 @@ fn a_byte_limits_after_passes_the_first_bytes_of_each_body_unpaced() {
     // nginx cannot pace: refused at load.
     assert!(Proxy::try_new(HostCaps::NGINX, config).is_none());
 }
+
+#[test]
+fn a_dry_run_byte_limit_holds_nothing_and_counts_what_it_would_have_held() {
+    let config = r#"{"rules":[{"name":"dl","limit":{"bytes":1000,"per":"1s"},"dry_run":true}]}"#;
+    let mut proxy = Proxy::new(HostCaps::ENVOY, config);
+    let (id, _) = proxy.request(&[]);
+    proxy.response_headers(id, &[]);
+    assert_eq!(
+        proxy.response_chunk(id, &[0; 1000], false),
+        Action::Continue
+    );
+    assert_eq!(proxy.response_chunk(id, &[0; 500], true), Action::Continue);
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.rule.dl.dry_run_limited"), 1);
+    assert_eq!(proxy.metric("tollgate.rule.dl.paced_bytes"), 1_500);
+    // A byte limit decides no requests.
+    assert_eq!(proxy.metric("tollgate.rule.dl.allowed"), 0);
+}
