@@ -59,19 +59,17 @@ impl Queues {
             .map(|(due, _)| *due)
     }
 
-    /// Hold a request's `body` until `due_ns` (a later time replaces an earlier one).
-    pub fn hold_body(&mut self, due_ns: u64, context_id: u32, body: PaceBody) {
-        self.bodies
-            .retain(|&(_, id, b)| !(id == context_id && b == body));
+    /// Hold a request's `body` until `due_ns`, in place of its hold until `held` (if any).
+    pub fn hold_body(&mut self, held: Option<u64>, due_ns: u64, context_id: u32, body: PaceBody) {
+        if let Some(at) = held {
+            self.bodies.remove(&(at, context_id, body));
+        }
         self.bodies.insert((due_ns, context_id, body));
     }
 
-    /// When a held body is due, if it is held.
-    pub fn body_held_until(&self, context_id: u32, body: PaceBody) -> Option<u64> {
-        self.bodies
-            .iter()
-            .find(|&&(_, id, b)| id == context_id && b == body)
-            .map(|&(due, _, _)| due)
+    /// Whether a request's `body` is still held until `due_ns` (the tick has not let it go).
+    pub fn body_held(&self, due_ns: u64, context_id: u32, body: PaceBody) -> bool {
+        self.bodies.contains(&(due_ns, context_id, body))
     }
 
     /// Take out the bodies due by `now_ns`, earliest first.
@@ -87,11 +85,9 @@ impl Queues {
         due
     }
 
-    /// Take a request's held bodies out (it ended); how many there were.
-    pub fn unhold_bodies(&mut self, context_id: u32) -> usize {
-        let before = self.bodies.len();
-        self.bodies.retain(|&(_, id, _)| id != context_id);
-        before - self.bodies.len()
+    /// Take a request's body held until `due_ns` out (it ended); false if it was not held.
+    pub fn unhold_body(&mut self, due_ns: u64, context_id: u32, body: PaceBody) -> bool {
+        self.bodies.remove(&(due_ns, context_id, body))
     }
 
     pub fn wait(&mut self, waiting: Waiting) {

@@ -41,8 +41,10 @@ pub struct Stream<H: Host> {
     seats: Seats,
     /// Set once the request was let through to the upstream (a response without it is ours).
     forwarded: bool,
-    /// Byte limits that pace its bodies.
+    /// Byte limits that pace its bodies, and until when each body was last held (request,
+    /// response).
     pacers: Pacers,
+    body_holds: [Option<u64>; 2],
     /// The decision waits for the request body (a rule that applies reads it), kept here as it
     /// comes (at most `max_request_body_bytes`), and how many bytes came.
     awaiting_body: bool,
@@ -66,6 +68,7 @@ impl<H: Host> Stream<H> {
             seats: Seats::new(),
             forwarded: false,
             pacers: Pacers::new(),
+            body_holds: [None; 2],
             awaiting_body: false,
             request_body: Vec::new(),
             request_body_bytes: 0,
@@ -104,9 +107,9 @@ impl<H: Host> Stream<H> {
         self.decide(plugin, callers, None)
     }
 
-    /// A request body of `size` bytes so far (`end`: all of it). The decision that waits for
-    /// it is made once the body ended or filled the configured buffer; until then the host
-    /// buffers it.
+    /// `size` more bytes of the request body (`end`: the last have come). A decision that waits
+    /// for the body is made once it ended or the configured bytes came; until then it is kept
+    /// back. Once decided, the body goes on as byte limits allow.
     pub fn on_request_body(&mut self, callers: &Callers, size: usize, end: bool) -> Action {
         let Some(plugin) = self.plugin.clone() else {
             return Action::Continue;
@@ -115,13 +118,13 @@ impl<H: Host> Stream<H> {
             // Decided already (on the headers or an earlier chunk): the body follows unless the
             // request is still paused by that decision (Envoy calls this while a request paused
             // on its headers waits, when `allow_on_headers_stop_iteration` is set), or paced.
-            if self.forwarded && self.held_until.is_none() {
-                return self.pace_upload(&plugin, size);
-            }
-            return if self.still_paused(&plugin) {
-                hold_body(&plugin)
-            } else {
+            // (A request let through and not held needs no look at the queues.)
+            let going =
+                (self.forwarded && self.held_until.is_none()) || !self.still_paused(&plugin);
+            return if going {
                 self.pace_upload(&plugin, size)
+            } else {
+                hold_body(&plugin)
             };
         }
         let now = plugin.host.now_ns().unwrap_or(0);
@@ -549,13 +552,19 @@ impl<H: Host> Stream<H> {
             u64::try_from(new).unwrap_or(u64::MAX),
             now,
         );
-        let held = plugin.queues.borrow().body_held_until(self.id, body);
+        let last = &mut self.body_holds[hold_index(body)];
+        // Still held unless the tick has let it go since.
+        let held = last.filter(|&at| plugin.queues.borrow().body_held(at, self.id, body));
         if wait == 0 && held.is_none() {
             return Action::Continue;
         }
         let due = now.saturating_add(wait);
         let until = held.map_or(due, |h| h.max(due));
-        plugin.queues.borrow_mut().hold_body(until, self.id, body);
+        plugin
+            .queues
+            .borrow_mut()
+            .hold_body(held, until, self.id, body);
+        *last = Some(until);
         if held.is_none() {
             plugin.add(ProcessStat::BodiesHeld, 1);
         }
@@ -597,12 +606,14 @@ impl<H: Host> Stream<H> {
         if self.awaiting_body {
             plugin.body_done(self.id);
         }
-        if !self.pacers.is_empty() {
-            let unheld = plugin.queues.borrow_mut().unhold_bodies(self.id);
-            plugin.add(
-                ProcessStat::BodiesHeld,
-                -i64::try_from(unheld).unwrap_or(i64::MAX),
-            );
+        for body in [PaceBody::Request, PaceBody::Response] {
+            let Some(at) = self.body_holds[hold_index(body)].take() else {
+                continue;
+            };
+            // Still queued means the client went away while its body was held.
+            if plugin.queues.borrow_mut().unhold_body(at, self.id, body) {
+                plugin.add(ProcessStat::BodiesHeld, -1);
+            }
         }
         if let Some(due) = self.held_until.take() {
             // Still queued means the client went away while held.
@@ -644,5 +655,13 @@ fn hold_body<H: Host>(plugin: &Plugin<H>) -> Action {
         Action::HoldBody
     } else {
         Action::Pause
+    }
+}
+
+/// Where a stream keeps its hold of `body`.
+fn hold_index(body: PaceBody) -> usize {
+    match body {
+        PaceBody::Request => 0,
+        PaceBody::Response => 1,
     }
 }
