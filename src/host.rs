@@ -90,43 +90,11 @@ fn call_response_header(name: &str) -> Option<Vec<u8>> {
     map_value(abi::MAP_HTTP_CALL_RESPONSE_HEADERS, name)
 }
 
-/// The current chunk of the response body, read in the body callback.
-fn response_body(size: usize) -> Option<Vec<u8>> {
+/// The first `size` bytes of a buffer the current callback may read (`abi::BUFFER_*`).
+fn buffer(kind: u32, size: usize) -> Option<Vec<u8>> {
     returned(|data, out_size| {
         // SAFETY: out-pointers valid for one write each.
-        unsafe {
-            abi::proxy_get_buffer_bytes(abi::BUFFER_HTTP_RESPONSE_BODY, 0, size, data, out_size)
-        }
-    })
-    .ok()
-    .flatten()
-}
-
-/// The request body buffered so far (its first `size` bytes), read in the body callback.
-fn request_body(size: usize) -> Option<Vec<u8>> {
-    returned(|data, out_size| {
-        // SAFETY: out-pointers valid for one write each.
-        unsafe {
-            abi::proxy_get_buffer_bytes(abi::BUFFER_HTTP_REQUEST_BODY, 0, size, data, out_size)
-        }
-    })
-    .ok()
-    .flatten()
-}
-
-/// The body of the answer to an HTTP call, read in its response callback.
-fn call_response_body(size: usize) -> Option<Vec<u8>> {
-    returned(|data, out_size| {
-        // SAFETY: out-pointers valid for one write each.
-        unsafe {
-            abi::proxy_get_buffer_bytes(
-                abi::BUFFER_HTTP_CALL_RESPONSE_BODY,
-                0,
-                size,
-                data,
-                out_size,
-            )
-        }
+        unsafe { abi::proxy_get_buffer_bytes(kind, 0, size, data, out_size) }
     })
     .ok()
     .flatten()
@@ -355,11 +323,13 @@ impl Host for WasmHost {
     fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
         property(path)
     }
+    /// The current chunk of the response body, read in the body callback.
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
-        response_body(size)
+        buffer(abi::BUFFER_HTTP_RESPONSE_BODY, size)
     }
+    /// The request body's current chunk, read in the body callback.
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
-        request_body(size)
+        buffer(abi::BUFFER_HTTP_REQUEST_BODY, size)
     }
     fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status> {
         add_response_header(name, value)
@@ -389,8 +359,9 @@ impl Host for WasmHost {
     fn call_response_header(&self, name: &str) -> Option<Vec<u8>> {
         call_response_header(name)
     }
+    /// The body of the answer to an HTTP call, read in its response callback.
     fn call_response_body(&self, size: usize) -> Option<Vec<u8>> {
-        call_response_body(size)
+        buffer(abi::BUFFER_HTTP_CALL_RESPONSE_BODY, size)
     }
     fn define_metric(&self, kind: MetricKind, name: &str) -> Result<u32, Status> {
         define_metric(kind, name)

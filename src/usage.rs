@@ -117,6 +117,7 @@ pub struct UsageReader {
 impl UsageReader {
     /// A reader for a body of `content_type` (`text/event-stream` is a stream; anything else is
     /// read as one JSON document).
+    #[cfg(test)]
     pub fn new(content_type: Option<&[u8]>, max_bytes: usize) -> Self {
         Self::with_fields(content_type, max_bytes, true, Vec::new())
     }

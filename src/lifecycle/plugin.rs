@@ -229,18 +229,7 @@ impl<H: Host> Plugin<H> {
         self.send_refills(now);
         self.retry_waiting(now);
         let bodies = self.queues.borrow_mut().bodies_due(now);
-        for (id, body) in bodies {
-            self.add(ProcessStat::BodiesHeld, -1);
-            if self.host.set_effective_context(id).is_ok() {
-                let resumed = match body {
-                    PaceBody::Response => self.host.continue_response(),
-                    PaceBody::Request => self.host.continue_request(),
-                };
-                if let Err(s) = resumed {
-                    debug!("cannot pass on held body of {id}: {s}");
-                }
-            }
-        }
+        self.pass_on(bodies);
         let due = self.queues.borrow_mut().due(now);
         for id in due {
             self.add(ProcessStat::QueueHeld, -1);
@@ -252,6 +241,22 @@ impl<H: Host> Plugin<H> {
             }
         }
         self.flush_stats();
+    }
+
+    /// Let held bodies go on (taken out of the queue already).
+    fn pass_on(&self, bodies: Vec<(u32, PaceBody)>) {
+        for (id, body) in bodies {
+            self.add(ProcessStat::BodiesHeld, -1);
+            if self.host.set_effective_context(id).is_ok() {
+                let resumed = match body {
+                    PaceBody::Response => self.host.continue_response(),
+                    PaceBody::Request => self.host.continue_request(),
+                };
+                if let Err(s) = resumed {
+                    debug!("cannot pass on the held body of {id}: {s}");
+                }
+            }
+        }
     }
 
     /// Send the refills this worker's requests claimed, in one call from the root context (its
@@ -397,15 +402,7 @@ impl<H: Host> Plugin<H> {
     pub fn retire(&self) {
         let now = self.host.now_ns().unwrap_or(0);
         let bodies = self.queues.borrow_mut().drain_bodies();
-        for (id, body) in bodies {
-            self.add(ProcessStat::BodiesHeld, -1);
-            if self.host.set_effective_context(id).is_ok() {
-                let _ = match body {
-                    PaceBody::Response => self.host.continue_response(),
-                    PaceBody::Request => self.host.continue_request(),
-                };
-            }
-        }
+        self.pass_on(bodies);
         let (held, waiting) = self.queues.borrow_mut().drain();
         for id in held {
             self.add(ProcessStat::QueueHeld, -1);

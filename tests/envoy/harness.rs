@@ -282,7 +282,13 @@ impl Envoy {
 
     pub fn start_with(plugin: &Value, opts: &Options) -> Self {
         let dir = scratch_dir("envoy-tests");
-        let child = spawn(&dir, &bootstrap(plugin, opts, &dir), opts);
+        let bootstrap = bootstrap(plugin, opts, &dir);
+        Self::launch(dir, &bootstrap, opts)
+    }
+
+    /// Run Envoy with `bootstrap` in `dir` until it is ready.
+    fn launch(dir: PathBuf, bootstrap: &Value, opts: &Options) -> Self {
+        let child = spawn(&dir, bootstrap, opts);
         let mut envoy = Envoy {
             child: Some(child),
             dir,
@@ -300,17 +306,7 @@ impl Envoy {
         bootstrap["admin"] =
             json!({"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}});
         bootstrap["static_resources"]["listeners"][0]["name"] = json!("main");
-        let dir = scratch_dir("envoy-tests");
-        let child = spawn(&dir, &bootstrap, &Options::default());
-        let mut envoy = Envoy {
-            child: Some(child),
-            dir,
-            admin: String::new(),
-            port: 0,
-            port2: 0,
-        };
-        envoy.wait_ready();
-        envoy
+        Self::launch(scratch_dir("envoy-tests"), &bootstrap, &Options::default())
     }
 
     /// Start Envoy with a configuration it must refuse; returns its exit status and log.

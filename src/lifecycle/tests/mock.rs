@@ -76,6 +76,16 @@ impl MockHost {
     fn caps_or_envoy(&self) -> HostCaps {
         self.0.caps.unwrap_or(HostCaps::ENVOY)
     }
+
+    /// The current context, if the host still knows it (else what Envoy answers).
+    fn live_current(&self) -> Result<u32, Status> {
+        let context = self.0.current.get();
+        if self.0.live.borrow().contains(&context) {
+            Ok(context)
+        } else {
+            Err(Status::BAD_ARGUMENT)
+        }
+    }
 }
 
 impl CasStore for MockHost {
@@ -144,10 +154,7 @@ impl Host for MockHost {
         Some(chunk[..size.min(chunk.len())].to_vec())
     }
     fn continue_response(&self) -> Result<(), Status> {
-        let context = self.0.current.get();
-        if !self.0.live.borrow().contains(&context) {
-            return Err(Status::BAD_ARGUMENT);
-        }
+        let context = self.live_current()?;
         self.0.continued_responses.borrow_mut().push(context);
         Ok(())
     }
@@ -161,10 +168,7 @@ impl Host for MockHost {
         Ok(())
     }
     fn send_local_response(&self, status: u32, headers: &[u8], _body: &[u8]) -> Result<(), Status> {
-        let context = self.0.current.get();
-        if !self.0.live.borrow().contains(&context) {
-            return Err(Status::BAD_ARGUMENT);
-        }
+        let context = self.live_current()?;
         let headers = header_map::deserialize(headers)
             .unwrap_or_default()
             .into_iter()
@@ -178,10 +182,7 @@ impl Host for MockHost {
         Ok(())
     }
     fn continue_request(&self) -> Result<(), Status> {
-        let context = self.0.current.get();
-        if !self.0.live.borrow().contains(&context) {
-            return Err(Status::BAD_ARGUMENT);
-        }
+        let context = self.live_current()?;
         self.0.continued.borrow_mut().push(context);
         Ok(())
     }
