@@ -138,7 +138,7 @@ pub fn decide(engine: &mut Engine, store: &MemoryStore, r: &Bytes, now: u64) {
         return;
     }
     if engine.is_strict(&inputs) {
-        let strict = engine.split(inputs);
+        let strict = engine.split(inputs, now);
         let _ = engine.local_refusal(store, &strict.locals, now);
         let _ = engine.finish_strict(store, strict, None, now);
         return;

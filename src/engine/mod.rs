@@ -9,6 +9,7 @@ mod failure;
 mod guard;
 mod lease;
 mod pace;
+mod refused;
 mod reply;
 mod settle;
 mod strict;
@@ -152,6 +153,9 @@ pub struct Engine {
     /// After a request's own call failed, until when (ms) this worker's requests apply the
     /// failure mode without calling (`quota_service.retry`).
     calls_off_until_ms: u64,
+    /// Keys the service refused in answer to requests' own calls: not asked for again for
+    /// `retry`.
+    refused_keys: refused::RefusedKeys,
     /// Counts the throttle's draws (with the time, their seed).
     draws: u64,
     /// Some rule is an overload rule.
@@ -186,6 +190,7 @@ impl Engine {
             give_backs: rustc_hash::FxHashMap::default(),
             stash_reported: 0,
             calls_off_until_ms: 0,
+            refused_keys: refused::RefusedKeys::default(),
             draws: 0,
             guarded,
             paces,

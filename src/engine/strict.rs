@@ -6,6 +6,7 @@ use super::{quota_of, CheckInput, Engine, Inputs, QuotaRef, QuotaReport, Refusal
 use crate::config::FailureMode;
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::{ProcessStat, RuleStat};
+use log::warn;
 use smallvec::SmallVec;
 use tollgate_core::global::lease::{LeaseItem, LeaseResponse};
 use tollgate_core::limiter::{preview, Check, SlotEvent, INLINE_RULES};
@@ -16,6 +17,9 @@ use tollgate_core::{Ask, CasStore};
 pub struct Strict {
     /// Checks of global rules, asked for `cost` tokens each.
     pub globals: Inputs,
+    /// Checks of global rules whose keys the service refused less than `retry` ago: not asked
+    /// for, the failure mode decides them.
+    pub refused: Inputs,
     /// Local rules (and stand-ins), decided once the global ones have granted.
     pub locals: Inputs,
 }
@@ -32,21 +36,40 @@ impl Engine {
         strict && inputs.iter().any(|i| i.enforced && self.is_global(i))
     }
 
-    /// The checks split into those asked by a call of the request's own and the rest.
-    pub fn split(&self, inputs: Inputs) -> Strict {
-        let (globals, locals) = inputs.into_iter().partition(|i| self.is_global(i));
-        Strict { globals, locals }
+    /// The checks split into those asked by a call of the request's own, those of keys the
+    /// service refused lately, and the rest.
+    pub fn split(&self, inputs: Inputs, now: u64) -> Strict {
+        let (now_ms, retry_ms) = (now / 1_000_000, self.retry_ms());
+        let mut strict = Strict {
+            globals: Inputs::new(),
+            refused: Inputs::new(),
+            locals: Inputs::new(),
+        };
+        for input in inputs {
+            let rule = input.which.rule();
+            if !self.is_global(&input) {
+                strict.locals.push(input);
+            } else if self.refused_keys.holds(rule, input.key, now_ms, retry_ms) {
+                strict.refused.push(input);
+            } else {
+                strict.globals.push(input);
+            }
+        }
+        strict
+    }
+
+    /// True if the request's own call goes out: calls are on ([`Engine::may_call`]) and it has
+    /// global checks to ask for. Else it is decided at once: pass `None` to
+    /// [`Engine::finish_strict`].
+    pub fn needs_call(&self, strict: &Strict, now: u64) -> bool {
+        self.may_call(now) && !strict.globals.is_empty()
     }
 
     /// False while a request's own call failed less than `retry` ago: such requests are decided
     /// by the failure mode without calling (pass `None` to [`Engine::finish_strict`]).
     pub fn may_call(&self, now: u64) -> bool {
         let now_ms = now / 1_000_000;
-        let retry_ms = self
-            .config
-            .quota_service
-            .as_ref()
-            .map_or(1_000, |q| q.retry_ms);
+        let retry_ms = self.retry_ms();
         // Off further ahead than `retry` puts it: the clock stepped back; calls are on again.
         now_ms >= self.calls_off_until_ms
             || self.calls_off_until_ms
@@ -116,7 +139,8 @@ impl Engine {
             .collect()
     }
 
-    /// Decide a request once its own call answered (`None`: the call failed).
+    /// Decide a request once its own call answered (`None`: the call failed, or none went out:
+    /// see [`Engine::needs_call`]).
     pub fn finish_strict<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
@@ -126,19 +150,29 @@ impl Engine {
     ) -> Step {
         let Strict {
             globals,
+            mut refused,
             mut locals,
         } = strict;
-        // An item the service refused fails the request's call (the call is this request's own);
-        // what the others were granted goes back.
-        let Some(answer) = answer.filter(|a| a.errors.is_empty()) else {
-            if let Some(answer) = answer {
-                self.give_back_unspent(&globals, answer, false);
-            }
-            return self.strict_failed(store, globals, locals, now);
+        let Some(answer) = answer else {
+            return self.strict_failed(store, globals, refused, locals, now);
         };
-        let mut refusal = None;
-        for (g, grant) in globals.iter().zip(&answer.items) {
-            if grant.granted >= g.cost {
+        // Items the service refused one by one (e.g. a new key of a store that is full): the
+        // failure mode decides their keys, as if the call had failed for them alone, and they are
+        // not asked for again for `retry`; the call's other items count as answered.
+        if let Some(e) = answer.errors.first() {
+            warn!("quota service refused an item: {}", e.error);
+        }
+        let (now_ms, retry_ms) = (now / 1_000_000, self.retry_ms());
+        for (n, g) in globals.iter().enumerate() {
+            if is_refused(answer, n) {
+                self.refused_keys
+                    .keep(g.which.rule(), g.key, now_ms, retry_ms);
+                refused.push(*g);
+            }
+        }
+        let mut refusal = self.fail_over(refused, &mut locals);
+        for (n, (g, grant)) in globals.iter().zip(&answer.items).enumerate() {
+            if grant.granted >= g.cost || is_refused(answer, n) {
                 continue;
             }
             let rule = g.which.rule();
@@ -171,8 +205,8 @@ impl Engine {
             self.give_back_unspent(&globals, answer, false);
             return Step::Refuse(r);
         }
-        for (g, grant) in globals.iter().zip(&answer.items) {
-            if grant.granted >= g.cost {
+        for (n, (g, grant)) in globals.iter().zip(&answer.items).enumerate() {
+            if grant.granted >= g.cost && !is_refused(answer, n) {
                 self.stats.bump(g.which.rule(), RuleStat::Allowed);
             }
         }
@@ -182,12 +216,15 @@ impl Engine {
         let admitted = !matches!(step, Step::Refuse(_));
         self.give_back_unspent(&globals, answer, admitted);
         // Without a local rule to report, the headers state the global bucket as the service
-        // just did: the fewest tokens left of the rules asked.
+        // just did: the fewest tokens left of the rules it answered for.
         if let Step::Admit(a) = &mut step {
             if a.report.is_none() {
                 a.report = globals
                     .iter()
                     .zip(&answer.items)
+                    .enumerate()
+                    .filter(|(n, _)| !is_refused(answer, *n))
+                    .map(|(_, answered)| answered)
                     .min_by_key(|(_, grant)| grant.remaining)
                     .map(|(g, grant)| QuotaReport {
                         own_requests: None,
@@ -204,11 +241,15 @@ impl Engine {
     /// spend — all of it if it was refused, else what falls short of a check's cost (a partial
     /// grant, or a dry-run rule's). Lease-mode requests that ask for themselves (nginx) give
     /// nothing back: the service would take the call for the key's lease renewal.
+    /// An item the service refused was granted nothing (whatever its grant says).
     fn give_back_unspent(&mut self, globals: &Inputs, answer: &LeaseResponse, admitted: bool) {
         if !self.config.quota_service.as_ref().is_some_and(|q| q.strict) {
             return;
         }
-        for (g, grant) in globals.iter().zip(&answer.items) {
+        for (n, (g, grant)) in globals.iter().zip(&answer.items).enumerate() {
+            if is_refused(answer, n) {
+                continue;
+            }
             let spent = if admitted && grant.granted >= g.cost {
                 g.cost
             } else {
@@ -218,45 +259,58 @@ impl Engine {
         }
     }
 
-    /// The call failed: the failure mode decides the global rules.
+    /// The call failed (or none went out): the failure mode decides the global rules.
     fn strict_failed<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
         globals: Inputs,
+        refused: Inputs,
         mut locals: Inputs,
         now: u64,
     ) -> Step {
-        // A call that failed (rather than one not made while calls are off) starts `retry`.
-        if self.may_call(now) {
+        // A call that failed (rather than none made: calls are off, or every key was refused
+        // lately) starts `retry` for the worker's calls.
+        if self.may_call(now) && !globals.is_empty() {
             self.stats.add_process(ProcessStat::QuotaFailures, 1);
-            let retry_ms = self
-                .config
-                .quota_service
-                .as_ref()
-                .map_or(1_000, |q| q.retry_ms);
-            self.calls_off_until_ms = (now / 1_000_000).saturating_add(retry_ms);
+            self.calls_off_until_ms = (now / 1_000_000).saturating_add(self.retry_ms());
         }
-        for g in &globals {
-            self.stats.bump(g.which.rule(), RuleStat::Fallback);
+        match self.fail_over(globals.into_iter().chain(refused), &mut locals) {
+            Some(r) => Step::Refuse(r),
+            None => self.evaluate_at_once(store, &mut locals, now, false),
         }
-        let enforced = globals.iter().find(|g| g.enforced);
-        match (self.failure_mode(), enforced) {
-            (FailureMode::Deny, Some(g)) => {
-                let rule = g.which.rule();
-                self.stats.bump(rule, RuleStat::Limited);
-                Step::Refuse(Refusal::failure_mode(
-                    rule,
-                    self.config.quota_service.as_ref(),
-                ))
-            }
-            (FailureMode::Local, _) => {
-                for mut g in globals {
+    }
+
+    /// The failure mode decides `failed` global checks for this request: `allow` drops them,
+    /// `local` puts their stand-ins among `locals`, `deny` refuses the request (the first
+    /// enforced one's refusal).
+    fn fail_over(
+        &mut self,
+        failed: impl IntoIterator<Item = CheckInput>,
+        locals: &mut Inputs,
+    ) -> Option<Refusal> {
+        let mode = self.failure_mode();
+        let mut refusal = None;
+        for mut g in failed {
+            let rule = g.which.rule();
+            self.stats.bump(rule, RuleStat::Fallback);
+            match mode {
+                FailureMode::Deny if g.enforced && refusal.is_none() => {
+                    self.stats.bump(rule, RuleStat::Limited);
+                    let service = self.config.quota_service.as_ref();
+                    refusal = Some(Refusal::failure_mode(rule, service));
+                }
+                FailureMode::Local => {
                     self.to_stand_in(&mut g);
                     locals.push(g);
                 }
-                self.evaluate_at_once(store, &mut locals, now, false)
+                FailureMode::Allow | FailureMode::Deny => {}
             }
-            _ => self.evaluate_at_once(store, &mut locals, now, false),
         }
+        refusal
     }
+}
+
+/// The service refused the call's item `n` alone (it lists it under `errors`).
+fn is_refused(answer: &LeaseResponse, n: usize) -> bool {
+    answer.errors.iter().any(|e| e.item == n)
 }

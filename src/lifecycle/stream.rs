@@ -264,7 +264,7 @@ impl<H: Host> Stream<H> {
             return Action::Continue;
         };
         if plugin.engine.borrow().is_strict(&inputs) {
-            let strict = plugin.engine.borrow().split(inputs);
+            let strict = plugin.engine.borrow().split(inputs, now);
             let refused =
                 plugin
                     .engine
@@ -295,7 +295,7 @@ impl<H: Host> Stream<H> {
     fn wait(&mut self, plugin: &Plugin<H>, callers: &Callers, inputs: Inputs, now: u64) -> Action {
         plugin.engine.borrow_mut().waits(&inputs);
         if !plugin.caps.resume_from_timer {
-            let strict = plugin.engine.borrow().split(inputs);
+            let strict = plugin.engine.borrow().split(inputs, now);
             return self.call_own(plugin, callers, strict, now);
         }
         let timeout_ms = plugin
@@ -315,7 +315,8 @@ impl<H: Host> Stream<H> {
     }
 
     /// Ask the quota service for this request's global checks; the request waits for the answer.
-    /// Within `retry` of a failed call, the failure mode decides at once instead.
+    /// Within `retry` of a failed call, or when the service refused each of its keys less than
+    /// `retry` ago, the failure mode decides at once instead.
     fn call_own(
         &mut self,
         plugin: &Plugin<H>,
@@ -323,7 +324,7 @@ impl<H: Host> Stream<H> {
         strict: Strict,
         now: u64,
     ) -> Action {
-        if !plugin.engine.borrow().may_call(now) {
+        if !plugin.engine.borrow().needs_call(&strict, now) {
             let step = plugin
                 .engine
                 .borrow_mut()

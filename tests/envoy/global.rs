@@ -1,8 +1,8 @@
 //! Global limits: two Envoys, the quota service (in memory or on Redis), and its failures.
 
 use crate::harness::{
-    check_strict_give_back, parallel, statuses, strict_give_back_plugin, Client, Envoy, Options,
-    Quota, Redis,
+    check_strict_give_back, eventually, parallel, statuses, strict_give_back_plugin, Client, Envoy,
+    Options, Quota, Redis,
 };
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -25,6 +25,18 @@ fn envoy(quota_port: u16, plugin: &Value) -> Envoy {
         plugin,
         &Options {
             quota_port: Some(quota_port),
+            ..Options::default()
+        },
+    )
+}
+
+/// An Envoy with one worker (what one worker's calls do is seen whatever the connection).
+fn one_worker_envoy(quota_port: u16, plugin: &Value) -> Envoy {
+    Envoy::start_with(
+        plugin,
+        &Options {
+            quota_port: Some(quota_port),
+            concurrency: 1,
             ..Options::default()
         },
     )
@@ -349,6 +361,52 @@ fn strict_mode_gives_back_what_a_refused_request_was_granted() {
 }
 
 #[test]
+fn strict_mode_fails_the_key_the_service_refuses_and_no_other() {
+    // One credential with room for one key: the first user's key is made, the second user's item
+    // is refused alone ("this credential's share of the store is full").
+    let quota = Quota::start(&["--max-keys-per-credential", "1"]);
+    let plugin = config(
+        json!({"name": "users", "scope": "global", "key": ["header:x-user"],
+               "limit": {"requests": 1, "per": "1d"}, "burst": 100}),
+        json!({"mode": "strict", "failure_mode": "deny", "retry": "3s"}),
+    );
+    // One worker: every request below is that worker's.
+    let e = one_worker_envoy(quota.port, &plugin);
+    let c = Client::new();
+    let get = |user: &str| c.get(&e.url("/"), &[("x-user", user)]);
+    assert_eq!(get("a").status, 200);
+    let refused = get("b");
+    assert_eq!(refused.status, 429, "failure mode deny for b's key");
+    assert_eq!(refused.header("x-tollgate-rule"), Some("users"));
+    assert_eq!(refused.header("retry-after"), Some("3"));
+    // a's requests still call and are served; before, the refusal took the worker's calls off
+    // for `retry` and a was denied too.
+    let a: Vec<u16> = (0..10).map(|_| get("a").status).collect();
+    assert_eq!(a, [200; 10]);
+    // b's key is remembered for `retry`: denied without asking again.
+    let b: Vec<u16> = (0..5).map(|_| get("b").status).collect();
+    assert_eq!(b, [429; 5]);
+    let refused_items = || quota.metric("tollgate_quota_items_refused_total");
+    assert_eq!(refused_items(), 1);
+    assert_eq!(calls(&e), 12, "a: 11 calls, b: 1");
+    assert_eq!(
+        e.prometheus("tollgate_quota_failures{}"),
+        0,
+        "no call failed"
+    );
+    assert_eq!(e.counter("users", "allowed"), 11);
+    assert_eq!(e.counter("users", "fallback"), 6);
+    assert_eq!(e.counter("users", "limited"), 6);
+    // Once `retry` is over, b's requests ask again (and are refused again: still no room).
+    let asked_again = eventually(Duration::from_secs(10), || {
+        assert_eq!(get("b").status, 429);
+        refused_items() == 2
+    });
+    assert!(asked_again, "b's key never asked again");
+    assert_eq!(get("a").status, 200);
+}
+
+#[test]
 fn a_flood_of_new_keys_leaves_existing_keys_global_limits_as_they_were() {
     // The defaults a new user has (failure_mode allow, first_lease wait): a limited key, a key
     // with budget, then 5 000 new keys from 48 connections as fast as they go.
@@ -565,14 +623,7 @@ fn strict_mode_with_a_hung_service_waits_once_per_retry_not_per_request() {
         json!({"name": "exact", "scope": "global", "limit": {"requests": 1000, "per": "1s"}}),
         json!({"mode": "strict", "timeout": "200ms", "retry": "3s", "failure_mode": "allow"}),
     );
-    let e = Envoy::start_with(
-        &plugin,
-        &Options {
-            quota_port: Some(quota.port),
-            concurrency: 1,
-            ..Options::default()
-        },
-    );
+    let e = one_worker_envoy(quota.port, &plugin);
     let c = Client::new();
     assert_eq!(c.get(&e.url("/"), &[]).status, 200);
     quota.pause();
