@@ -35,7 +35,7 @@ check: setup-rust
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
 	cargo test --workspace --lib -q
-	cargo test -p tollgate-core --test lease_tiers -q
+	cargo test -p tollgate-core --test fleet -q
 
 # Regenerate schema/tollgate.schema.json from the configuration types.
 schema:

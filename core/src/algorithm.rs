@@ -128,7 +128,7 @@ impl Limit {
     pub fn settle(&self, state: &State, now_ns: u64, reserved: u64, actual: u64) -> State {
         match self {
             Self::TokenBucket(a) => a.settle_state(state, now_ns, reserved, actual),
-            Self::Lease(_) => LeaseAllowance::settle(state, reserved, actual),
+            Self::Lease(a) => a.settle(state, now_ns / 1_000_000, reserved, actual),
             _ if actual < reserved => self.refund(state, now_ns, reserved - actual),
             _ => *state,
         }

@@ -20,7 +20,7 @@ pub use global::allowance::{Ask, Grant, LeaseAllowance};
 pub use global::permits::PermitAllowance;
 pub use limiter::{
     admit, pace, release, return_stash, settle, Check, CheckOutcome, CheckOutcomes, Hold, Outcome,
-    SlotEvent, Verdict,
+    Settled, SlotEvent, Verdict,
 };
 pub use local::concurrency::Concurrency;
 pub use local::fixed_window::FixedWindow;

@@ -1,6 +1,7 @@
 //! Costs known only after the response: what a request reserved of the rules that settle, what
 //! its response showed, and the reservations settled against the key's bucket.
 
+use super::lease::Refill;
 use super::{CheckInput, Engine, QuotaRef};
 use crate::config::SettleFrom;
 use crate::stats::{ProcessStat, RuleStat};
@@ -13,6 +14,8 @@ use tollgate_core::{settle, CasStore, SlotId};
 pub struct Reservation {
     pub which: QuotaRef,
     pub slot: SlotId,
+    /// The client key's hash (a global rule's settlement may call the quota service).
+    pub key: u128,
     pub reserved: u64,
     /// The key's own `limit.requests` (`limit_from`).
     pub own_requests: Option<u64>,
@@ -59,6 +62,7 @@ impl Engine {
             reservations.push(Reservation {
                 which: input.which,
                 slot: input.slot,
+                key: input.key,
                 reserved: input.cost,
                 own_requests: input.own_requests,
             });
@@ -155,7 +159,13 @@ impl Engine {
                 now,
             );
             let debt = match result {
-                Ok(debt) => debt,
+                // A leased allowance that owes now: the next tick charges it to the global
+                // bucket, where every proxy sees it.
+                Ok(settled) if settled.claimed => {
+                    self.renew(Refill::claimed(rule, r.slot, r.key, now));
+                    settled.debt
+                }
+                Ok(settled) => settled.debt,
                 Err(e) => {
                     self.stats.add_process(ProcessStat::ReleaseErrors, 1);
                     log::warn!(

@@ -359,10 +359,18 @@ pub fn release<S: CasStore + ?Sized>(
     )
 }
 
+/// What a settlement did to its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Settled {
+    /// Tokens it put the key into debt by.
+    pub debt: u64,
+    /// It claimed a call (a leased allowance that owes: the writer sends it with its next tick).
+    pub claimed: bool,
+}
+
 /// Settle a request that reserved `reserved` of `limit` in the key tagged `slot.tag` and turned
 /// out to cost `actual` ([`Limit::settle`]); nothing if the slot has changed hands since.
-/// Returns the tokens the settlement put the key into debt by. `Err` only if the store failed
-/// or every attempt lost a race.
+/// `Err` only if the store failed or every attempt lost a race.
 pub fn settle<S: CasStore + ?Sized>(
     store: &S,
     limit: &Limit,
@@ -370,16 +378,20 @@ pub fn settle<S: CasStore + ?Sized>(
     slot: SlotId,
     (reserved, actual): (u64, u64),
     now_ns: u64,
-) -> Result<u64, StoreError> {
+) -> Result<Settled, StoreError> {
     let key = table.store_key(slot.group);
     let find = |group: &Group| group.slots.iter().position(|s| s.tag == slot.tag);
     let settled = update_slot(store, key.as_str(), MAX_RELEASE_ATTEMPTS, find, |s| {
-        let before = limit.debt(&s.state, now_ns);
-        s.state = limit.settle(&s.state, now_ns, reserved, actual);
-        (true, limit.debt(&s.state, now_ns).saturating_sub(before))
+        let before = s.state;
+        s.state = limit.settle(&before, now_ns, reserved, actual);
+        let debt = limit
+            .debt(&s.state, now_ns)
+            .saturating_sub(limit.debt(&before, now_ns));
+        let claimed = limit.claims_refill(&before, &s.state);
+        (true, Settled { debt, claimed })
     });
     match settled {
-        Ok(found) => Ok(found.unwrap_or(0)),
+        Ok(found) => Ok(found.unwrap_or_default()),
         Err(UpdateError::Contended) => Err(StoreError::CasMismatch),
         Err(UpdateError::Unavailable(e)) => Err(StoreError::Unavailable(e)),
     }

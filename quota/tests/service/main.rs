@@ -34,11 +34,7 @@ fn item(key: &str, burst: u64, wanted: u64) -> LeaseItem {
         per_ms: 86_400_000,
         burst,
         wanted,
-        used: 0,
-        demand: 0.0,
-        known_ms: 0,
-        known_remaining: 0,
-        returned: 0,
+        ..LeaseItem::default()
     }
 }
 

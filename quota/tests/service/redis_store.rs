@@ -149,6 +149,211 @@ async fn a_dead_redis_is_an_error_within_the_storage_timeout() {
     );
 }
 
+/// One step of a parity run: who calls, and what its item carries.
+struct Step {
+    who: &'static str,
+    wanted: u64,
+    demand: f64,
+    owed: u64,
+    held: u64,
+    returned: u64,
+    /// Evidence: of the bucket (ms ago, remaining, debt), and of its own share (per s, ms).
+    known: (u64, u64, u64),
+    share: (f64, u64),
+}
+
+const STEP: Step = Step {
+    who: "",
+    wanted: 0,
+    demand: 0.0,
+    owed: 0,
+    held: 0,
+    returned: 0,
+    known: (0, 0, 0),
+    share: (0.0, 0),
+};
+
+/// Run `steps` on key `key` (1 per second, burst 120) through a memory store and a Redis store
+/// that start buckets as `cold` says, and check they answer alike.
+async fn parity(redis: &Redis, cold: ColdStart, key: &str, steps: &[Step]) {
+    let timeout = Duration::from_millis(200);
+    let on_redis = Store::Redis(
+        RedisStore::connect(&single(redis), timeout, cold)
+            .await
+            .unwrap(),
+    );
+    let memory = Store::Memory(MemoryStore::new(100, cold));
+    for (n, s) in steps.iter().enumerate() {
+        let items = [LeaseItem {
+            requests: 86_400,
+            demand: s.demand,
+            owed: s.owed,
+            held: s.held,
+            returned: s.returned,
+            known_ms: s.known.0,
+            known_remaining: s.known.1,
+            known_debt: s.known.2,
+            share: s.share.0,
+            share_ms: s.share.1,
+            ..item(key, 120, s.wanted)
+        }];
+        let m = memory.lease(s.who, &items, 10_000).await.unwrap()[0];
+        let r = on_redis.lease(s.who, &items, 10_000).await.unwrap()[0];
+        eprintln!("step {n} ({}): {m:?}", s.who);
+        assert_eq!(
+            (
+                m.granted,
+                m.remaining,
+                m.rate,
+                m.returned,
+                m.debt,
+                m.revoked
+            ),
+            (
+                r.granted,
+                r.remaining,
+                r.rate,
+                r.returned,
+                r.debt,
+                r.revoked
+            ),
+            "step {n} ({})",
+            s.who
+        );
+        // The two clocks are a few ms apart: the bucket's refill time may differ by as much.
+        assert!(m.reset_ms.abs_diff(r.reset_ms) < 1_000, "{m:?} {r:?}");
+        assert!(m.retry_ms.abs_diff(r.retry_ms) < 1_000, "{m:?} {r:?}");
+    }
+}
+
+#[tokio::test]
+async fn redis_charges_debts_takes_tokens_back_and_restores_shares_as_memory_does() {
+    let redis = Redis::start();
+    // Debts charged below zero (and past the most a bucket owes), tokens held taken back while it
+    // owes, an accrued surplus given back, the reserve for newcomers.
+    parity(
+        &redis,
+        ColdStart::Full,
+        "debt",
+        &[
+            Step {
+                who: "a",
+                wanted: 60,
+                demand: 0.5,
+                ..STEP
+            },
+            Step {
+                who: "b",
+                wanted: 30,
+                demand: 0.4,
+                ..STEP
+            },
+            Step {
+                who: "c",
+                wanted: 40,
+                demand: 0.0,
+                ..STEP
+            },
+            Step {
+                who: "a",
+                owed: 100,
+                held: 10,
+                demand: 0.5,
+                ..STEP
+            },
+            Step {
+                who: "b",
+                held: 20,
+                wanted: 5,
+                demand: 0.4,
+                ..STEP
+            },
+            Step {
+                who: "c",
+                wanted: 10,
+                ..STEP
+            },
+            Step {
+                who: "b",
+                returned: 5,
+                ..STEP
+            },
+            Step {
+                who: "a",
+                owed: u64::MAX,
+                ..STEP
+            },
+            Step {
+                who: "c",
+                wanted: 1,
+                known: (100, 0, 1_000_000_000_000),
+                ..STEP
+            },
+        ],
+    )
+    .await;
+    // A store that lost the bucket (the callers' evidence shows it): each renewing holder's own
+    // share back, the rest held for those of before; a debt by the evidence.
+    let auto = ColdStart::Auto { epoch_ms: 0 };
+    parity(
+        &redis,
+        auto,
+        "lost",
+        &[
+            Step {
+                who: "a",
+                wanted: 10,
+                demand: 0.6,
+                known: (500, 0, 0),
+                share: (0.5, 5_000),
+                ..STEP
+            },
+            Step {
+                who: "b",
+                wanted: 10,
+                demand: 0.6,
+                known: (500, 0, 0),
+                share: (0.3, 5_000),
+                ..STEP
+            },
+            Step {
+                who: "c",
+                wanted: 10,
+                demand: 0.5,
+                ..STEP
+            },
+            Step {
+                who: "a",
+                wanted: 10,
+                demand: 0.6,
+                known: (600, 0, 0),
+                share: (0.5, 4_900),
+                ..STEP
+            },
+        ],
+    )
+    .await;
+    parity(
+        &redis,
+        auto,
+        "owed",
+        &[
+            Step {
+                who: "a",
+                wanted: 10,
+                known: (1_000, 0, 50),
+                ..STEP
+            },
+            Step {
+                who: "b",
+                wanted: 10,
+                ..STEP
+            },
+        ],
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_thousand_items_on_redis_take_one_round_trip_within_the_storage_timeout() {
     let redis = Redis::start();

@@ -46,16 +46,29 @@ impl Engine {
                 tokens: answer.granted,
                 rate_mtps: mtps(answer.rate),
                 ttl_ms: answer.ttl_ms,
-                claimed_ms: refill.claimed_ms,
+                sent_ms: refill.sent_ms,
                 retry_ms,
                 remaining: answer.remaining,
+                debt: answer.debt,
+                revoked: answer.revoked,
+                returned: answer.returned,
                 asked: refill.ask,
             };
             self.stats
                 .add_process(ProcessStat::QuotaGranted, saturating_i64(answer.granted));
-            self.update_allowance(store, refill, |state| {
-                allowance.grant(state, now_ms, &grant)
+            let claimed = self.update_allowance(store, refill, |state| {
+                let next = allowance.grant(state, now_ms, &grant);
+                (next, allowance.claimed(state, &next))
             });
+            // Still owing (settled since the call went out): the next tick reports it.
+            if claimed {
+                self.renew(Refill::claimed(
+                    refill.rule,
+                    refill.slot,
+                    refill.key,
+                    now_ns,
+                ));
+            }
         }
     }
 
@@ -111,10 +124,10 @@ impl Engine {
                 .map(|q| q.limit)
             {
                 Some(Limit::Lease(a)) => {
-                    self.update_allowance(store, refill, |s| a.fail(s, now_ms, retry_ms))
+                    self.update_allowance(store, refill, |s| (a.fail(s, now_ms, retry_ms), false));
                 }
                 Some(Limit::PermitLease(a)) => {
-                    self.update_allowance(store, refill, |s| a.fail(s, now_ms, retry_ms))
+                    self.update_allowance(store, refill, |s| (a.fail(s, now_ms, retry_ms), false));
                 }
                 _ => {}
             }
@@ -143,18 +156,19 @@ impl Engine {
         Some(slot.state)
     }
 
-    /// Rewrite the allowance of the refilled key's slot (if it still holds that key).
+    /// Rewrite the allowance of the refilled key's slot (if it still holds that key) with `f`,
+    /// which also says whether the new state claims a call; true if the state written does.
     pub(in crate::engine) fn update_allowance<S: CasStore + ?Sized>(
         &self,
         store: &S,
         refill: &Refill,
-        f: impl Fn(&State) -> State,
-    ) {
+        f: impl Fn(&State) -> (State, bool),
+    ) -> bool {
         let Some(rule) = self.config.rules.get(refill.rule) else {
-            return;
+            return false;
         };
         let Some(quota) = rule.quota() else {
-            return;
+            return false;
         };
         let key = quota.table.store_key(refill.slot.group);
         let tag = refill.slot.tag;
@@ -164,14 +178,16 @@ impl Engine {
             MAX_RELEASE_ATTEMPTS,
             |group| group.slots.iter().position(|s| s.tag == tag),
             |slot| {
-                slot.state = f(&slot.state);
-                (true, ())
+                let (next, claimed) = f(&slot.state);
+                slot.state = next;
+                (true, claimed)
             },
         );
         if written == Ok(None) {
             // The slot went to another key meanwhile: its grant is lost (stricter, never looser).
             debug!("rule {}: refilled key no longer has a slot", rule.name);
         }
+        written == Ok(Some(true))
     }
 }
 

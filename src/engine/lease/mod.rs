@@ -32,14 +32,32 @@ pub enum Call {
     GiveBack(LeaseRequest),
 }
 
+impl Refill {
+    /// A refill of `rule`'s `key` in `slot` claimed at `now` (ns).
+    pub fn claimed(rule: usize, slot: SlotId, key: u128, now: u64) -> Self {
+        let now_ms = now / 1_000_000;
+        Self {
+            rule,
+            slot,
+            key,
+            claimed_ms: now_ms,
+            sent_ms: now_ms,
+            ask: Ask::default(),
+        }
+    }
+}
+
 /// A key's allowance to refill from the quota service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Refill {
     pub rule: usize,
     pub slot: SlotId,
     pub key: u128,
-    /// When a request claimed it (ms): the lease it brings ends `ttl_ms` after that.
+    /// When a request claimed it (ms).
     pub claimed_ms: u64,
+    /// When its call went out (ms; the claim's time until then): the old lease accrued until
+    /// then, and the one it brings ends `ttl_ms` after it.
+    pub sent_ms: u64,
     /// What the call asked for, from the key's state when it went out (slots: `wanted` only).
     pub ask: Ask,
 }
@@ -52,13 +70,7 @@ impl Engine {
                 if self.permit_allowance_of(input.which.rule()).is_some() {
                     self.watch_permits(input.which.rule(), input.slot, input.key);
                 }
-                let refill = Refill {
-                    rule: input.which.rule(),
-                    slot: input.slot,
-                    key: input.key,
-                    claimed_ms: now / 1_000_000,
-                    ask: Ask::default(),
-                };
+                let refill = Refill::claimed(input.which.rule(), input.slot, input.key, now);
                 // A request admitted from the lease it claims more for: a key already served.
                 if matches!(result.verdict, Verdict::Admitted { .. }) {
                     self.renewals.push(refill);
@@ -103,6 +115,7 @@ impl Engine {
             };
             if let Some(allowance) = self.allowance_of(r.rule) {
                 r.ask = allowance.ask(&state, now_ms);
+                r.sent_ms = now_ms;
                 leases.push(r);
             } else if let Some(slot) = self.permit_allowance_of(r.rule) {
                 let ask = slot.ask(&state, now_ms);
@@ -157,6 +170,12 @@ impl Engine {
         calls
     }
 
+    /// Note a refill claimed outside a request's decision (a settlement that left the key owing,
+    /// an answer that still leaves it owing): it goes out with the next tick, before new keys.
+    pub(in crate::engine) fn renew(&mut self, refill: Refill) {
+        self.renewals.push(refill);
+    }
+
     /// Give back `tokens` of `rule`'s key `key` with the next tick's calls.
     pub(super) fn give_back(&mut self, rule: usize, key: u128, tokens: u64) {
         if tokens == 0 {
@@ -199,7 +218,12 @@ impl Engine {
             demand: ask.demand_mtps as f64 / 1_000.0,
             known_ms: ask.known_ms,
             known_remaining: ask.known_remaining,
-            returned: 0,
+            known_debt: ask.known_debt,
+            owed: ask.owed,
+            held: ask.held,
+            share: ask.share_mtps as f64 / 1_000.0,
+            share_ms: ask.share_ms,
+            returned: ask.returned,
         })
     }
 

@@ -5,7 +5,7 @@ use super::Refill;
 use crate::engine::Engine;
 use tollgate_core::global::permits::{PermitAsk, PermitItem, PermitResponse};
 use tollgate_core::slot::update_slot;
-use tollgate_core::{Ask, CasStore, Limit, PermitAllowance, SlotId};
+use tollgate_core::{CasStore, Limit, PermitAllowance, SlotId};
 
 /// How often a worker looks at the global concurrency keys it knows (renewals are due halfway
 /// through a lease's term, seconds away).
@@ -93,13 +93,7 @@ impl Engine {
                 },
             );
             match looked {
-                Ok(Some(Renewal::Claimed)) => claimed.push(Refill {
-                    rule,
-                    slot,
-                    key,
-                    claimed_ms: now_ms,
-                    ask: Ask::default(),
-                }),
+                Ok(Some(Renewal::Claimed)) => claimed.push(Refill::claimed(rule, slot, key, now)),
                 // Idle, or its slot went to another key.
                 Ok(Some(Renewal::Idle) | None) => idle.push((rule, slot)),
                 Ok(Some(Renewal::NotDue)) | Err(_) => {}
@@ -133,7 +127,8 @@ impl Engine {
                 continue;
             };
             self.update_allowance(store, refill, |state| {
-                slots.grant(state, now_ms, a, refill.claimed_ms, refill.ask.wanted)
+                let next = slots.grant(state, now_ms, a, refill.claimed_ms, refill.ask.wanted);
+                (next, false)
             });
             match held.iter_mut().find(|(r, _)| *r == refill.rule) {
                 Some((_, n)) => *n += a.held,

@@ -129,9 +129,7 @@ fn grant(granted: u64) -> LeaseResponse {
             ttl_ms: 10_000,
             remaining: 7,
             reset_ms: 30_000,
-            rate: 0.0,
-            retry_ms: 0,
-            returned: 0,
+            ..LeaseGrant::default()
         }],
         errors: Vec::new(),
     }

@@ -1,25 +1,27 @@
 //! A global rule's local allowance: a lease from the quota service, spent here with CAS.
 //!
 //! A lease is tokens granted outright plus, for a rate lease, a share of the global refill rate
-//! that accrues here from the grant until the lease ends. State (32 bytes): tokens granted, in
-//! 64ths (carried over with what accrued of the lease before, to the 64th of a token: a low rate
-//! renewed often loses nothing; and accrual frozen by a failure), tokens spent since the grant (with
-//! two flags: the lease ran dry; its rate was capped by fairness), the global bucket's remaining
-//! tokens as last reported, the rate (milli-tokens per second), the grant's time (`base`, ms),
-//! the lease's end and a mark, both as ms after `base`. The mark is a refill in flight (claimed
-//! by one worker, so one call per key per process), the service had nothing (`EXHAUSTED`), or
-//! failed (`FAILED`). Refills themselves are the filter's business: this module decides, claims,
-//! says what to ask for, and applies answers.
+//! that accrues here from the grant until the lease ends. State (32 bytes): the balance (tokens
+//! granted and carried over, less those spent, in 64ths of a token, signed: below zero the key
+//! owes what a settlement charged beyond it), the grant's time (`base`, ms), tokens spent since
+//! the grant (what the next call reports as demand; with five flags), the global bucket's
+//! remaining tokens as last reported (below zero: what it owed), the rate (milli-tokens per
+//! second), the lease's end and a mark, both as ms after `base`. The mark is a refill in flight
+//! (claimed by one worker, so one call per key per process), the service had nothing
+//! (`EXHAUSTED`), or failed (`FAILED`). Refills themselves are the filter's business: this module
+//! decides, claims, says what to ask for, and applies answers.
 //!
 //! A request is refused at once only when the service said there is nothing for it: its last
 //! answer granted nothing, or this proxy's fair share of the rate is spent and the global bucket
 //! had no tokens left. A lease that merely ran dry asks again and the request waits for the answer.
-//! Each call also carries what this proxy last heard of the global bucket (its evidence), so that
-//! a service that lost the bucket can tell, and start it conservatively.
+//! Each call also carries what this proxy last heard of the global bucket and of its own share
+//! (its evidence), so that a service that lost the bucket can tell, start it conservatively, and
+//! give renewing proxies their shares back; what a settlement charged beyond the allowance (its
+//! debt), which the service charges to the global bucket; and the tokens it holds, which the
+//! service takes back while that bucket is in debt.
 
 use crate::state::{
-    read_u32, read_u64, saturating_u32, write_u32, write_u64, Decision, State, CLOCK_SKEW_MS,
-    STATE_BYTES,
+    read_u32, saturating_u32, write_u32, Decision, State, CLOCK_SKEW_MS, STATE_BYTES,
 };
 
 const EXHAUSTED: u32 = 1 << 31;
@@ -34,10 +36,26 @@ const DENIED: u32 = 1 << 29;
 const ANSWERED: u32 = 1 << 28;
 /// The last call failed: the failure mode decides, also while the next call is out.
 const FAILING: u32 = 1 << 27;
-const FLAGS: u32 = RAN_DRY | CAPPED | DENIED | ANSWERED | FAILING;
-const SPENT: u32 = FAILING - 1;
+/// The rate no longer accrues (a call failed: the service may have replaced the reservation),
+/// though the lease still says what it was, for the next call's evidence.
+const FROZEN: u32 = 1 << 26;
+/// `spent` starts with a second's worth of what the lease before measured (a token lease topped
+/// up): the demand is measured over a second more than the lease has run.
+const CARRIED: u32 = 1 << 25;
+const FLAGS: u32 = RAN_DRY | CAPPED | DENIED | ANSWERED | FAILING | FROZEN | CARRIED;
+const SPENT: u32 = CARRIED - 1;
+/// Demand is measured over at least this long (ms).
+const MEASURE_FLOOR_MS: u64 = 250;
+/// What a token lease measured of its demand is carried over to the next as this long's worth
+/// (ms).
+const MEASURE_MEMORY_MS: u64 = 1_000;
 /// Granted tokens are kept in these parts of a token.
 const UNIT: u64 = 64;
+/// The balance is kept in 48 bits: at most this many [`UNIT`]s either way (2.2 × 10¹² tokens,
+/// beyond the most a debt counts, [`crate::global::lease::MAX_DEBT`]).
+const BALANCE_MAX: i64 = (1 << 47) - 1;
+/// Times are kept in 48 bits of ms (until the year 10889).
+const TIME_MAX: u64 = (1 << 48) - 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseAllowance {
@@ -69,10 +87,25 @@ pub struct Ask {
     /// with a quarter more, the whole global rate if the lease ran dry, 0 with nothing measured.
     pub demand_mtps: u64,
     /// Evidence of the bucket: this proxy had an answer for it at most `known_ms` ago, saying
-    /// the bucket held `known_remaining` tokens; 0: none (never answered, or the bucket is as
-    /// good as full again by what that answer said).
+    /// the bucket held `known_remaining` tokens (or owed `known_debt`); 0: none (never answered,
+    /// or the bucket is as good as full again by what that answer said).
     pub known_ms: u64,
     pub known_remaining: u64,
+    pub known_debt: u64,
+    /// Tokens a settlement spent beyond what the allowance held: the service charges them to the
+    /// global bucket (below zero if need be), and they are no longer owed here.
+    pub owed: u64,
+    /// Tokens held unspent (accrual included): what the service takes back while the global
+    /// bucket is in debt.
+    pub held: u64,
+    /// Tokens given back: what a rate lease accrued beyond its lease size and did not spend
+    /// (its demand fell, or a burst made it ask for more than it needed).
+    pub returned: u64,
+    /// The rate share (milli-tokens per second) this proxy's live lease runs at, and the ms it
+    /// has left: a service that lost the bucket gives it back rather than hold it for proxies it
+    /// does not know.
+    pub share_mtps: u64,
+    pub share_ms: u64,
 }
 
 /// The service's answer for one key.
@@ -81,23 +114,31 @@ pub struct Grant {
     pub tokens: u64,
     pub rate_mtps: u64,
     pub ttl_ms: u64,
-    /// When the refill was claimed: the lease ends `ttl_ms` after it (never after the service's
-    /// own reservation ends).
-    pub claimed_ms: u64,
+    /// When the call went out: the old lease accrued until then (the service replaces its
+    /// reservation when the call arrives), and the new one ends `ttl_ms` after it (never after
+    /// the service's own reservation does).
+    pub sent_ms: u64,
     /// Granted nothing: ask again after this long.
     pub retry_ms: u64,
-    /// The global bucket's remaining tokens.
+    /// The global bucket's remaining tokens, and what it owes (a debt: it is below zero).
     pub remaining: u64,
+    pub debt: u64,
+    /// Tokens of those the call said it held that the service took back (the bucket was in
+    /// debt), and of those it gave back that the service took: no longer this proxy's.
+    pub revoked: u64,
+    pub returned: u64,
     pub asked: Ask,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Parts {
-    /// In [`UNIT`]s of a token.
-    granted: u64,
+    /// Granted and carried over, less spent, in [`UNIT`]s of a token; below zero: owed.
+    balance: i64,
+    /// Tokens spent since the grant (what the next call reports).
     spent: u64,
     flags: u32,
-    reported: u64,
+    /// The global bucket's tokens by the last answer; below zero: what it owed.
+    reported: i64,
     rate: u64,
     base: u64,
     /// Absolute ms.
@@ -107,17 +148,39 @@ struct Parts {
     mark_flags: u32,
 }
 
+fn read_i48(s: &State, at: usize) -> i64 {
+    let mut b = [0; 8];
+    b[..6].copy_from_slice(&s[at..at + 6]);
+    // Into the top 48 bits and back: the sign comes along.
+    (i64::from_le_bytes(b) << 16) >> 16
+}
+
+fn write_i48(s: &mut State, at: usize, v: i64) {
+    let v = v.clamp(-BALANCE_MAX - 1, BALANCE_MAX);
+    s[at..at + 6].copy_from_slice(&v.to_le_bytes()[..6]);
+}
+
+fn read_u48(s: &State, at: usize) -> u64 {
+    let mut b = [0; 8];
+    b[..6].copy_from_slice(&s[at..at + 6]);
+    u64::from_le_bytes(b)
+}
+
+fn write_u48(s: &mut State, at: usize, v: u64) {
+    s[at..at + 6].copy_from_slice(&v.min(TIME_MAX).to_le_bytes()[..6]);
+}
+
 fn parts(state: &State) -> Parts {
-    let spent = read_u32(state, 4);
-    let base = read_u64(state, 16);
+    let spent = read_u32(state, 12);
+    let base = read_u48(state, 6);
     let mark = read_u32(state, 28);
     let mark_at = u64::from(mark & !(EXHAUSTED | FAILED));
     Parts {
-        granted: u64::from(read_u32(state, 0)),
+        balance: read_i48(state, 0),
         spent: u64::from(spent & SPENT),
         flags: spent & FLAGS,
-        reported: u64::from(read_u32(state, 8)),
-        rate: u64::from(read_u32(state, 12)),
+        reported: i64::from(read_u32(state, 16) as i32),
+        rate: u64::from(read_u32(state, 20)),
         base,
         until: base + u64::from(read_u32(state, 24)),
         mark: if mark_at == 0 { 0 } else { base + mark_at },
@@ -127,15 +190,16 @@ fn parts(state: &State) -> Parts {
 
 fn encode(p: &Parts) -> State {
     let mut s = [0; STATE_BYTES];
-    write_u32(&mut s, 0, saturating_u32(p.granted));
+    write_i48(&mut s, 0, p.balance);
+    write_u48(&mut s, 6, p.base);
     write_u32(
         &mut s,
-        4,
+        12,
         saturating_u32(p.spent.min(u64::from(SPENT))) | p.flags,
     );
-    write_u32(&mut s, 8, saturating_u32(p.reported));
-    write_u32(&mut s, 12, saturating_u32(p.rate));
-    write_u64(&mut s, 16, p.base);
+    let reported = p.reported.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32;
+    write_u32(&mut s, 16, reported as u32);
+    write_u32(&mut s, 20, saturating_u32(p.rate));
     write_u32(&mut s, 24, saturating_u32(p.until.saturating_sub(p.base)));
     let mark = if p.mark == 0 {
         0
@@ -144,6 +208,11 @@ fn encode(p: &Parts) -> State {
     };
     write_u32(&mut s, 28, mark);
     s
+}
+
+/// `tokens` in [`UNIT`]s, saturating.
+fn units(tokens: u64) -> i64 {
+    i64::try_from(u128::from(tokens) * u128::from(UNIT)).unwrap_or(i64::MAX)
 }
 
 impl Parts {
@@ -155,6 +224,7 @@ impl Parts {
         if self.base > now_ms.saturating_add(CLOCK_SKEW_MS) {
             self.base = now_ms;
             self.until = now_ms;
+            self.balance = self.balance.min(0);
             self.mark = 0;
             self.mark_flags = 0;
         }
@@ -165,35 +235,52 @@ impl Parts {
         now_ms < self.until
     }
 
+    /// How long `spent` was spent over at `now_ms` (ms, at least 1).
+    fn measured_ms(&self, now_ms: u64) -> u64 {
+        let ran = now_ms.saturating_sub(self.base);
+        if self.flags & CARRIED != 0 {
+            ran.saturating_add(MEASURE_MEMORY_MS)
+        } else {
+            ran.max(1)
+        }
+    }
+
+    /// A rate share accrues (none after a failed call: see [`FROZEN`]).
+    fn accruing(&self) -> bool {
+        self.rate > 0 && self.flags & FROZEN == 0
+    }
+
     /// A refill is claimed (whether or not its claim has expired): accrual stops at the claim,
     /// since the service replaces this lease's reservation when the call arrives.
     fn claim_at(&self, claim_ms: u64) -> Option<u64> {
         (self.mark != 0 && self.mark_flags == 0).then(|| self.mark.saturating_sub(claim_ms))
     }
 
-    /// What accrued from the rate until `end` (never past the lease's end), in [`UNIT`]s.
-    fn accrued(&self, end_ms: u64) -> u64 {
-        let ms = end_ms.min(self.until).saturating_sub(self.base);
-        let units = u128::from(self.rate) * u128::from(ms) * u128::from(UNIT) / 1_000_000;
-        u64::try_from(units).unwrap_or(u64::MAX)
+    /// Where accrual ends at `now_ms`: now, or the claim of a refill if one was made.
+    fn accrual_end(&self, now_ms: u64, claim_ms: u64) -> u64 {
+        self.claim_at(claim_ms).map_or(now_ms, |c| c.min(now_ms))
     }
 
-    /// Granted and accrued until `end`, less what was spent, in [`UNIT`]s: below 0 when a
-    /// settlement charged more than the lease held (debt, repaid from the next grants).
-    fn balance_units(&self, end_ms: u64) -> i128 {
-        i128::from(self.granted) + i128::from(self.accrued(end_ms))
-            - i128::from(self.spent) * i128::from(UNIT)
+    /// What accrued from the rate until `end` (never past the lease's end), in [`UNIT`]s.
+    fn accrued(&self, end_ms: u64) -> i64 {
+        if self.flags & FROZEN != 0 {
+            return 0;
+        }
+        let ms = end_ms.min(self.until).saturating_sub(self.base);
+        let units = u128::from(self.rate) * u128::from(ms) * u128::from(UNIT) / 1_000_000;
+        i64::try_from(units).unwrap_or(i64::MAX)
+    }
+
+    /// The balance with what accrued until `end`, in [`UNIT`]s: below 0 when a settlement
+    /// charged more than the lease held (debt, to be charged to the global bucket).
+    fn balance_units(&self, end_ms: u64) -> i64 {
+        self.balance.saturating_add(self.accrued(end_ms))
     }
 
     /// Whole tokens owed: spent beyond what the lease held until `end`.
     fn owed(&self, end_ms: u64) -> u64 {
-        let units = u128::try_from(-self.balance_units(end_ms)).unwrap_or(0);
-        u64::try_from(units.div_ceil(u128::from(UNIT))).unwrap_or(u64::MAX)
-    }
-
-    /// Granted and accrued until `end`, less what was spent, in [`UNIT`]s.
-    fn held_units(&self, end_ms: u64) -> u64 {
-        u64::try_from(self.balance_units(end_ms).max(0)).unwrap_or(u64::MAX)
+        let units = self.balance_units(end_ms).min(0).unsigned_abs();
+        units.div_ceil(UNIT)
     }
 
     /// Whole tokens that may be spent now.
@@ -201,18 +288,22 @@ impl Parts {
         if !self.live(now_ms) {
             return 0;
         }
-        let end = self.claim_at(claim_ms).map_or(now_ms, |c| c.min(now_ms));
-        self.held_units(end) / UNIT
+        let held = self
+            .balance_units(self.accrual_end(now_ms, claim_ms))
+            .max(0);
+        held.unsigned_abs() / UNIT
     }
 
-    /// Write a mark at `mark` (absolute ms); a key without a live lease starts afresh, keeping
-    /// the time of its last answer as `base` while offsets from it stay small.
+    /// Write a mark at `mark` (absolute ms); a key without a live lease starts afresh (keeping
+    /// what it owes), with the time of its last answer as `base` while offsets from it stay
+    /// small.
     fn marked(mut self, now_ms: u64, mark: u64, flags: u32) -> Self {
         if !self.live(now_ms) {
             let recent =
                 self.flags & ANSWERED != 0 && now_ms.saturating_sub(self.base) < MARK_MAX / 2;
             let kept = if recent { ANSWERED } else { 0 };
             self = Parts {
+                balance: self.balance_units(now_ms).min(0),
                 reported: self.reported,
                 flags: self.flags & (RAN_DRY | DENIED | FAILING) | kept,
                 base: if recent { self.base } else { now_ms },
@@ -223,6 +314,11 @@ impl Parts {
         self.mark = mark.max(self.base + 1);
         self.mark_flags = flags;
         self
+    }
+
+    /// A claim of a refill at `now_ms` (one worker sends it with its next tick).
+    fn claimed(self, now_ms: u64, claim_ms: u64) -> Self {
+        self.marked(now_ms, now_ms + claim_ms, 0)
     }
 }
 
@@ -243,7 +339,7 @@ impl LeaseAllowance {
         let g = Grant {
             tokens,
             ttl_ms,
-            claimed_ms: now_ms,
+            sent_ms: now_ms,
             retry_ms: 1,
             asked,
             ..Grant::default()
@@ -262,15 +358,16 @@ impl LeaseAllowance {
             // share) every eighth of it, so that shares follow demand within that time.
             let term = p.until - p.base;
             let renewal_due = if p.flags & CAPPED != 0 {
-                now_ms >= p.base + term / 8
+                now_ms >= p.base + term / 16
             } else {
                 now_ms >= p.until - term / 4
             };
-            // A token lease asks again when running low; a rate lease only if asking can get
-            // more: it was not capped by fairness, or the global bucket still has tokens.
-            let running_low =
-                left < self.low_water && (p.rate == 0 || p.flags & CAPPED == 0 || p.reported > 0);
+            // A token lease asks again when running low; a rate lease only if the global bucket
+            // still has tokens for it (its rate is asked again at its renewal, or when it runs
+            // dry).
+            let running_low = left < self.low_water && (!p.accruing() || p.reported > 0);
             let mut next = Parts {
+                balance: p.balance.saturating_sub(units(cost)),
                 spent: p.spent.saturating_add(cost),
                 flags: if left == 0 {
                     p.flags | RAN_DRY
@@ -279,31 +376,41 @@ impl LeaseAllowance {
                 },
                 ..p
             };
-            if !marked && (renewal_due || running_low) {
-                next.mark = now_ms + self.claim_ms;
-                next.mark_flags = 0;
+            // A rate lease that accrues beyond twice its lease size spends less than it holds:
+            // it renews, asking for what it spends and giving back the surplus.
+            let surplus = p.accruing() && left > self.lease_size.saturating_add(self.low_water);
+            if !marked && (renewal_due || running_low || surplus) {
+                next = next.claimed(now_ms, self.claim_ms);
             }
+            let reported = u64::try_from(p.reported.max(0)).unwrap_or(0);
             return Decision::Admit {
                 state: encode(&next),
                 // What the key has globally, as of the service's last report: the bucket's
                 // remaining tokens plus what this proxy still holds of them; and the time the
                 // global bucket takes to be full from there.
-                remaining: left.saturating_add(p.reported),
+                remaining: left.saturating_add(reported),
                 reset_ns: self
                     .global_burst
-                    .saturating_sub(p.reported)
+                    .saturating_sub(reported)
                     .saturating_mul(self.global_interval_ns),
                 delay_ns: 0,
             };
         }
-        if p.live(now_ms) && p.rate > 0 && p.flags & CAPPED != 0 && p.reported < cost {
+        // What a settlement charged beyond the allowance goes to the service first (the claim
+        // was made when it was charged): the request waits for the answer, which says what the
+        // global bucket has left once it is paid.
+        let owes = p.owed(p.accrual_end(now_ms, self.claim_ms)) > 0;
+        if !owes
+            && p.live(now_ms)
+            && p.accruing()
+            && p.flags & CAPPED != 0
+            && p.reported < cost as i64
+        {
             // Out of this proxy's fair share of the rate, and the global bucket had no tokens
             // left: refused now, not held. Enough accrues after `wait` (unless the lease ends
             // first, or a renewal changes the rate). A lease that was not capped, or whose bucket
             // still has tokens, asks for more instead (below).
-            let needed = (p.spent + cost)
-                .saturating_mul(UNIT)
-                .saturating_sub(p.granted);
+            let needed = units(cost).saturating_sub(p.balance).max(0).unsigned_abs();
             let after_base =
                 (u128::from(needed) * 1_000_000).div_ceil(u128::from(p.rate) * u128::from(UNIT));
             let at = u64::try_from(after_base).map_or(u64::MAX, |ms| p.base.saturating_add(ms));
@@ -325,18 +432,24 @@ impl LeaseAllowance {
         }
         if p.flags & FAILING != 0 {
             return Decision::Fallback {
-                claim: Some(encode(&p.marked(now_ms, now_ms + self.claim_ms, 0))),
+                claim: Some(encode(&p.claimed(now_ms, self.claim_ms))),
             };
         }
         // Exhausted until the mark; or the last answer had nothing for this key and the next is
         // on its way: refuse rather than hold requests for what is most likely nothing again.
-        if marked && (p.mark_flags & EXHAUSTED != 0 || p.flags & DENIED != 0) {
+        if !owes && marked && (p.mark_flags & EXHAUSTED != 0 || p.flags & DENIED != 0) {
             // This proxy asks again at the mark (a share may free up sooner); the client is told
-            // when a token can be back in the global bucket at the earliest, by the answer.
-            let token_back_ms = p
-                .base
-                .saturating_add(self.global_interval_ns.div_ceil(1_000_000))
-                .saturating_sub(now_ms);
+            // when the global bucket can have this request's tokens at the earliest, by the
+            // answer: its debt repaid and `cost` tokens back at the full rate.
+            let missing = (cost as i64)
+                .saturating_sub(p.reported)
+                .max(1)
+                .unsigned_abs();
+            let refilled_ms = u64::try_from(
+                (u128::from(missing) * u128::from(self.global_interval_ns)).div_ceil(1_000_000),
+            )
+            .unwrap_or(u64::MAX);
+            let token_back_ms = p.base.saturating_add(refilled_ms).saturating_sub(now_ms);
             let wait = (p.mark - now_ms)
                 .max(token_back_ms)
                 .saturating_mul(1_000_000);
@@ -349,8 +462,14 @@ impl LeaseAllowance {
         if marked {
             return Decision::Wait { claim: None };
         }
+        // A live lease without enough for this request ran dry (the call asks for a whole lease
+        // more).
+        let mut claim = p.claimed(now_ms, self.claim_ms);
+        if p.live(now_ms) {
+            claim.flags |= RAN_DRY;
+        }
         Decision::Wait {
-            claim: Some(encode(&p.marked(now_ms, now_ms + self.claim_ms, 0))),
+            claim: Some(encode(&claim)),
         }
     }
 
@@ -360,54 +479,109 @@ impl LeaseAllowance {
         a.mark != 0 && a.mark_flags == 0 && (a.mark != b.mark || b.mark_flags != 0)
     }
 
-    /// What to ask for when the refill claimed in `state` goes out at `now_ms`.
+    /// What to ask for when the refill claimed in `state` goes out at `now_ms` (the lease it
+    /// brings accrues its old rate until then: the service replaces it when the call arrives).
     pub fn ask(&self, state: &State, now_ms: u64) -> Ask {
         let p = parts(state);
-        let held = p.available(now_ms, self.claim_ms);
-        let window_ms = now_ms.saturating_sub(p.base);
-        let demand_mtps = if p.flags & RAN_DRY != 0 {
-            // It ran out, or got nothing: it wants all it can get.
-            self.global_rate_mtps
-        } else if !p.live(now_ms) || p.spent == 0 {
-            0
+        let held = if p.live(now_ms) {
+            p.balance_units(now_ms).max(0).unsigned_abs() / UNIT
         } else {
-            let per_s = u128::from(p.spent) * 1_000_000 * 5 / 4 / u128::from(window_ms.max(1));
+            0
+        };
+        // What it spent per second since its lease began (and the second carried over before),
+        // `parts / of` of it, over at least `floor_ms`.
+        let window_ms = p.measured_ms(now_ms);
+        let spent_mtps = |parts: u128, of: u128, floor_ms: u64| {
+            let ms = u128::from(window_ms.max(floor_ms));
+            let per_s = u128::from(p.spent) * 1_000_000 * parts / of / ms;
             u64::try_from(per_s).unwrap_or(u64::MAX)
         };
-        let (known_ms, known_remaining) = self.evidence(&p, now_ms);
-        // What is owed comes out of the next grant first: ask for it on top.
-        let owed = p.owed(p.claim_at(self.claim_ms).map_or(now_ms, |c| c.min(now_ms)));
+        let demand_mtps = if !p.live(now_ms) || p.spent == 0 {
+            if p.flags & DENIED != 0 {
+                // It asked and got nothing, with nothing spent to measure: all it can get.
+                self.global_rate_mtps
+            } else if p.accruing() {
+                // Nothing spent since its grant: the share it has stands.
+                p.rate
+            } else {
+                // Nothing measured (a key's first call): tokens only.
+                0
+            }
+        } else if p.flags & CAPPED != 0 && p.flags & (RAN_DRY | DENIED) != 0 {
+            // Held back by fairness and out of what it got: it still wants all it can get.
+            self.global_rate_mtps
+        } else if p.flags & (RAN_DRY | DENIED) != 0 {
+            // It ran out, or got nothing more: twice what it spent, so that a demand that grew
+            // is found in a few rounds, while one that only had a burst does not ask for the
+            // whole rate.
+            spent_mtps(2, 1, 1)
+        } else if p.accruing() && p.flags & CAPPED != 0 {
+            // Renewing early while held back by fairness: at least what it has (it wants more).
+            spent_mtps(9, 8, MEASURE_FLOOR_MS).max(p.rate)
+        } else {
+            // What it spends, with an eighth more (over at least a quarter of a second: a few
+            // requests soon after a grant say little about a rate).
+            spent_mtps(9, 8, MEASURE_FLOOR_MS)
+        };
+        let (known_ms, known_remaining, known_debt) = self.evidence(&p, now_ms);
+        // (Also after a failed call, which froze its accrual: the service may never have had it.)
+        let (share_mtps, share_ms) = if p.live(now_ms) && p.rate > 0 {
+            (p.rate, p.until - now_ms)
+        } else {
+            (0, 0)
+        };
+        let returned = if held > self.lease_size.saturating_add(self.low_water) {
+            held - self.lease_size
+        } else {
+            0
+        };
+        // Topping up to the lease size; a whole lease more when a request did not fit in what
+        // is held (it may cost more than the lease size: it waits for several).
+        let wanted = if p.flags & RAN_DRY != 0 {
+            self.lease_size
+        } else {
+            self.lease_size.saturating_sub(held)
+        };
         Ask {
-            wanted: self.lease_size.saturating_sub(held).saturating_add(owed),
+            wanted,
             used: p.spent,
             demand_mtps: demand_mtps.min(self.global_rate_mtps),
             known_ms,
             known_remaining,
+            known_debt,
+            owed: p.owed(now_ms),
+            held,
+            returned,
+            share_mtps,
+            share_ms,
         }
     }
 
     /// What this proxy last heard of the global bucket, while it can still matter: an upper
     /// bound on how long ago the service wrote that answer (`claim_ms` covers the call's own
-    /// time), and the tokens the bucket had left then. None (0) once the bucket is full again by
-    /// that answer's own account and the lease is over: a service that does not know the bucket
-    /// then may start it full.
-    fn evidence(&self, p: &Parts, now_ms: u64) -> (u64, u64) {
+    /// time), and the tokens the bucket had left then (or owed). None (0) once the bucket is
+    /// full again by that answer's own account and the lease is over: a service that does not
+    /// know the bucket then may start it full.
+    fn evidence(&self, p: &Parts, now_ms: u64) -> (u64, u64, u64) {
         if p.flags & ANSWERED == 0 {
-            return (0, 0);
+            return (0, 0, 0);
         }
-        let refill_ns = self
-            .global_burst
-            .saturating_sub(p.reported)
-            .saturating_mul(self.global_interval_ns);
-        let full_at = p.base.saturating_add(refill_ns.div_ceil(1_000_000));
+        let missing = i128::from(self.global_burst) - i128::from(p.reported);
+        let refill_ns = u128::try_from(missing.max(0))
+            .unwrap_or(0)
+            .saturating_mul(u128::from(self.global_interval_ns));
+        let full_at = p
+            .base
+            .saturating_add(u64::try_from(refill_ns.div_ceil(1_000_000)).unwrap_or(u64::MAX));
         if now_ms >= full_at.max(p.until) {
-            return (0, 0);
+            return (0, 0, 0);
         }
         let known_ms = now_ms
             .saturating_sub(p.base)
             .saturating_add(self.claim_ms)
             .max(1);
-        (known_ms, p.reported)
+        let remaining = u64::try_from(p.reported.max(0)).unwrap_or(0);
+        (known_ms, remaining, p.reported.min(0).unsigned_abs())
     }
 
     /// The tokens held now (accrual included).
@@ -416,40 +590,53 @@ impl LeaseAllowance {
     }
 
     /// Apply the service's answer at `now_ms`: a new lease from now on, carrying over what the
-    /// old one still held (its accrual up to the claim). Nothing granted and nothing wanted
-    /// marks the key exhausted until `retry_ms`.
+    /// old one still held (its accrual up to the claim), less what the service took back; what
+    /// the call said was owed is the service's now. Nothing granted and nothing wanted marks the
+    /// key exhausted until `retry_ms`. Still owing (a settlement since the call went out): a new
+    /// claim, so that the service has it by the next tick.
     pub fn grant(&self, state: &State, now_ms: u64, g: &Grant) -> State {
         let p = parts(state);
-        // What the old lease still held carries over while it lives; what it owed (a settlement
-        // charged beyond it) always does, and is repaid from this grant first.
-        let balance = p.balance_units(g.claimed_ms.min(now_ms));
+        // What the old lease still held carries over while it lives; what it owed beyond what
+        // the call reported (charged since it went out) always does.
+        let balance = p
+            .balance_units(g.sent_ms.min(now_ms))
+            .saturating_add(units(g.asked.owed))
+            .saturating_sub(units(g.revoked))
+            .saturating_sub(units(g.returned));
         let carried = if p.live(now_ms) {
             balance
         } else {
             balance.min(0)
         };
-        let total = carried + i128::from(g.tokens.saturating_mul(UNIT));
-        let (granted, owed) = if total >= 0 {
-            (u64::try_from(total).unwrap_or(u64::MAX), 0)
-        } else {
-            let tokens = u128::try_from(-total)
-                .unwrap_or(0)
-                .div_ceil(u128::from(UNIT));
-            (0, u64::try_from(tokens).unwrap_or(u64::MAX))
-        };
+        let balance = carried.saturating_add(units(g.tokens));
         let nothing = g.tokens == 0 && g.rate_mtps == 0 && g.asked.wanted > 0;
         // Asking again cannot get more: fairness gave less than asked, or it asked for all.
         let capped = g.asked.demand_mtps > 0
             && (g.rate_mtps < g.asked.demand_mtps || g.asked.demand_mtps >= self.global_rate_mtps);
-        let until = g.claimed_ms.saturating_add(g.ttl_ms);
-        encode(&Parts {
-            granted,
-            spent: owed,
+        let until = g.sent_ms.saturating_add(g.ttl_ms);
+        let reported = i64::try_from(g.remaining)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(i64::try_from(g.debt).unwrap_or(i64::MAX));
+        // A token lease topped up with tokens again keeps measuring its demand from where it
+        // began: a few requests between two top-ups say little about a rate.
+        let rate = if until > now_ms { g.rate_mtps } else { 0 };
+        // A token lease topped up again carries over what it measured of its demand, as a
+        // second's worth of it (a few requests between two top-ups say little about a rate).
+        let spent = if p.live(now_ms) && p.rate == 0 && rate == 0 && p.spent > 0 {
+            let window = p.measured_ms(now_ms);
+            p.spent.saturating_mul(MEASURE_MEMORY_MS) / window
+        } else {
+            0
+        };
+        let next = Parts {
+            balance,
+            spent,
             flags: ANSWERED
+                | if spent > 0 { CARRIED } else { 0 }
                 | if nothing { RAN_DRY | DENIED } else { 0 }
                 | if capped { CAPPED } else { 0 },
-            reported: g.remaining,
-            rate: if until > now_ms { g.rate_mtps } else { 0 },
+            reported,
+            rate,
             base: now_ms,
             until: until.max(now_ms),
             // Within a sixteenth of a lease: a share may free up at others' renewals (every
@@ -460,55 +647,69 @@ impl LeaseAllowance {
                 0
             },
             mark_flags: if nothing { EXHAUSTED } else { 0 },
-        })
+        };
+        if next.owed(now_ms) > 0 {
+            return encode(&next.claimed(now_ms, self.claim_ms));
+        }
+        encode(&next)
     }
 
-    /// The refill failed: apply the failure mode for `retry_ms`, and while the call that retries
-    /// is out. Tokens held stay valid until the lease ends; the rate stops accruing (the service
-    /// may have replaced it already). A failure is not a denial: what the last answer said no
-    /// longer refuses requests.
+    /// The refill failed: apply the failure mode until the retry, and while the call that
+    /// retries is out — a quarter of `retry_ms` after the first failure (a service that restarts
+    /// is back soon), `retry_ms` after each one that follows. Tokens held stay valid until the
+    /// lease ends; the rate stops accruing (the service may have replaced it already), though the
+    /// next call still says what it was. A failure is not a denial: what the last answer said no
+    /// longer refuses requests. What is owed stays owed, for the next call to report.
     pub fn fail(&self, state: &State, now_ms: u64, retry_ms: u64) -> State {
         let mut p = parts(state);
         if p.live(now_ms) {
-            let end = p.claim_at(self.claim_ms).unwrap_or(now_ms).min(now_ms);
-            p.granted = p.granted.saturating_add(p.accrued(end));
-            p.rate = 0;
+            p.balance = p.balance_units(p.accrual_end(now_ms, self.claim_ms));
+            p.flags |= FROZEN;
         }
+        let wait = if p.flags & FAILING == 0 {
+            retry_ms / 4
+        } else {
+            retry_ms
+        };
         p.flags = (p.flags & !DENIED) | FAILING;
-        encode(&p.marked(now_ms, now_ms + retry_ms.max(1), FAILED))
+        encode(&p.marked(now_ms, now_ms + wait.max(1), FAILED))
     }
 
     pub fn is_idle(state: &State, now_ms: u64) -> bool {
         let p = parts(state).unstepped(now_ms);
-        !p.live(now_ms) && p.mark <= now_ms
+        !p.live(now_ms) && p.mark <= now_ms && p.balance >= 0
     }
 
-    /// Whole tokens the allowance owes at `now_ms`: spent beyond what it held.
+    /// Whole tokens the allowance owes at `now_ms`: spent beyond what it held, not yet charged
+    /// to the global bucket.
     pub fn debt(state: &State, now_ms: u64) -> u64 {
         parts(state).owed(now_ms)
     }
 
-    /// A request that spent `reserved` turned out to cost `actual`: the difference goes back to
-    /// the allowance, or is spent beyond it (owed, and repaid from the next grants).
-    pub fn settle(state: &State, reserved: u64, actual: u64) -> State {
+    /// A request that spent `reserved` turned out to cost `actual`, settled at `now_ms`: the
+    /// difference goes back to the allowance, or is spent beyond it — owed, and claimed at once
+    /// so that the next tick's call charges it to the global bucket, where every proxy sees it.
+    pub fn settle(&self, state: &State, now_ms: u64, reserved: u64, actual: u64) -> State {
         if actual <= reserved {
             return Self::refund(state, reserved - actual);
         }
         let mut p = parts(state);
-        p.spent = p.spent.saturating_add(actual - reserved);
+        let excess = actual - reserved;
+        p.balance = p.balance.saturating_sub(units(excess));
+        p.spent = p.spent.saturating_add(excess);
+        let claim_out = p.mark > now_ms && p.mark_flags & EXHAUSTED == 0;
+        if p.owed(p.accrual_end(now_ms, self.claim_ms)) > 0 && !claim_out {
+            // A call already out reports what was owed when it went out; its answer claims
+            // again for the rest. A failed service: the retry's call reports it.
+            return encode(&p.claimed(now_ms, self.claim_ms));
+        }
         encode(&p)
     }
 
     pub fn refund(state: &State, cost: u64) -> State {
         let mut p = parts(state);
-        if p.spent >= cost {
-            p.spent -= cost;
-        } else {
-            p.granted = p
-                .granted
-                .saturating_add((cost - p.spent).saturating_mul(UNIT));
-            p.spent = 0;
-        }
+        p.balance = p.balance.saturating_add(units(cost));
+        p.spent = p.spent.saturating_sub(cost);
         encode(&p)
     }
 }

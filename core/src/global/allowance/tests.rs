@@ -21,7 +21,7 @@ fn grant(tokens: u64, rate_mtps: u64, at: u64, ttl_ms: u64) -> Grant {
         tokens,
         rate_mtps,
         ttl_ms,
-        claimed_ms: at,
+        sent_ms: at,
         retry_ms: 300,
         asked: Ask {
             wanted: 10,
@@ -132,7 +132,7 @@ fn a_rate_lease_accrues_and_refuses_at_once_when_spent() {
 }
 
 #[test]
-fn leases_renew_in_their_last_quarter_or_every_eighth_when_capped() {
+fn leases_renew_in_their_last_quarter_or_every_sixteenth_when_capped() {
     let l = lease();
     // As asked, with 10 tokens in hand, spending what accrues: no claim before 750 ms.
     let mut g = grant(10, 10_000, T0, 1_000);
@@ -155,36 +155,46 @@ fn leases_renew_in_their_last_quarter_or_every_eighth_when_capped() {
     assert!(!LeaseAllowance::is_idle(&next, T0 + 1_749));
     assert!(LeaseAllowance::is_idle(&next, T0 + 1_750));
 
-    // Capped by fairness: renewed every eighth of the lease (125 ms).
+    // Capped by fairness: renewed every sixteenth of the lease (62 ms), so that shares follow
+    // demand soon (a newcomer waits for its share that long at most).
     let mut g = grant(10, 10_000, T0, 1_000);
     g.asked.demand_mtps = 30_000;
     let s = l.grant(&[0; STATE_BYTES], T0, &g);
-    let next = allowed(&l, &s, T0 + 100);
+    let next = allowed(&l, &s, T0 + 50);
     assert!(!l.claimed(&s, &next));
-    assert!(l.claimed(&next, &allowed(&l, &next, T0 + 125)));
+    assert!(l.claimed(&next, &allowed(&l, &next, T0 + 62)));
 }
 
 #[test]
 fn running_low_asks_again_only_when_asking_can_get_more() {
     let l = lease();
     // Capped (asked 50, got 10 per second): running low is no reason to ask before the
-    // eighth.
-    let mut g = grant(0, 10_000, T0, 1_000);
+    // sixteenth.
+    let mut g = grant(1, 10_000, T0, 1_000);
     g.asked.demand_mtps = 50_000;
     let s = l.grant(&[0; STATE_BYTES], T0, &g);
-    let next = allowed(&l, &s, T0 + 100);
+    let next = allowed(&l, &s, T0 + 50);
     assert!(!l.claimed(&s, &next));
-    // Not capped: running low claims at once, and with nothing left it asks for more
+    // Not capped, with the global bucket empty by the last answer: running low is no reason
+    // either (its rate is asked again at its renewal); with nothing left it asks for more
     // rather than refuse (the service may well have it).
     let mut g = grant(0, 10_000, T0, 1_000);
     g.asked.demand_mtps = 10_000;
     let s = l.grant(&[0; STATE_BYTES], T0, &g);
     let next = allowed(&l, &s, T0 + 100);
-    assert!(l.claimed(&s, &next));
+    assert!(!l.claimed(&s, &next));
+    let Decision::Wait { claim: Some(next) } = l.decide(&next, (T0 + 150) * MS, 1) else {
+        panic!("dry: a claim");
+    };
     assert_eq!(
-        l.decide(&next, (T0 + 150) * MS, 1),
+        l.decide(&next, (T0 + 151) * MS, 1),
         Decision::Wait { claim: None }
     );
+    // The same with tokens left in the global bucket: running low asks for them.
+    g.remaining = 10;
+    let s = l.grant(&[0; STATE_BYTES], T0, &g);
+    let next = allowed(&l, &s, T0 + 100);
+    assert!(l.claimed(&s, &next));
     // Refused for want of quota: the next ask wants the whole rate, and while it is on its
     // way, requests are refused rather than held (only the claimant waits).
     let none = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
@@ -202,16 +212,16 @@ fn running_low_asks_again_only_when_asking_can_get_more() {
 }
 
 #[test]
-fn a_lease_that_did_not_run_dry_asks_for_what_it_spent_and_a_quarter_more() {
+fn a_lease_that_did_not_run_dry_asks_for_what_it_spent_and_an_eighth_more() {
     let l = lease();
     let s = l.grant(&[0; STATE_BYTES], T0, &grant(10, 0, T0, 1_000));
     let mut s = allowed(&l, &s, T0 + 100);
     for t in [200, 300, 400, 500, 600, 700, 750] {
         s = allowed(&l, &s, T0 + t);
     }
-    // 8 tokens in 760 ms, a quarter more: 13.2 per second.
+    // 8 tokens in 760 ms, an eighth more: 11.8 per second.
     let ask = l.ask(&s, T0 + 760);
-    assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (8, 8, 13_157));
+    assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (8, 8, 11_842));
 }
 
 #[test]
@@ -227,10 +237,11 @@ fn exhausted_refuses_failed_falls_back_and_leases_expire() {
     );
     let failed = l.fail(&[0; STATE_BYTES], T0, 1_000);
     assert_eq!(
-        l.decide(&failed, T0 * MS, 1),
+        l.decide(&failed, (T0 + 249) * MS, 1),
         Decision::Fallback { claim: None }
     );
-    // After the mark, a new claim; the failure mode still decides until its answer.
+    // After the mark (a quarter of `retry` after a first failure), a new claim; the failure
+    // mode still decides until its answer.
     let Decision::Fallback {
         claim: Some(retrying),
     } = l.decide(&failed, (T0 + 1_000) * MS, 1)
@@ -257,16 +268,21 @@ fn exhausted_refuses_failed_falls_back_and_leases_expire() {
     );
     assert_eq!(l.allowance(&held, T0 + 200), 3);
     assert_eq!(l.allowance(&held, T0 + 400), 3, "no more accrual");
+    // (Its next call still says the share it ran at, for a service that lost it.)
+    let ask = l.ask(&held, T0 + 300);
+    assert_eq!((ask.share_mtps, ask.share_ms), (10_000, 200));
     assert!(matches!(
         l.decide(&held, (T0 + 200) * MS, 1),
         Decision::Admit { .. }
     ));
-    assert_eq!(
+    // Its lease over, and past the retry: the failure mode, and a new call.
+    assert!(matches!(
         l.decide(&held, (T0 + 500) * MS, 1),
-        Decision::Fallback { claim: None }
-    );
-    assert!(!LeaseAllowance::is_idle(&held, T0 + 1_199));
-    assert!(LeaseAllowance::is_idle(&held, T0 + 1_200));
+        Decision::Fallback { claim: Some(_) }
+    ));
+    // Idle once its lease ended and its retry passed.
+    assert!(!LeaseAllowance::is_idle(&held, T0 + 499));
+    assert!(LeaseAllowance::is_idle(&held, T0 + 500));
 }
 
 #[test]
@@ -329,21 +345,32 @@ fn a_failure_is_not_a_denial() {
     let l = lease();
     let denied = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
     let failed = l.fail(&denied, T0 + 100, 200);
+    // The first failure retries after a quarter of `retry` (50 ms).
     assert_eq!(
-        l.decide(&failed, (T0 + 150) * MS, 1),
+        l.decide(&failed, (T0 + 140) * MS, 1),
         Decision::Fallback { claim: None }
     );
     // The retry is out: still the failure mode, not the refusal of the earlier answer.
     let Decision::Fallback {
         claim: Some(retrying),
-    } = l.decide(&failed, (T0 + 300) * MS, 1)
+    } = l.decide(&failed, (T0 + 150) * MS, 1)
     else {
         panic!("a retry");
     };
     assert_eq!(
-        l.decide(&retrying, (T0 + 301) * MS, 1),
+        l.decide(&retrying, (T0 + 151) * MS, 1),
         Decision::Fallback { claim: None }
     );
+    // The retry failed too: from now on, a whole `retry` between calls.
+    let again = l.fail(&retrying, T0 + 160, 200);
+    assert_eq!(
+        l.decide(&again, (T0 + 359) * MS, 1),
+        Decision::Fallback { claim: None }
+    );
+    assert!(matches!(
+        l.decide(&again, (T0 + 360) * MS, 1),
+        Decision::Fallback { claim: Some(_) }
+    ));
 }
 
 #[test]
@@ -386,36 +413,96 @@ fn refunds_give_back_what_was_spent() {
 }
 
 #[test]
-fn an_excess_settled_beyond_the_lease_is_owed_and_repaid_from_the_next_grants() {
+fn an_excess_settled_beyond_the_lease_is_owed_and_charged_to_the_global_bucket_at_once() {
     let l = lease();
     let s = l.grant(&[0; 32], T0, &grant(10, 0, T0, 10_000));
-    // A request reserved 4 and used 20: 14 beyond, 10 of them past what the lease held.
+    // A request reserved 4 and used 20: 16 beyond, 10 of them past what the lease held.
     let s = match l.decide(&s, (T0 + 1) * MS, 4) {
         Decision::Admit { state, .. } => state,
         d => panic!("{d:?}"),
     };
-    let s = LeaseAllowance::settle(&s, 4, 20);
-    assert_eq!(l.allowance(&s, T0 + 2), 0);
-    assert!(!matches!(
-        l.decide(&s, (T0 + 2) * MS, 1),
-        Decision::Admit { .. }
-    ));
-    // The refill asks for the debt on top of a lease.
-    let claimed = match l.decide(&s, (T0 + 2) * MS, 1) {
-        Decision::Wait { claim: Some(c) } => c,
-        d => panic!("{d:?}"),
+    let settled = l.settle(&s, T0 + 1, 4, 20);
+    assert_eq!(LeaseAllowance::debt(&settled, T0 + 1), 10);
+    // The settlement claims a call at once (the next tick sends it), whatever the lease's term.
+    assert!(l.claimed(&s, &settled));
+    assert_eq!(l.allowance(&settled, T0 + 2), 0);
+    assert_eq!(
+        l.decide(&settled, (T0 + 2) * MS, 1),
+        Decision::Wait { claim: None }
+    );
+    // The call says what is owed; the lease tops up as usual.
+    let ask = l.ask(&settled, T0 + 3);
+    assert_eq!((ask.owed, ask.held, ask.wanted), (10, 0, 10));
+    // The service charged it (its bucket now owes 40, say): it is no longer owed here, and the
+    // next requests are refused until the global bucket has their tokens again, by its rate
+    // (one token per 10 ms here).
+    let l = LeaseAllowance {
+        global_burst: 100,
+        global_interval_ns: 10 * MS,
+        ..l
     };
-    assert_eq!(l.ask(&claimed, T0 + 3).wanted, 20);
-    // A grant smaller than the debt leaves the rest owed; the next one repays it first.
-    let s = l.grant(&claimed, T0 + 4, &grant(6, 0, T0 + 2, 10_000));
-    assert_eq!(l.allowance(&s, T0 + 5), 0);
-    let s = l.grant(&s, T0 + 6, &grant(10, 0, T0 + 5, 10_000));
-    assert_eq!(l.allowance(&s, T0 + 7), 6);
-    // A debt outlives its lease: an expired lease's tokens are lost, not what it owed.
-    let s = LeaseAllowance::settle(&s, 0, 9);
-    let s = l.grant(&s, T0 + 20_000, &grant(10, 0, T0 + 20_000, 10_000));
-    assert_eq!(l.allowance(&s, T0 + 20_001), 7);
+    let mut g = grant(0, 0, T0 + 3, 10_000);
+    g.asked = ask;
+    g.debt = 40;
+    let s = l.grant(&settled, T0 + 4, &g);
+    assert_eq!(LeaseAllowance::debt(&s, T0 + 4), 0);
+    match l.decide(&s, (T0 + 5) * MS, 2) {
+        // 40 owed and 2 more: 420 ms after the answer.
+        Decision::Refuse { retry_after_ns, .. } => assert_eq!(retry_after_ns, 419 * MS),
+        d => panic!("{d:?}"),
+    }
+    // Its next call carries what it knows of that debt.
+    let ask = l.ask(&s, T0 + 100);
+    assert_eq!((ask.known_remaining, ask.known_debt), (0, 40));
+    // A debt outlives its lease: an expired lease's tokens are lost, never what it owed, which
+    // its next call reports.
+    let s = l.grant(&[0; 32], T0, &grant(10, 0, T0, 1_000));
+    let s = l.settle(&s, T0 + 7, 0, 25);
+    let later = T0 + 20_000;
+    let Decision::Wait { claim: Some(c) } = l.decide(&s, later * MS, 1) else {
+        panic!("a claim");
+    };
+    assert_eq!(l.ask(&c, later).owed, 15);
+    // A settlement while a call is out leaves it claimed: an answer that grants nothing claims
+    // again for the rest (one that grants tokens pays for it with them).
+    let out = l.settle(&c, later + 1, 0, 5);
+    assert!(!l.claimed(&c, &out));
+    let mut g = grant(0, 0, later, 10_000);
+    g.asked = l.ask(&c, later);
+    let answered = l.grant(&out, later + 2, &g);
+    assert!(l.claimed(&out, &answered));
+    assert_eq!(l.ask(&answered, later + 3).owed, 5);
+    g.tokens = 10;
+    assert_eq!(l.allowance(&l.grant(&out, later + 2, &g), later + 3), 5);
     // A refund goes back to the allowance.
-    let s = LeaseAllowance::settle(&s, 5, 1);
-    assert_eq!(l.allowance(&s, T0 + 20_002), 11);
+    let s = l.grant(&[0; 32], T0, &grant(10, 0, T0, 10_000));
+    let s = l.settle(&s, T0 + 1, 5, 1);
+    assert_eq!(l.allowance(&s, T0 + 2), 14);
+}
+
+#[test]
+fn any_charge_is_a_defined_debt_and_rate_leases_give_back_their_surplus() {
+    let l = lease();
+    let s = l.grant(&[0; 32], T0, &grant(10, 0, T0, 10_000));
+    // Beyond what 48 bits of 64ths hold (2.2 × 10¹² tokens) the debt saturates: never wraps.
+    for actual in [2_000_000_000, 5_000_000_000, 1u64 << 60, u64::MAX] {
+        let owed = l.ask(&l.settle(&s, T0 + 1, 0, actual), T0 + 2).owed;
+        assert_eq!(owed, (actual - 10).min((1 << 47) / 64), "{actual}");
+    }
+    // A rate lease that accrues beyond its lease size and a half renews, giving back the rest.
+    let mut g = grant(0, 100_000, T0, 10_000);
+    g.asked.demand_mtps = 100_000;
+    let s = l.grant(&[0; STATE_BYTES], T0, &g);
+    // 15 tokens accrued by 150 ms, then one spent: 14 left, not yet beyond 15.
+    let s1 = allowed(&l, &s, T0 + 150);
+    assert!(!l.claimed(&s, &s1));
+    let s2 = allowed(&l, &s1, T0 + 180);
+    assert!(l.claimed(&s1, &s2), "16 left");
+    let ask = l.ask(&s2, T0 + 190);
+    assert_eq!((ask.held, ask.returned), (17, 7));
+    let mut g = grant(0, 100_000, T0 + 190, 10_000);
+    g.asked = ask;
+    g.returned = 7;
+    let s3 = l.grant(&s2, T0 + 191, &g);
+    assert_eq!(l.allowance(&s3, T0 + 191), 10);
 }

@@ -12,6 +12,16 @@ pub const MAX_NAME: usize = 128;
 pub const MAX_COUNT: u64 = 1_000_000_000;
 /// Longest accepted `per_ms`: 366 days.
 pub const MAX_PER_MS: u64 = 366 * 86_400_000;
+/// Tokens of a bucket's burst kept for instances within their fair share (newcomers above all):
+/// instances that want more, holding rate shares, take only what is above them.
+pub fn newcomers_reserve(burst: u64) -> u64 {
+    burst / 8
+}
+
+/// The most tokens a bucket owes: a larger charge (any `owed`, however large) owes this many.
+/// At the fastest rate a limit can have (10⁹ per ms) that is still 1 s of refusal; at any rate a
+/// person configures, years.
+pub const MAX_DEBT: u64 = 1_000_000_000_000;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -21,7 +31,7 @@ pub struct LeaseRequest {
     pub items: Vec<LeaseItem>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseItem {
     /// The rule's name (metrics and logs).
@@ -50,6 +60,26 @@ pub struct LeaseItem {
     pub known_ms: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub known_remaining: u64,
+    /// With the evidence: the bucket owed this many tokens by that answer (it was below zero).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub known_debt: u64,
+    /// Tokens the instance spent beyond what it was granted (a settlement charged more than its
+    /// lease held): the bucket is charged them now, below zero if need be (a debt every instance
+    /// then sees), at most [`MAX_DEBT`] owed in all.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub owed: u64,
+    /// Tokens the instance holds unspent (granted to it for this key): while the bucket is in
+    /// debt, the service takes them back (at most what it owes, and what this instance was
+    /// granted), so that they repay the debt instead of being spent.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub held: u64,
+    /// The instance's evidence of its own reservation: its live lease runs at `share` tokens per
+    /// second for `share_ms` more. A store that lost the bucket gives it back to the instance
+    /// from the rate it holds for the holders of before it does not know.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub share: f64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub share_ms: u64,
     /// Tokens the instance gives back: granted to it earlier for this key and never to be spent
     /// (a strict request refused after its call). They go back into the bucket, at most what the
     /// instance was granted and has not given back yet. 0 (or absent): none.
@@ -59,6 +89,10 @@ pub struct LeaseItem {
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+fn is_zero_f64(n: &f64) -> bool {
+    *n == 0.0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,6 +159,14 @@ pub struct LeaseGrant {
     /// Tokens of the item's `returned` the service took back: at most what the instance had out.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub returned: u64,
+    /// Tokens the bucket owes (it is below zero: settlements charged more than it had); 0 when
+    /// it is not in debt. Nothing is granted until it is repaid.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub debt: u64,
+    /// Tokens of the item's `held` the service took back to repay the bucket's debt: no longer
+    /// the instance's to spend.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub revoked: u64,
 }
 
 /// The body of every error answer.
@@ -136,11 +178,12 @@ pub struct ErrorBody {
 impl LeaseItem {
     /// `demand` in milli-tokens per second (a negative or non-finite demand asks for nothing).
     pub fn demand_mtps(&self) -> u64 {
-        if self.demand.is_finite() && self.demand > 0.0 {
-            (self.demand * 1_000.0) as u64
-        } else {
-            0
-        }
+        mtps(self.demand)
+    }
+
+    /// `share` in milli-tokens per second.
+    pub fn share_mtps(&self) -> u64 {
+        mtps(self.share)
     }
 
     /// Why the service cannot serve this item, if it cannot.
@@ -162,8 +205,11 @@ impl LeaseItem {
         if self.per_ms > MAX_PER_MS {
             return Some(format!("per_ms must be at most {MAX_PER_MS} (366 days)"));
         }
-        if !(self.demand.is_finite() && self.demand >= 0.0) {
-            return Some("demand must be a number >= 0".into());
+        if ![self.demand, self.share]
+            .iter()
+            .all(|n| n.is_finite() && *n >= 0.0)
+        {
+            return Some("demand and share must be numbers >= 0".into());
         }
         if self.known_remaining > MAX_COUNT || self.known_ms > 2 * MAX_PER_MS {
             return Some(format!(
@@ -175,14 +221,22 @@ impl LeaseItem {
     }
 
     /// The most tokens the bucket can hold now by the item's evidence: what the instance was
-    /// told was left, one more for the fraction, and the whole refill since (reservations only
-    /// make it less). None without evidence.
+    /// told was left (or owed), the reserve for newcomers (an instance with a share is told
+    /// what is above it), one more for the fraction, and the whole refill since (reservations
+    /// only make it less). None without evidence.
     pub fn evidence_bound(&self) -> Option<f64> {
         if self.known_ms == 0 {
             return None;
         }
         let rate = self.requests as f64 / self.per_ms as f64;
-        Some(self.known_remaining as f64 + 1.0 + rate * self.known_ms as f64)
+        // A bucket in debt told everyone the debt; one with tokens told an instance with a share
+        // what it held above the reserve.
+        let known = if self.known_debt > 0 {
+            -(self.known_debt.min(MAX_DEBT) as f64)
+        } else {
+            (self.known_remaining + newcomers_reserve(self.burst)) as f64
+        };
+        Some(known + 1.0 + rate * self.known_ms as f64)
     }
 }
 
@@ -195,6 +249,15 @@ impl LeaseRequest {
     /// What is wrong with each item (`None`: nothing): the service refuses those alone.
     pub fn item_problems(&self) -> Vec<Option<String>> {
         self.items.iter().map(LeaseItem::problem).collect()
+    }
+}
+
+/// Tokens per second in milli-tokens per second (anything negative or not finite is none).
+fn mtps(per_s: f64) -> u64 {
+    if per_s.is_finite() && per_s > 0.0 {
+        (per_s * 1_000.0) as u64
+    } else {
+        0
     }
 }
 

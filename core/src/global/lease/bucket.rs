@@ -1,12 +1,16 @@
 //! The global bucket of one key and its lease step: fair shares of the burst and of the refill
 //! rate among the instances that hold it, reservations, give-backs, cold starts and clock steps.
 
-use super::api::{LeaseGrant, LeaseItem};
+use super::api::{newcomers_reserve, LeaseGrant, LeaseItem, MAX_DEBT};
 use crate::global::fair_share::max_min_fair;
 
 /// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in
 /// milli-tokens per second × ms).
 pub const MIN_RESERVED_MTPS_MS: u128 = 2 * 1_000_000;
+
+/// A capped holder's renewal reaches the service this long after it is due (its next request,
+/// then its worker's tick and the call).
+const RENEWAL_MARGIN_MS: f64 = 20.0;
 
 /// Milli-tokens per second: the unit rate shares are divided in (whole numbers, so that the
 /// memory and Redis stores round alike).
@@ -137,10 +141,18 @@ impl GlobalBucket {
         self.updated_ms = self.updated_ms.max(now_ms);
     }
 
+    /// The tokens the bucket holds at `now_ms` (below zero: in debt), without changing it.
+    pub fn tokens_at(&self, item: &LeaseItem, now_ms: u64) -> f64 {
+        let mut b = self.clone();
+        b.refill(item, now_ms);
+        b.tokens
+    }
+
     /// Check the bucket against the item's evidence at `now_ms`: if it holds more tokens than
     /// it can ([`LeaseItem::evidence_bound`]), the store lost writes (or lost the bucket and made
-    /// it anew): it restarts empty, its whole rate held for one lease TTL (for leases of before
-    /// that only their holders know). True if so.
+    /// it anew): it restarts empty (or in the debt the evidence shows), its whole rate held for
+    /// one lease TTL (for leases of before that only their holders know: each gets its own back
+    /// when it calls). True if so.
     pub fn reconcile(&mut self, item: &LeaseItem, now_ms: u64, ttl_ms: u64) -> bool {
         self.refill(item, now_ms);
         let Some(bound) = item.evidence_bound() else {
@@ -149,7 +161,8 @@ impl GlobalBucket {
         if self.tokens <= bound {
             return false;
         }
-        self.tokens = 0.0;
+        // Empty, or owing what the evidence says it owed (less the refill since).
+        self.tokens = bound.min(0.0).max(-(MAX_DEBT as f64));
         let before = Holder {
             instance: String::new(),
             share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
@@ -193,13 +206,32 @@ impl GlobalBucket {
         }
         self.refill(item, now_ms);
         self.forget(now_ms, ttl_ms);
-        let outstanding = self
-            .holders
-            .iter()
-            .find(|h| h.instance == instance)
-            .map_or(0, |h| h.outstanding);
+        self.restore(instance, item, now_ms);
+        // What the instance may give back: what it was granted, and what its reservation let
+        // it accrue since its last call (replaced now), less what it gave back.
+        let before = self.holders.iter().find(|h| h.instance == instance);
+        let demand_before = before.map_or(0, |h| h.demand);
+        let outstanding = before.map_or(0, |h| {
+            let reserved_ms = h.until_ms.min(now_ms).saturating_sub(h.asked_ms);
+            let accrued = u128::from(h.share) * u128::from(reserved_ms) / 1_000_000;
+            h.outstanding
+                .saturating_add(u64::try_from(accrued).unwrap_or(u64::MAX))
+        });
         let returned = item.returned.min(outstanding);
         self.tokens = (self.tokens + returned as f64).min(item.burst as f64);
+        // What a settlement charged beyond the instance's lease is the bucket's debt now: below
+        // zero, every instance's next call sees it.
+        self.tokens = (self.tokens - item.owed as f64).max(-(MAX_DEBT as f64));
+        // In debt, what the instance holds unspent repays it rather than being spent (at most
+        // what it was granted and has not given back).
+        let revoked = if self.tokens < 0.0 {
+            let debt = (-self.tokens).ceil() as u64;
+            item.held.min(outstanding - returned).min(debt)
+        } else {
+            0
+        };
+        self.tokens = (self.tokens + revoked as f64).min(item.burst as f64);
+        let outstanding = outstanding - returned - revoked;
         self.holders.retain(|h| h.instance != instance);
         let demand = item.demand_mtps().min(rate_mtps);
         let at = self
@@ -214,7 +246,7 @@ impl GlobalBucket {
                 asked_ms: now_ms,
                 share: 0,
                 until_ms: now_ms,
-                outstanding: outstanding - returned,
+                outstanding,
             },
         );
         let live = |h: &Holder| h.asked_ms.saturating_add(ttl_ms) > now_ms;
@@ -225,21 +257,48 @@ impl GlobalBucket {
                 .collect()
         };
         let fair_tokens = max_min_fair(item.burst, &of_live(|h| h.wanted))[at];
-        let fair_rate = max_min_fair(rate_mtps, &of_live(|h| h.demand))[at];
+        // The reserve for newcomers: while the bucket holds less than it, shares are cut so that
+        // part of the refill flows in to fill it (not while it holds the rate for the holders
+        // of before a loss: their renewals come first).
+        let reserve = newcomers_reserve(item.burst);
+        let after_loss = self
+            .holders
+            .first()
+            .is_some_and(|h| h.instance.is_empty() && h.until_ms > now_ms);
+        // Short of it, shares take at most three quarters of the rate, so that it fills again.
+        let pool = if after_loss || self.tokens >= reserve as f64 {
+            rate_mtps
+        } else {
+            rate_mtps - rate_mtps / 4
+        };
+        let fair_rate = max_min_fair(pool, &of_live(|h| h.demand))[at];
         let reserved = self.reserved_at(now_ms);
-        let share = demand
-            .min(fair_rate)
-            .min(rate_mtps.saturating_sub(reserved));
+        let share = demand.min(fair_rate).min(pool.saturating_sub(reserved));
         // A share that cannot accrue a few tokens within the lease is no share: what accrues
         // is lost at the lease's end. The bucket refills by it instead, and the instance asks
-        // for its tokens (`retry_ms` says when one comes).
-        let share = if u128::from(share) * u128::from(ttl_ms) < MIN_RESERVED_MTPS_MS {
-            0
-        } else {
-            share
-        };
+        // for its tokens (`retry_ms` says when one comes). A bucket in debt reserves nothing:
+        // its whole refill repays the debt.
+        let share =
+            if u128::from(share) * u128::from(ttl_ms) < MIN_RESERVED_MTPS_MS || self.tokens < 0.0 {
+                0
+            } else {
+                share
+            };
 
-        let available = self.tokens.floor().max(0.0) as u64;
+        // The reserve is for instances whose demand is within their max-min fair share (a
+        // newcomer's first call asks for no rate): they may be short of it only because others
+        // hold the rate until they renew. The others, holding shares, take tokens only above
+        // it. (By the smaller of its demands before and now: one that was light and ran dry on
+        // a burst asks for more, and is light still.)
+        let light = demand.min(demand_before) <= fair_rate;
+        // (Without rate shares, the refill flows into the bucket and newcomers get their fair
+        // share of it by asking: no reserve is kept then.)
+        let kept = if light || share == 0 {
+            0.0
+        } else {
+            reserve as f64
+        };
+        let available = (self.tokens - kept).floor().max(0.0) as u64;
         let granted = item.wanted.min(fair_tokens).min(available);
         self.tokens -= granted as f64;
         self.holders[at].outstanding = self.holders[at].outstanding.saturating_add(granted);
@@ -248,7 +307,8 @@ impl GlobalBucket {
             self.holders[at].until_ms = now_ms.saturating_add(ttl_ms);
         }
         let asked = item.wanted > 0 || demand > 0;
-        let (reset_ms, retry_ms) = self.timing(item, now_ms, asked && granted == 0 && share == 0);
+        let nothing = asked && granted == 0 && share == 0;
+        let (reset_ms, retry_ms) = self.timing(item, now_ms, ttl_ms, nothing, light);
         self.idle_at_ms = self
             .holders
             .iter()
@@ -257,11 +317,48 @@ impl GlobalBucket {
         LeaseGrant {
             granted,
             ttl_ms,
-            remaining: self.tokens.floor().max(0.0) as u64,
+            remaining: (self.tokens - kept).floor().max(0.0) as u64,
             reset_ms,
             rate: share as f64 / 1_000.0,
             retry_ms,
             returned,
+            debt: self.debt(),
+            revoked,
+        }
+    }
+
+    /// Whole tokens the bucket owes (rounded up: a client told when it is repaid is never told
+    /// too early); 0 unless it is below zero.
+    pub fn debt(&self) -> u64 {
+        if self.tokens < 0.0 {
+            (-self.tokens).ceil() as u64
+        } else {
+            0
+        }
+    }
+
+    /// An instance with evidence of its own reservation (a live lease at `share` tokens per
+    /// second) calls a bucket that holds the rate for holders it does not know (a store that lost
+    /// the bucket starts so): that much of it is the instance's again, to renew now, rather than
+    /// held back from it for a lease TTL. Only rate nobody has claimed stays held.
+    fn restore(&mut self, instance: &str, item: &LeaseItem, now_ms: u64) {
+        let claimed = item.share_mtps();
+        if claimed == 0 || item.share_ms == 0 {
+            return;
+        }
+        let known = self
+            .holders
+            .iter()
+            .any(|h| h.instance == instance && h.share > 0 && h.until_ms > now_ms);
+        if known {
+            return;
+        }
+        if let Some(before) = self
+            .holders
+            .first_mut()
+            .filter(|h| h.instance.is_empty() && h.until_ms > now_ms)
+        {
+            before.share -= claimed.min(before.share);
         }
     }
 
@@ -277,8 +374,16 @@ impl GlobalBucket {
     /// Milliseconds until the bucket is full (its unreserved refill first, its whole rate once
     /// the reservations end), and, for an instance that got nothing, until asking again can get
     /// something (a token flows in, or a reservation ends).
-    fn timing(&self, item: &LeaseItem, now_ms: u64, got_nothing: bool) -> (u64, u64) {
+    fn timing(
+        &self,
+        item: &LeaseItem,
+        now_ms: u64,
+        ttl_ms: u64,
+        got_nothing: bool,
+        light: bool,
+    ) -> (u64, u64) {
         let rate = item.requests as f64 / item.per_ms as f64;
+        let rate_mtps = rate_mtps(item.requests, item.per_ms);
         let reserved = self.reserved_at(now_ms);
         let free = (rate - reserved as f64 / 1e6).max(0.0);
         let last_until = self
@@ -297,9 +402,15 @@ impl GlobalBucket {
             last_until as f64 + (missing - by_then).max(0.0) / rate
         };
         let retry = if got_nothing {
-            let token = (1.0 - self.tokens.fract().max(0.0)) / rate;
+            // To the next whole token (in debt: the debt repaid, and a token).
+            let need = if self.tokens < 0.0 {
+                1.0 - self.tokens
+            } else {
+                1.0 - self.tokens.fract()
+            };
+            let token = need / rate;
             let first_free = if free > 0.0 {
-                (1.0 - self.tokens.fract().max(0.0)) / free
+                need / free
             } else {
                 f64::INFINITY
             };
@@ -309,7 +420,24 @@ impl GlobalBucket {
                 .filter(|h| h.until_ms > now_ms && h.share > 0)
                 .map(|h| (h.until_ms - now_ms) as f64)
                 .fold(f64::INFINITY, f64::min);
-            let soonest = first_free.min(ends);
+            // One within its fair share is short of it only until a holder capped by fairness
+            // renews (they do every sixteenth of a term) and leaves it its share.
+            let renews = if light {
+                self.holders
+                    .iter()
+                    .filter(|h| {
+                        let capped = h.share < h.demand || h.demand >= rate_mtps;
+                        h.share > 0 && capped && h.until_ms > now_ms
+                    })
+                    .map(|h| {
+                        let at = h.asked_ms.saturating_add(ttl_ms / 16).max(now_ms);
+                        (at - now_ms) as f64 + RENEWAL_MARGIN_MS
+                    })
+                    .fold(f64::INFINITY, f64::min)
+            } else {
+                f64::INFINITY
+            };
+            let soonest = first_free.min(ends).min(renews);
             let retry = if soonest.is_finite() {
                 soonest.max(token)
             } else {

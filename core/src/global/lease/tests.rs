@@ -13,9 +13,7 @@ fn item(wanted: u64) -> LeaseItem {
         wanted,
         used: 0,
         demand: 0.0,
-        known_ms: 0,
-        known_remaining: 0,
-        returned: 0,
+        ..LeaseItem::default()
     }
 }
 
@@ -112,14 +110,17 @@ fn a_rate_lease_reserves_refill_for_its_holder_and_is_shared_max_min() {
     assert_eq!((g.granted, g.rate), (120, 0.5));
     // 4 s later the bucket has refilled nothing: the whole rate is reserved.
     assert_eq!(b.lease("c", &item(10), 4_000, 10_000).granted, 0);
-    // a renews: now the fair split of 2/s between demands 1.5 and 2 is 1/s each, and a's
-    // old reservation is replaced.
+    // a renews: a's old reservation is replaced by the fair split between demands 1.5 and 2 —
+    // of what is left once the bucket's reserve for newcomers (15 tokens, an eighth of the
+    // burst) may refill: b took it, and a quarter of the rate at most goes to refill it. So
+    // 0.75/s each.
     let g = b.lease("a", &rated(0, 1.5), 5_000, 10_000);
-    assert_eq!(g.rate, 1.0);
+    assert_eq!(g.rate, 0.75);
     let g = b.lease("b", &rated(0, 2.0), 5_000, 10_000);
-    assert_eq!(g.rate, 1.0);
-    // Once every reservation has ended, the bucket refills at the whole rate again.
-    assert_eq!(b.lease("c", &item(100), 25_000, 10_000).granted, 20);
+    assert_eq!(g.rate, 0.75);
+    // Once every reservation has ended, the bucket refills at the whole rate again: 0.5/s for
+    // 10 s and 2/s for 10 s.
+    assert_eq!(b.lease("c", &item(100), 25_000, 10_000).granted, 25);
 }
 
 #[test]

@@ -1,17 +1,22 @@
 -- All items of one lease call (or, on a Redis Cluster, those whose keys share one slot),
--- atomically: the same step as GlobalBucket::new and GlobalBucket::lease in core/src/global/lease.rs,
--- with the same arithmetic in the same order, so both stores grant alike.
+-- atomically: the same step as GlobalBucket::new, reconcile and lease in
+-- core/src/global/lease/bucket.rs, with the same arithmetic in the same order, so both stores
+-- grant alike.
 -- ARGV: instance, ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items,
---   then ten per item: the bucket hash (`tokens` in millionths, `updated`, and per holder
---   `@<instance>` -> "wanted:demand:asked:share:until:outstanding"), the epoch marker of the
---   item's slot, requests, per_ms, burst, wanted, demand (milli-tokens per second), known_ms,
---   known_remaining (the caller's evidence of the bucket; 0: none), returned.
+--   then fifteen per item: the bucket hash (`tokens` in millionths, below zero in debt,
+--   `updated`, and per holder `@<instance>` -> "wanted:demand:asked:share:until:outstanding"), the
+--   epoch marker of the item's slot, requests, per_ms, burst, wanted, demand (milli-tokens per
+--   second), known_ms, known_remaining, known_debt (the caller's evidence of the bucket; 0:
+--   none), returned, owed (what it spent beyond its grants: charged now), held (what it holds
+--   unspent: taken back while the bucket owes), share (milli-tokens per second) and share_ms (the
+--   caller's evidence of its own reservation).
 -- The marker holds the slot's epoch (ms), with an "L" once a call showed that the slot lost
 --   buckets in use: then (cold "2") buckets it does not know start as with cold "1".
 -- KEYS: the same key names, declared (one Redis, or one slot of a cluster); none when the
 --   script runs all of a cluster master's items (its keys span slots: allow-cross-slot-keys).
--- Returns six numbers per item: granted, remaining, reset_ms, share (milli-tokens per second),
---   retry_ms, returned (what of the item's `returned` the bucket took back).
+-- Returns eight numbers per item: granted, remaining, reset_ms, share (milli-tokens per
+--   second), retry_ms, returned (what of the item's `returned` the bucket took back), debt (what
+--   the bucket owes), revoked (what of the item's `held` it took back).
 -- Written for speed (Redis's Lua makes every table and string costly): holders live in
 -- parallel arrays reused from item to item, and only what changed is written back.
 local floor, ceil, min, max, huge = math.floor, math.ceil, math.min, math.max, math.huge
@@ -22,6 +27,10 @@ local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local checks = cold ~= '0'
+-- The most tokens a bucket owes (MAX_DEBT).
+local max_debt = 1000000000000
+-- A capped holder's renewal reaches the service this long after it is due (RENEWAL_MARGIN_MS).
+local renewal_margin = 20
 
 -- A slot's marker: its epoch, and whether it lost buckets in use.
 local function read_marker(v)
@@ -39,14 +48,29 @@ local function holder_value(i)
 end
 
 local out = {}
+-- Holders of the item being served.
+local n = 0
 
-local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr,
-                     returned)
+-- The holders of before a loss (the empty name, first), holding the whole rate for a TTL.
+local function hold_for_before(rate_mtps)
+  if n == 0 or N[1] ~= '' then
+    for i = n, 1, -1 do
+      N[i + 1], W[i + 1], D[i + 1], A[i + 1], S[i + 1], U[i + 1] = N[i], W[i], D[i], A[i], S[i], U[i]
+      O[i + 1] = O[i]
+    end
+    n = n + 1
+  end
+  N[1], W[1], D[1], A[1], S[1], U[1], O[1] = '', 0, 0, now, rate_mtps + 1, now + ttl, 0
+end
+
+local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr, kd,
+                     returned, owed, held_by, claimed, claimed_ms)
   local stepped = {}
   local rate = requests / per
   local rate_mtps = floor(requests * 1000000 / per)
+  local reserve = floor(burst / 8)
   local tokens, updated
-  local n = 0
+  n = 0
   for i = 1, #b, 2 do
     local f = b[i]
     if f == 'tokens' then
@@ -110,40 +134,68 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   -- means the clock stepped back: the step counts as no time (else nothing would flow in until
   -- the clock caught up).
   if updated > now then updated = now end
-  local elapsed = max(now - updated, 0)
-  local reserved = 0.0
-  for i = 1, n do
-    reserved = reserved + min(S[i] / 1e6, rate) * max(min(U[i], now) - updated, 0)
+  local function refill()
+    local elapsed = max(now - updated, 0)
+    local reserved = 0.0
+    for i = 1, n do
+      reserved = reserved + min(S[i] / 1e6, rate) * max(min(U[i], now) - updated, 0)
+    end
+    tokens = min(tokens + max(elapsed * rate - reserved, 0), burst)
+    updated = max(updated, now)
   end
-  tokens = min(tokens + max(elapsed * rate - reserved, 0), burst)
-  updated = max(updated, now)
+  refill()
 
   -- More tokens than the caller's evidence allows: the slot lost writes (or the bucket, made
-  -- anew meanwhile). Empty, the whole rate held for a TTL (GlobalBucket::reconcile).
-  if checks and known > 0 and tokens > kr + 1 + rate * known then
-    tokens = 0
-    if n == 0 or N[1] ~= '' then
-      for i = n, 1, -1 do
-        N[i + 1], W[i + 1], D[i + 1], A[i + 1], S[i + 1], U[i + 1] = N[i], W[i], D[i], A[i], S[i], U[i]
-        O[i + 1] = O[i]
-      end
-      n = n + 1
+  -- anew meanwhile). Empty (or in the debt the evidence shows), the whole rate held for a TTL
+  -- (GlobalBucket::reconcile).
+  if checks and known > 0 then
+    local bound
+    if kd > 0 then
+      bound = -min(kd, max_debt) + 1 + rate * known
+    else
+      bound = kr + reserve + 1 + rate * known
     end
-    N[1], W[1], D[1], A[1], S[1], U[1], O[1] = '', 0, 0, now, rate_mtps + 1, now + ttl, 0
-    reconciled = true
-    local epoch, lost = read_marker(call('GET', mkey))
-    if not lost then call('SET', mkey, format('%d', epoch or now) .. 'L') end
+    if tokens > bound then
+      tokens = max(min(bound, 0), -max_debt)
+      hold_for_before(rate_mtps)
+      reconciled = true
+      local epoch, lost = read_marker(call('GET', mkey))
+      if not lost then call('SET', mkey, format('%d', epoch or now) .. 'L') end
+    end
   end
 
-  -- Forget the quiet and unreserved, and this instance's previous standing; place this one.
-  -- Tokens given back: at most what this instance took and has not given back.
-  local outstanding = 0
+  -- The caller's evidence of its own reservation, at a bucket whose holders of before a loss
+  -- hold the rate: that much is the caller's again (GlobalBucket::restore).
+  if claimed > 0 and claimed_ms > 0 and n > 0 and N[1] == '' and U[1] > now then
+    local known_share = false
+    for i = 1, n do
+      if N[i] == instance and S[i] > 0 and U[i] > now then known_share = true end
+    end
+    if not known_share then S[1] = S[1] - min(claimed, S[1]) end
+  end
+
+  -- What the instance may give back: what it was granted, and what its reservation let it
+  -- accrue since its last call (replaced now), less what it gave back.
+  local outstanding, demand_before = 0, 0
   for i = 1, n do
-    if N[i] == instance and (A[i] + ttl > now or U[i] > now) then outstanding = O[i] end
+    if N[i] == instance and (A[i] + ttl > now or U[i] > now) then
+      outstanding = O[i] + floor(S[i] * max(min(U[i], now) - A[i], 0) / 1e6)
+      demand_before = D[i]
+    end
   end
   local back = min(returned, outstanding)
   tokens = min(tokens + back, burst)
-  outstanding = outstanding - back
+  -- A debt charged: below zero if need be.
+  tokens = max(tokens - owed, -max_debt)
+  -- In debt, what the instance holds unspent repays it.
+  local revoked = 0
+  if tokens < 0 then
+    revoked = min(held_by, outstanding - back, ceil(-tokens))
+  end
+  tokens = min(tokens + revoked, burst)
+  outstanding = outstanding - back - revoked
+
+  -- Forget the quiet and unreserved, and this instance's previous standing; place this one.
   local kept = 0
   local gone = nil
   demand = min(demand, rate_mtps)
@@ -174,16 +226,29 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     demands[i] = live and D[i] or 0
   end
   local fair_tokens = max_min_fair(burst, wants, n, at)
-  local fair_rate = max_min_fair(rate_mtps, demands, n, at)
+  -- The reserve for newcomers: short of it, shares take at most three quarters of the rate, so
+  -- that it fills again (not while the holders of before a loss hold the rate).
+  local after_loss = n > 0 and N[1] == '' and U[1] > now
+  local pool = rate_mtps
+  if not after_loss and tokens < reserve then
+    pool = rate_mtps - floor(rate_mtps / 4)
+  end
+  local fair_rate = max_min_fair(pool, demands, n, at)
   local held = 0
   for i = 1, n do
     if U[i] > now then held = held + S[i] end
   end
-  local share = min(demand, fair_rate, max(rate_mtps - held, 0))
-  -- A share that cannot accrue two tokens within the lease is none (MIN_RESERVED_MTPS_MS).
-  if share * ttl < 2000000 then share = 0 end
+  local share = min(demand, fair_rate, max(pool - held, 0))
+  -- A share that cannot accrue two tokens within the lease is none (MIN_RESERVED_MTPS_MS); a
+  -- bucket in debt reserves nothing.
+  if share * ttl < 2000000 or tokens < 0 then share = 0 end
 
-  local available = max(floor(tokens), 0)
+  -- Within its fair share (by the smaller of its demands before and now), it may take the
+  -- reserve; the others take only above it.
+  local light = min(demand, demand_before) <= fair_rate
+  local keep = reserve
+  if light or share == 0 then keep = 0 end
+  local available = max(floor(tokens - keep), 0)
   local granted = min(wanted, fair_tokens, available)
   tokens = tokens - granted
   O[at] = O[at] + granted
@@ -193,32 +258,42 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
 
   -- When the bucket is full again, and when one that got nothing may ask again.
   held = 0
-  local last_until, ends = 0, huge
+  local last_until, ends, renews = 0, huge, huge
   for i = 1, n do
     if U[i] > now then
       held = held + S[i]
-      if S[i] > 0 then ends = min(ends, U[i] - now) end
+      if S[i] > 0 then
+        ends = min(ends, U[i] - now)
+        if light and (S[i] < D[i] or D[i] >= rate_mtps) then
+          renews = min(renews, max(A[i] + floor(ttl / 16), now) - now + renewal_margin)
+        end
+      end
     end
     last_until = max(last_until, max(U[i] - now, 0))
   end
   local free = max(rate - held / 1e6, 0)
-  local missing = max(burst - tokens, 0)
+  local missing_full = max(burst - tokens, 0)
   local reset
-  if missing == 0 then
+  if missing_full == 0 then
     reset = 0
-  elseif free > 0 and missing / free <= last_until then
-    reset = missing / free
+  elseif free > 0 and missing_full / free <= last_until then
+    reset = missing_full / free
   else
-    reset = last_until + max(missing - free * last_until, 0) / rate
+    reset = last_until + max(missing_full - free * last_until, 0) / rate
   end
   reset = ceil(reset)
   local retry = 0
   if granted == 0 and share == 0 and (wanted > 0 or demand > 0) then
-    local frac = tokens - floor(tokens)
-    local token = (1 - frac) / rate
+    local need
+    if tokens < 0 then
+      need = 1 - tokens
+    else
+      need = 1 - (tokens - floor(tokens))
+    end
+    local token = need / rate
     local first_free = huge
-    if free > 0 then first_free = (1 - frac) / free end
-    retry = max(min(first_free, ends), token)
+    if free > 0 then first_free = need / free end
+    retry = max(min(first_free, ends, renews), token)
     if retry == huge then retry = token end
     retry = max(ceil(retry), 1)
   end
@@ -228,7 +303,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     idle_at = max(idle_at, U[i], A[i] + ttl)
   end
   if gone then hdel_all(bkey, gone) end
-  if (fresh or reconciled) and n > 1 and N[1] == '' then
+  if (fresh or reconciled or after_loss) and n > 1 and N[1] == '' then
     call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
          format('%d', updated), '@' .. instance, holder_value(at), '@', holder_value(1))
   else
@@ -241,9 +316,12 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     end
   end
   call('PEXPIRE', bkey, max(idle_at - now, 1))
+  local debt = 0
+  if tokens < 0 then debt = ceil(-tokens) end
   local o = #out
-  out[o + 1], out[o + 2], out[o + 3] = granted, max(floor(tokens), 0), reset
+  out[o + 1], out[o + 2], out[o + 3] = granted, max(floor(tokens - keep), 0), reset
   out[o + 4], out[o + 5], out[o + 6] = share, retry, back
+  out[o + 7], out[o + 8] = debt, revoked
 end
 
 -- Every read first: a key this node does not serve (a cluster that moved slots) fails the
@@ -251,15 +329,15 @@ end
 local items = tonumber(ARGV[4])
 local buckets, markers = {}, {}
 for i = 0, items - 1 do
-  local a = 5 + i * 10
+  local a = 5 + i * 15
   local b = call('HGETALL', ARGV[a])
   buckets[i] = b
   if #b == 0 then markers[i] = call('GET', ARGV[a + 1]) end
 end
 for i = 0, items - 1 do
-  local a = 5 + i * 10
-  lease(ARGV[a], ARGV[a + 1], buckets[i], markers[i], tonumber(ARGV[a + 2]),
-        tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]),
-        tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8]), tonumber(ARGV[a + 9]))
+  local a = 5 + i * 15
+  local arg = function(k) return tonumber(ARGV[a + k]) end
+  lease(ARGV[a], ARGV[a + 1], buckets[i], markers[i], arg(2), arg(3), arg(4), arg(5), arg(6),
+        arg(7), arg(8), arg(9), arg(10), arg(11), arg(12), arg(13), arg(14))
 end
 return out

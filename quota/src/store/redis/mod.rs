@@ -223,6 +223,8 @@ impl RedisStore {
                 rate: a[3] as f64 / 1_000.0,
                 retry_ms: a[4],
                 returned: a[5],
+                debt: a[6],
+                revoked: a[7],
             })
             .collect())
     }

@@ -1,7 +1,7 @@
 //! The Lua scripts a call runs, and what each kind of item tells them.
 
 use redis::aio::ConnectionManager;
-use tollgate_core::global::lease::LeaseItem;
+use tollgate_core::global::lease::{LeaseItem, MAX_DEBT};
 use tollgate_core::global::permits::PermitItem;
 pub(super) const LEASE_LUA: &str = include_str!("lease.lua");
 pub(super) const SLOTS_LUA: &str = include_str!("slots.lua");
@@ -38,11 +38,14 @@ pub(super) trait Scripted {
 
 impl Scripted for LeaseItem {
     const SUFFIX: &'static str = ":b";
-    const ANSWER: usize = 6;
+    const ANSWER: usize = 8;
     fn tag(&self) -> String {
         format!("tg:{}:{}", self.limit_id, self.key)
     }
     fn push_args(&self, cmd: &mut redis::Cmd) {
+        // (Amounts past what a bucket can owe or hold would only lose precision in Lua's
+        // doubles: the script caps them alike.)
+        let cap = |n: u64| n.min(2 * MAX_DEBT);
         cmd.arg(self.requests)
             .arg(self.per_ms)
             .arg(self.burst)
@@ -50,7 +53,12 @@ impl Scripted for LeaseItem {
             .arg(self.demand_mtps())
             .arg(self.known_ms)
             .arg(self.known_remaining)
-            .arg(self.returned);
+            .arg(cap(self.known_debt))
+            .arg(self.returned)
+            .arg(cap(self.owed))
+            .arg(cap(self.held))
+            .arg(self.share_mtps())
+            .arg(self.share_ms);
     }
 }
 
