@@ -1,12 +1,5 @@
-//! One credential at its share of the memory store sends new keys without pause: how long another credential's lease calls take meanwhile.
-//!
-//! `cargo bench -p tollgate-quota --bench full_share [-- --keys N --seconds S --rounds R
-//! --flooders F]`: the
-//! service cargo built for the bench (or `TOLLGATE_QUOTA_BIN`), `--max-keys 2N` over two proxy
-//! tokens, so each has a share of N (default 200 000). Credential A fills its share with buckets
-//! that stay live (1 a day), then, in each round, credential B leases one known key every 2 ms for
-//! S seconds alone, then S seconds more while A sends one new key per call back to back (each
-//! refused: A is at its share), on F connections (default 1). B's latencies are pooled over the rounds.
+//! One credential at its share of the memory store sends new keys without pause: how long
+//! another credential's lease calls take meanwhile (docs/quota-api.md has the figures).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -128,6 +121,13 @@ fn summary(mut took: Vec<Duration>) -> String {
     )
 }
 
+/// `cargo bench -p tollgate-quota --bench full_share [-- --keys N --seconds S --rounds R
+/// --flooders F]`: the service cargo built for the bench (or `TOLLGATE_QUOTA_BIN`), `--max-keys
+/// 2N` over two proxy tokens, so each has a share of N (default 200 000). Credential A fills its
+/// share with buckets that stay live (1 a day), then, in each round, credential B leases one known
+/// key every 2 ms for S seconds alone, then S seconds more while A sends one new key per call back
+/// to back (each refused: A is at its share), on F connections (default 1). B's latencies are
+/// pooled over the rounds.
 fn main() {
     let s = Settings::from_args();
     if std::env::var_os("TOLLGATE_QUOTA_BIN").is_none() {

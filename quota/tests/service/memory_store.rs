@@ -1,4 +1,5 @@
-//! The memory store at its caps: idle buckets and ended holdings make room for new keys, live ones stay.
+//! The memory store at its caps: idle buckets and ended holdings make room for new keys, live
+//! ones stay.
 
 use super::*;
 
