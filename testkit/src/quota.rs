@@ -50,6 +50,11 @@ impl Quota {
         self.child = Some(child);
     }
 
+    /// Its process id (0 once killed).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();

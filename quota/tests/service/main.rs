@@ -4,6 +4,7 @@
 mod api;
 mod binary;
 mod lost_state;
+mod memory_store;
 mod permits;
 mod redis_store;
 mod tls;

@@ -61,6 +61,12 @@ impl Holdings {
         self.entries.is_empty()
     }
 
+    /// From then on every holding has ended ([`Self::prune`] leaves it empty): as good as none, it
+    /// can go.
+    pub fn idle_at_ms(&self) -> u64 {
+        self.entries.iter().map(|h| h.expires_ms).max().unwrap_or(0)
+    }
+
     /// Serve one instance's call at `now_ms`: its holding afterwards lasts `ttl_ms`.
     pub fn grant(
         &mut self,

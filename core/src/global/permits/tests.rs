@@ -95,6 +95,24 @@ proptest! {
             prop_assert_eq!(g.free, 10 - h.total());
         }
     }
+
+    #[test]
+    fn holdings_are_idle_from_when_pruning_leaves_none(
+        calls in prop::collection::vec((0usize..4, 0u64..5, 0u64..3_000), 1..50),
+        later in 0u64..2 * TTL,
+    ) {
+        let mut h = Holdings::default();
+        let names = ["a", "b", "c", "d"];
+        let mut now = 0;
+        for (who, wanted, step) in calls {
+            now += step;
+            h.grant(names[who], &ask(wanted, 0), now, TTL, true);
+        }
+        let at = now + later;
+        let mut pruned = h.clone();
+        pruned.prune(at);
+        prop_assert_eq!(h.idle_at_ms() <= at, pruned.is_empty(), "{:?} at {}", h, at);
+    }
 }
 
 const MS: u64 = 1_000_000;
