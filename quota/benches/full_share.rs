@@ -65,11 +65,8 @@ fn item(key: String, rated: bool) -> LeaseItem {
         per_ms,
         burst: 100,
         wanted: 1,
-        used: 0,
         demand,
-        known_ms: 0,
-        known_remaining: 0,
-        returned: 0,
+        ..LeaseItem::default()
     }
 }
 
