@@ -202,14 +202,19 @@ async fn auto_cold_start_of_slots_grants_at_once_unless_holdings_were_lost() {
         // A new deployment: slots at once.
         assert_eq!(held(before, "a", slot("k", 6, 0), ttl).await.held, 6);
         let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
-        // After the loss, a newcomer with no evidence asks first: granted (the store cannot know).
-        // Then the holder renews with its evidence: it gets back what it keeps, and from then on
-        // nothing new is granted for a term.
+        // After the loss the holder renews with its evidence: it gets back what it held (6, not
+        // only the 2 it has in flight), and from then on nothing new is granted for a term.
         let holder = PermitItem {
             known_held: 6,
-            ..slot("k", 6, 6)
+            ..slot("k", 6, 2)
         };
-        assert_eq!(held(after, "a", holder, ttl).await.held, 6);
+        assert_eq!(held(after, "a", holder.clone(), ttl).await.held, 6);
+        // Renewing again with fewer in flight, it keeps its holding.
+        let again = PermitItem {
+            known_held: 6,
+            ..slot("k", 6, 1)
+        };
+        assert_eq!(held(after, "a", again, ttl).await.held, 6);
         let newcomer = held(after, "new", slot("k", 10, 0), ttl).await;
         assert_eq!((newcomer.held, newcomer.free), (0, 4));
     }

@@ -11,6 +11,10 @@ use tollgate_core::{Concurrency, LeaseAllowance, Limit, PermitAllowance, TokenBu
 
 /// A claimed refill is given up this long after its call's timeout.
 const CLAIM_GRACE_MS: u64 = 100;
+/// `quota_service.retry` by default: a key whose call failed asks again after a quarter of it,
+/// then after all of it, so that a service back after a restart serves again well within a
+/// second.
+pub const DEFAULT_RETRY_MS: u64 = 500;
 
 impl RawQuotaService {
     /// The service settings, and the lease size if one was given.
@@ -49,7 +53,7 @@ impl RawQuotaService {
             failure_mode: self.failure_mode,
             instances_hint: self.instances_hint.map_or(1, NonZeroU64::get),
             first_lease: self.first_lease,
-            retry_ms: self.retry.map_or(1_000, |p| p.ms()),
+            retry_ms: self.retry.map_or(DEFAULT_RETRY_MS, |p| p.ms()),
             strict: self.mode == QuotaMode::Strict,
         };
         Ok((service, self.lease_size.map(NonZeroU64::get)))

@@ -307,10 +307,12 @@ impl PermitAllowance {
     }
 
     /// A call failed: the failure mode decides new requests until a call succeeds (the next one
-    /// after `retry_ms`); the rest of the lease's term is grace for the requests in flight.
+    /// after a quarter of `retry_ms` the first time, as for leases, then after `retry_ms`); the
+    /// rest of the lease's term is grace for the requests in flight.
     pub fn fail(&self, state: &State, now_ms: u64, retry_ms: u64) -> State {
         let mut p = Parts::decode(state);
-        p.mark = FAILED | now_ms.saturating_add(retry_ms).min(WHEN);
+        let wait = if p.failing { retry_ms } else { retry_ms / 4 };
+        p.mark = FAILED | now_ms.saturating_add(wait.max(1)).min(WHEN);
         p.failing = true;
         p.encode()
     }

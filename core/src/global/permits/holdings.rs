@@ -110,13 +110,16 @@ impl Holdings {
             .map(|(_, h)| h.held)
             .sum();
         let available = ask.limit.saturating_sub(others);
-        // What it keeps: what it holds here; after a loss of holdings, what it says it holds.
+        let held_here = self.entries[at].held;
+        // What it keeps: what it holds here; after a loss of holdings (not settled), what its
+        // evidence says it held — its holding, not only what it has in flight, so that a
+        // renewing holder admits as before.
         let keep = if known {
-            ask.keep.min(self.entries[at].held)
+            ask.keep.min(held_here)
         } else if settled {
             0
         } else {
-            ask.keep
+            ask.keep.max(ask.known_held)
         }
         .min(available);
         self.entries[at].wanted = ask.wanted.max(keep);
@@ -124,6 +127,9 @@ impl Holdings {
         let share = max_min_fair(ask.limit, &demands)[at];
         let held = if settled {
             keep.max(ask.wanted.min(share).min(available))
+        } else if known {
+            // Not settled: what it holds stays its own (up to what it wants); nothing new.
+            keep.max(ask.wanted.min(held_here).min(available))
         } else {
             keep
         };

@@ -70,28 +70,49 @@ fn after_a_loss_of_holdings_instances_get_back_what_they_keep_and_nothing_new() 
     assert_eq!(h.grant("new", &ask(10, 0), TTL, TTL, true).held, 4);
 }
 
+#[test]
+fn after_a_loss_renewing_holders_keep_their_holdings_not_only_what_is_in_flight() {
+    let mut h = Holdings::default();
+    // a held 6 before the loss (its evidence), 2 in flight: it holds 6 again, so it admits as
+    // before; b held 3. A newcomer gets nothing until the store has settled.
+    let evidence = |wanted, keep, known_held| PermitAsk {
+        known_held,
+        ..ask(wanted, keep)
+    };
+    assert_eq!(h.grant("a", &evidence(8, 2, 6), 0, TTL, false).held, 6);
+    assert_eq!(h.grant("b", &evidence(3, 1, 3), 0, TTL, false).held, 3);
+    assert_eq!(h.grant("new", &ask(10, 0), 0, TTL, false).held, 0);
+    // Renewing before it settles, a keeps what it holds (as far as it wants it), no more.
+    assert_eq!(h.grant("a", &ask(8, 1), 100, TTL, false).held, 6);
+    assert_eq!(h.grant("a", &ask(4, 1), 200, TTL, false).held, 4);
+    // Evidence beyond what fits the limit: what fits.
+    assert_eq!(h.grant("c", &evidence(9, 0, 9), 200, TTL, false).held, 3);
+    assert_eq!(h.total(), 10);
+}
+
 proptest! {
     #[test]
     fn the_limit_is_never_exceeded_and_no_one_loses_what_it_keeps(
         calls in prop::collection::vec(
-            (0usize..4, 0u64..15, 0u64..15, 0u64..3_000, any::<bool>()), 1..200),
+            (0usize..4, 0u64..15, 0u64..15, 0u64..3_000, any::<bool>(), 0u64..15), 1..200),
     ) {
         let mut h = Holdings::default();
         let names = ["a", "b", "c", "d"];
         let mut now = 0;
-        for (who, wanted, keep, step, settled) in calls {
+        for (who, wanted, keep, step, settled, known_held) in calls {
             now += step;
             let before = h
                 .entries
                 .iter()
                 .find(|e| e.instance == names[who] && e.expires_ms > now)
                 .map(|e| e.held);
-            let g = h.grant(names[who], &ask(wanted, keep), now, TTL, settled);
+            let asked = PermitAsk { known_held, ..ask(wanted, keep) };
+            let g = h.grant(names[who], &asked, now, TTL, settled);
             prop_assert!(h.total() <= 10, "{h:?}");
             if let Some(held) = before {
                 prop_assert!(g.held >= keep.min(held));
             }
-            prop_assert!(g.held <= wanted.max(keep));
+            prop_assert!(g.held <= wanted.max(keep).max(known_held));
             prop_assert_eq!(g.free, 10 - h.total());
         }
     }
@@ -257,9 +278,17 @@ fn a_failed_renewal_applies_the_failure_mode_at_once_and_the_lease_is_grace_for_
         a.decide(&s, TTL * MS, 1),
         Decision::Fallback { .. }
     ));
-    assert_eq!(a.renewal(&s, TTL), None, "not before the retry time");
-    // Past the retry time, with requests in flight: a call declares them.
-    let later = TTL / 2 + 300 + TTL;
+    // A first failure retries after a quarter of `retry`.
+    let retry = TTL / 2 + 300 + TTL / 4;
+    assert_eq!(a.renewal(&s, retry - 1), None, "not before the retry time");
+    // Past the retry time, the lease still lasting: a call declares what it holds and keeps.
+    let claim = a.renewal(&s, retry).expect("declare what is in use");
+    assert_eq!(wk(a.ask(&claim, retry)), (2, 2));
+    // Failing again: a whole `retry` to the next; the lease over by then, it keeps what is in
+    // use.
+    let s = a.fail(&claim, retry + 10, TTL);
+    assert_eq!(a.renewal(&s, retry + 10 + TTL - 1), None);
+    let later = retry + 10 + TTL;
     let claim = a.renewal(&s, later).expect("declare what is in use");
     assert_eq!(wk(a.ask(&claim, later)), (2, 1));
 }

@@ -70,14 +70,22 @@ local function grant(hkey, mkey, limit, wanted, keep, known_held)
   end
   local available = max(limit - others, 0)
   local k
-  if known then k = min(keep, held[me]) elseif settled then k = 0 else k = keep end
+  -- After a loss (not settled), an instance the store does not know keeps what its evidence
+  -- says it held; one it knows keeps what it holds (Holdings::grant).
+  if known then k = min(keep, held[me]) elseif settled then k = 0 else k = max(keep, known_held) end
   k = min(k, available)
   wants[me] = max(wanted, k)
   local d = {}
   for i, name in ipairs(names) do d[i] = wants[name] end
   local share = max_min_fair(limit, d, #names, at)
   local h
-  if settled then h = max(k, min(wanted, share, available)) else h = k end
+  if settled then
+    h = max(k, min(wanted, share, available))
+  elseif known then
+    h = max(k, min(wanted, held[me], available))
+  else
+    h = k
+  end
   if h == 0 and wanted == 0 then
     call('HDEL', hkey, me)
   else
