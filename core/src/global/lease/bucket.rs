@@ -41,7 +41,12 @@ pub struct Holder {
 /// reserved for instances (rate leases); recent demands of each instance decide fair shares.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GlobalBucket {
+    /// Tokens anyone may be granted; below zero, what the bucket owes.
     pub tokens: f64,
+    /// Tokens kept for instances within their fair share (newcomers above all), at most
+    /// [`newcomers_reserve`] of the burst: refilled before `tokens`, never from the burst a new
+    /// bucket starts with (a lone instance gets all of that at once).
+    pub reserve: f64,
     pub updated_ms: u64,
     pub holders: Vec<Holder>,
     /// From then on it is as good as new (full, no live demand, nothing reserved): it can go.
@@ -99,6 +104,7 @@ impl GlobalBucket {
         match cold {
             ColdStart::Full | ColdStart::Auto { .. } => Self {
                 tokens: item.burst as f64,
+                reserve: 0.0,
                 updated_ms: now_ms,
                 holders: Vec::new(),
                 idle_at_ms: now_ms,
@@ -107,6 +113,7 @@ impl GlobalBucket {
             // lease refills it from there (long after the epoch: full, as if never lost).
             ColdStart::Conservative { epoch_ms } => Self {
                 tokens: 0.0,
+                reserve: 0.0,
                 updated_ms: epoch_ms.min(now_ms),
                 holders: vec![Holder {
                     instance: String::new(),
@@ -137,15 +144,41 @@ impl GlobalBucket {
             })
             .sum();
         let inflow = (elapsed * rate - reserved).max(0.0);
-        self.tokens = (self.tokens + inflow).min(item.burst as f64);
+        self.add(item, inflow);
         self.updated_ms = self.updated_ms.max(now_ms);
+    }
+
+    /// Put `n` tokens in: what the bucket owes first, then its reserve (to its size), then the
+    /// rest (to `burst` in all).
+    fn add(&mut self, item: &LeaseItem, mut n: f64) {
+        if self.tokens < 0.0 {
+            let repaid = n.min(-self.tokens);
+            self.tokens += repaid;
+            n -= repaid;
+        }
+        let room = (newcomers_reserve(item.burst) as f64 - self.reserve).max(0.0);
+        let kept = n.min(room);
+        self.reserve += kept;
+        self.tokens = (self.tokens + n - kept).min(item.burst as f64 - self.reserve);
+    }
+
+    /// Take `n` tokens out (a debt charged): from the tokens first, the reserve once they are
+    /// spent, below zero after that (at most [`MAX_DEBT`] owed).
+    fn charge(&mut self, n: f64) {
+        self.tokens -= n;
+        if self.tokens < 0.0 {
+            let from_reserve = self.reserve.min(-self.tokens);
+            self.reserve -= from_reserve;
+            self.tokens += from_reserve;
+        }
+        self.tokens = self.tokens.max(-(MAX_DEBT as f64));
     }
 
     /// The tokens the bucket holds at `now_ms` (below zero: in debt), without changing it.
     pub fn tokens_at(&self, item: &LeaseItem, now_ms: u64) -> f64 {
         let mut b = self.clone();
         b.refill(item, now_ms);
-        b.tokens
+        b.tokens + b.reserve
     }
 
     /// Check the bucket against the item's evidence at `now_ms`: if it holds more tokens than
@@ -158,11 +191,12 @@ impl GlobalBucket {
         let Some(bound) = item.evidence_bound() else {
             return false;
         };
-        if self.tokens <= bound {
+        if self.tokens + self.reserve <= bound {
             return false;
         }
         // Empty, or owing what the evidence says it owed (less the refill since).
         self.tokens = bound.min(0.0).max(-(MAX_DEBT as f64));
+        self.reserve = 0.0;
         let before = Holder {
             instance: String::new(),
             share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
@@ -218,10 +252,10 @@ impl GlobalBucket {
                 .saturating_add(u64::try_from(accrued).unwrap_or(u64::MAX))
         });
         let returned = item.returned.min(outstanding);
-        self.tokens = (self.tokens + returned as f64).min(item.burst as f64);
+        self.add(item, returned as f64);
         // What a settlement charged beyond the instance's lease is the bucket's debt now: below
         // zero, every instance's next call sees it.
-        self.tokens = (self.tokens - item.owed as f64).max(-(MAX_DEBT as f64));
+        self.charge(item.owed as f64);
         // In debt, what the instance holds unspent repays it rather than being spent (at most
         // what it was granted and has not given back).
         let revoked = if self.tokens < 0.0 {
@@ -230,7 +264,7 @@ impl GlobalBucket {
         } else {
             0
         };
-        self.tokens = (self.tokens + revoked as f64).min(item.burst as f64);
+        self.add(item, revoked as f64);
         let outstanding = outstanding - returned - revoked;
         self.holders.retain(|h| h.instance != instance);
         let demand = item.demand_mtps().min(rate_mtps);
@@ -265,8 +299,9 @@ impl GlobalBucket {
             .holders
             .first()
             .is_some_and(|h| h.instance.is_empty() && h.until_ms > now_ms);
-        // Short of it, shares take at most three quarters of the rate, so that it fills again.
-        let pool = if after_loss || self.tokens >= reserve as f64 {
+        // Short of it, shares take at most three quarters of the rate, so that it fills again
+        // (the refill goes to it before the tokens).
+        let pool = if after_loss || self.reserve >= reserve as f64 {
             rate_mtps
         } else {
             rate_mtps - rate_mtps / 4
@@ -293,14 +328,21 @@ impl GlobalBucket {
         let light = demand.min(demand_before) <= fair_rate;
         // (Without rate shares, the refill flows into the bucket and newcomers get their fair
         // share of it by asking: no reserve is kept then.)
-        let kept = if light || share == 0 {
-            0.0
-        } else {
-            reserve as f64
+        let may_take_reserve = light || share == 0;
+        let reachable = |b: &Self| {
+            let tokens = b.tokens.max(0.0);
+            if may_take_reserve {
+                tokens + b.reserve
+            } else {
+                tokens
+            }
         };
-        let available = (self.tokens - kept).floor().max(0.0) as u64;
+        let available = reachable(self).floor() as u64;
         let granted = item.wanted.min(fair_tokens).min(available);
-        self.tokens -= granted as f64;
+        // From the tokens first, then the reserve.
+        let from_tokens = (granted as f64).min(self.tokens.max(0.0));
+        self.tokens -= from_tokens;
+        self.reserve -= granted as f64 - from_tokens;
         self.holders[at].outstanding = self.holders[at].outstanding.saturating_add(granted);
         if share > 0 {
             self.holders[at].share = share;
@@ -317,7 +359,7 @@ impl GlobalBucket {
         LeaseGrant {
             granted,
             ttl_ms,
-            remaining: (self.tokens - kept).floor().max(0.0) as u64,
+            remaining: reachable(self).floor() as u64,
             reset_ms,
             rate: share as f64 / 1_000.0,
             retry_ms,
@@ -392,7 +434,7 @@ impl GlobalBucket {
             .map(|h| h.until_ms.saturating_sub(now_ms))
             .max()
             .unwrap_or(0);
-        let missing = (item.burst as f64 - self.tokens).max(0.0);
+        let missing = (item.burst as f64 - self.tokens - self.reserve).max(0.0);
         let reset = if missing == 0.0 {
             0.0
         } else if free > 0.0 && missing / free <= last_until as f64 {

@@ -102,25 +102,46 @@ fn old_demands_are_forgotten() {
 #[test]
 fn a_rate_lease_reserves_refill_for_its_holder_and_is_shared_max_min() {
     let mut b = new_bucket();
-    // a wants 1.5/s of the 2/s refill: reserved for it for 10 s.
+    // a wants 1.5/s of the 2/s refill: reserved for it for 10 s (shares take three quarters of
+    // the rate at most while the reserve for newcomers, 15 tokens, fills: 1.5/s).
     let g = b.lease("a", &rated(0, 1.5), 0, 10_000);
     assert_eq!((g.granted, g.rate), (0, 1.5));
-    // b wants 2/s: only what is not reserved (0.5/s) until a asks again.
+    // b wants 2/s: nothing is left to reserve until a asks again; its first call takes tokens.
     let g = b.lease("b", &rated(120, 2.0), 0, 10_000);
-    assert_eq!((g.granted, g.rate), (120, 0.5));
-    // 4 s later the bucket has refilled nothing: the whole rate is reserved.
-    assert_eq!(b.lease("c", &item(10), 4_000, 10_000).granted, 0);
-    // a renews: a's old reservation is replaced by the fair split between demands 1.5 and 2 —
-    // of what is left once the bucket's reserve for newcomers (15 tokens, an eighth of the
-    // burst) may refill: b took it, and a quarter of the rate at most goes to refill it. So
-    // 0.75/s each.
+    assert_eq!((g.granted, g.rate), (120, 0.0));
+    // 4 s later the bucket has refilled 2 tokens (0.5/s), into the reserve: a newcomer's.
+    assert_eq!(b.lease("c", &item(10), 4_000, 10_000).granted, 2);
+    // a renews: a's old reservation is replaced by the fair split of 1.5/s between demands 1.5
+    // and 2: 0.75/s each.
     let g = b.lease("a", &rated(0, 1.5), 5_000, 10_000);
     assert_eq!(g.rate, 0.75);
     let g = b.lease("b", &rated(0, 2.0), 5_000, 10_000);
     assert_eq!(g.rate, 0.75);
-    // Once every reservation has ended, the bucket refills at the whole rate again: 0.5/s for
-    // 10 s and 2/s for 10 s.
+    // Once every reservation has ended, the bucket refills at the whole rate again: 0.5/s from
+    // 5 s to 15 s, 2/s from then (the reserve first, to its 15).
     assert_eq!(b.lease("c", &item(100), 25_000, 10_000).granted, 25);
+}
+
+#[test]
+fn the_reserve_is_for_those_within_their_fair_share() {
+    let mut b = new_bucket();
+    // A new bucket's burst goes to whoever asks first, all of it (a new deployment's limit at
+    // once); the refill goes to the reserve first.
+    let g = b.lease("a", &rated(120, 2.0), 0, 10_000);
+    assert_eq!((g.granted, g.rate), (120, 1.5));
+    // b wants 0.5/s (with a's 2/s, within its fair share of 0.75): at first nothing is left to
+    // reserve for it, and it takes from the reserve (4 tokens in 8 s, a quarter of the rate).
+    let g = b.lease("b", &rated(10, 0.5), 8_000, 10_000);
+    assert_eq!((g.granted, g.rate), (4, 0.0));
+    // a renews, wanting more than its share: it is told what is above the reserve (nothing),
+    // and takes only that; its share is cut to 1/s, and b gets its 0.5.
+    let g = b.lease("a", &rated(10, 2.0), 9_000, 10_000);
+    assert_eq!((g.granted, g.remaining, g.rate), (0, 0, 1.0));
+    let g = b.lease("b", &rated(10, 0.5), 9_000, 10_000);
+    assert_eq!((g.granted, g.rate), (0, 0.5));
+    // The refill left (0.5/s) goes to the reserve: b's, should it need more; not a's.
+    assert_eq!(b.lease("a", &rated(10, 2.0), 13_000, 10_000).granted, 0);
+    assert_eq!(b.lease("b", &rated(10, 0.5), 13_000, 10_000).granted, 2);
 }
 
 #[test]

@@ -4,7 +4,8 @@
 -- grant alike.
 -- ARGV: instance, ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items,
 --   then fifteen per item: the bucket hash (`tokens` in millionths, below zero in debt,
---   `updated`, and per holder `@<instance>` -> "wanted:demand:asked:share:until:outstanding"), the
+--   `reserve` (the tokens kept for instances within their fair share) in millionths, `updated`,
+--   and per holder `@<instance>` -> "wanted:demand:asked:share:until:outstanding"), the
 --   epoch marker of the item's slot, requests, per_ms, burst, wanted, demand (milli-tokens per
 --   second), known_ms, known_remaining, known_debt (the caller's evidence of the bucket; 0:
 --   none), returned, owed (what it spent beyond its grants: charged now), held (what it holds
@@ -70,11 +71,14 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   local rate_mtps = floor(requests * 1000000 / per)
   local reserve = floor(burst / 8)
   local tokens, updated
+  local kept = 0
   n = 0
   for i = 1, #b, 2 do
     local f = b[i]
     if f == 'tokens' then
       tokens = tonumber(b[i + 1]) / 1e6
+    elseif f == 'reserve' then
+      kept = tonumber(b[i + 1]) / 1e6
     elseif f == 'updated' then
       updated = tonumber(b[i + 1])
     elseif byte(f, 1) == 64 then
@@ -108,6 +112,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     if lose or marker == false then
       call('SET', mkey, format('%d', epoch) .. (lose and 'L' or ''))
     end
+    kept = 0
     if cold == '1' or (cold == '2' and (lost or known > 0)) then
       tokens, updated = 0, min(epoch, now)
       n = 1
@@ -134,16 +139,24 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   -- means the clock stepped back: the step counts as no time (else nothing would flow in until
   -- the clock caught up).
   if updated > now then updated = now end
-  local function refill()
-    local elapsed = max(now - updated, 0)
-    local reserved = 0.0
-    for i = 1, n do
-      reserved = reserved + min(S[i] / 1e6, rate) * max(min(U[i], now) - updated, 0)
+  -- Tokens in (GlobalBucket::add): a debt first, then the reserve to its size, then the rest.
+  local function add(x)
+    if tokens < 0 then
+      local repaid = min(x, -tokens)
+      tokens = tokens + repaid
+      x = x - repaid
     end
-    tokens = min(tokens + max(elapsed * rate - reserved, 0), burst)
-    updated = max(updated, now)
+    local into = min(x, max(reserve - kept, 0))
+    kept = kept + into
+    tokens = min(tokens + x - into, burst - kept)
   end
-  refill()
+  local elapsed = max(now - updated, 0)
+  local reserved = 0.0
+  for i = 1, n do
+    reserved = reserved + min(S[i] / 1e6, rate) * max(min(U[i], now) - updated, 0)
+  end
+  add(max(elapsed * rate - reserved, 0))
+  updated = max(updated, now)
 
   -- More tokens than the caller's evidence allows: the slot lost writes (or the bucket, made
   -- anew meanwhile). Empty (or in the debt the evidence shows), the whole rate held for a TTL
@@ -155,8 +168,9 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     else
       bound = kr + reserve + 1 + rate * known
     end
-    if tokens > bound then
+    if tokens + kept > bound then
       tokens = max(min(bound, 0), -max_debt)
+      kept = 0
       hold_for_before(rate_mtps)
       reconciled = true
       local epoch, lost = read_marker(call('GET', mkey))
@@ -184,39 +198,45 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     end
   end
   local back = min(returned, outstanding)
-  tokens = min(tokens + back, burst)
-  -- A debt charged: below zero if need be.
-  tokens = max(tokens - owed, -max_debt)
+  add(back)
+  -- A debt charged (GlobalBucket::charge): the tokens, then the reserve, then below zero.
+  tokens = tokens - owed
+  if tokens < 0 then
+    local from = min(kept, -tokens)
+    kept = kept - from
+    tokens = tokens + from
+  end
+  tokens = max(tokens, -max_debt)
   -- In debt, what the instance holds unspent repays it.
   local revoked = 0
   if tokens < 0 then
     revoked = min(held_by, outstanding - back, ceil(-tokens))
   end
-  tokens = min(tokens + revoked, burst)
+  add(revoked)
   outstanding = outstanding - back - revoked
 
   -- Forget the quiet and unreserved, and this instance's previous standing; place this one.
-  local kept = 0
+  local live_n = 0
   local gone = nil
   demand = min(demand, rate_mtps)
   for i = 1, n do
     local name = N[i]
     if name ~= instance and (A[i] + ttl > now or U[i] > now) then
-      kept = kept + 1
-      N[kept], W[kept], D[kept], A[kept], S[kept], U[kept] = name, W[i], D[i], A[i], S[i], U[i]
-      O[kept] = O[i]
+      live_n = live_n + 1
+      local k = live_n
+      N[k], W[k], D[k], A[k], S[k], U[k], O[k] = name, W[i], D[i], A[i], S[i], U[i], O[i]
     elseif name ~= instance and not fresh then
       gone = gone or {}
       gone[#gone + 1] = '@' .. name
     end
   end
-  local at = kept + 1
+  local at = live_n + 1
   while at > 1 and before(instance, N[at - 1]) do
     local j = at - 1
     N[at], W[at], D[at], A[at], S[at], U[at], O[at] = N[j], W[j], D[j], A[j], S[j], U[j], O[j]
     at = j
   end
-  n = kept + 1
+  n = live_n + 1
   N[at], W[at], D[at], A[at], S[at], U[at] = instance, wanted, demand, now, 0, now
   O[at] = outstanding
 
@@ -230,7 +250,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   -- that it fills again (not while the holders of before a loss hold the rate).
   local after_loss = n > 0 and N[1] == '' and U[1] > now
   local pool = rate_mtps
-  if not after_loss and tokens < reserve then
+  if not after_loss and kept < reserve then
     pool = rate_mtps - floor(rate_mtps / 4)
   end
   local fair_rate = max_min_fair(pool, demands, n, at)
@@ -246,11 +266,17 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   -- Within its fair share (by the smaller of its demands before and now), it may take the
   -- reserve; the others take only above it.
   local light = min(demand, demand_before) <= fair_rate
-  local keep = reserve
-  if light or share == 0 then keep = 0 end
-  local available = max(floor(tokens - keep), 0)
-  local granted = min(wanted, fair_tokens, available)
-  tokens = tokens - granted
+  local may_take = light or share == 0
+  local function reachable()
+    local r = max(tokens, 0)
+    if may_take then r = r + kept end
+    return floor(r)
+  end
+  local granted = min(wanted, fair_tokens, reachable())
+  -- From the tokens first, then the reserve.
+  local from_tokens = min(granted, max(tokens, 0))
+  tokens = tokens - from_tokens
+  kept = kept - (granted - from_tokens)
   O[at] = O[at] + granted
   if share > 0 then
     S[at], U[at] = share, now + ttl
@@ -272,7 +298,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     last_until = max(last_until, max(U[i] - now, 0))
   end
   local free = max(rate - held / 1e6, 0)
-  local missing_full = max(burst - tokens, 0)
+  local missing_full = max(burst - tokens - kept, 0)
   local reset
   if missing_full == 0 then
     reset = 0
@@ -304,11 +330,13 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   end
   if gone then hdel_all(bkey, gone) end
   if (fresh or reconciled or after_loss) and n > 1 and N[1] == '' then
-    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
-         format('%d', updated), '@' .. instance, holder_value(at), '@', holder_value(1))
+    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'reserve',
+         format('%d', floor(kept * 1e6)), 'updated', format('%d', updated), '@' .. instance,
+         holder_value(at), '@', holder_value(1))
   else
-    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'updated',
-         format('%d', updated), '@' .. instance, holder_value(at))
+    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'reserve',
+         format('%d', floor(kept * 1e6)), 'updated', format('%d', updated), '@' .. instance,
+         holder_value(at))
   end
   for i = 1, n do
     if stepped[N[i]] and N[i] ~= instance then
@@ -319,7 +347,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   local debt = 0
   if tokens < 0 then debt = ceil(-tokens) end
   local o = #out
-  out[o + 1], out[o + 2], out[o + 3] = granted, max(floor(tokens - keep), 0), reset
+  out[o + 1], out[o + 2], out[o + 3] = granted, reachable(), reset
   out[o + 4], out[o + 5], out[o + 6] = share, retry, back
   out[o + 7], out[o + 8] = debt, revoked
 end
