@@ -431,13 +431,17 @@ proptest! {
                         calls[who] = Some((now, a.ask(s, now)));
                     }
                 }
-                3 => {
-                    if let Some((at, ask)) = calls[who].take() {
+                // An answer comes within the call's timeout (shorter than the claim), or the
+                // call failed.
+                3 => match calls[who].take() {
+                    Some((at, ask)) if now - at < a.claim_ms => {
                         let g = service.grant(&who.to_string(), &ask, now, TTL, true);
                         let answer = PermitAnswer { held: g.held, share: g.share, free: g.free, ttl_ms: TTL };
                         *s = a.grant(s, now, &answer, at, ask.wanted);
                     }
-                }
+                    Some(_) => *s = a.fail(s, now, 1_000),
+                    None => {}
+                },
                 _ => {
                     if calls[who].take().is_some() {
                         *s = a.fail(s, now, 1_000);
