@@ -36,6 +36,10 @@ pub struct Metrics {
     pub items: Counter,
     pub granted: Counter,
     pub given_back: Counter,
+    /// Tokens proxies' settlements charged beyond their grants (debts), and tokens taken back
+    /// from what proxies held while a bucket was in debt.
+    pub owed: Counter,
+    pub revoked: Counter,
     pub reserved: Counter,
     pub denials: Counter,
     /// Items refused alone (a bad item, a new key of a full store), lease and slot calls alike.
@@ -79,6 +83,8 @@ impl Default for Metrics {
         let items = Counter::default();
         let granted = Counter::default();
         let given_back = Counter::default();
+        let owed = Counter::default();
+        let revoked = Counter::default();
         let reserved = Counter::default();
         let denials = Counter::default();
         let items_refused = Counter::default();
@@ -98,6 +104,17 @@ impl Default for Metrics {
             "tokens_given_back",
             "Tokens proxies gave back unspent that went back into buckets (at most what each had out)",
             given_back.clone(),
+        );
+        registry.register(
+            "tokens_owed",
+            "Tokens proxies' settlements charged beyond what they were granted: charged to the \
+             buckets, below zero if need be (debts)",
+            owed.clone(),
+        );
+        registry.register(
+            "tokens_revoked",
+            "Tokens taken back from what proxies held unspent while their bucket was in debt",
+            revoked.clone(),
         );
         registry.register(
             "tokens_reserved",
@@ -130,6 +147,8 @@ impl Default for Metrics {
             items,
             granted,
             given_back,
+            owed,
+            revoked,
             reserved,
             denials,
             items_refused,

@@ -249,6 +249,9 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                 m.items.inc();
                 m.granted.inc_by(g.granted);
                 m.given_back.inc_by(g.returned);
+                m.owed
+                    .inc_by(item.owed.min(tollgate_core::global::lease::MAX_DEBT));
+                m.revoked.inc_by(g.revoked);
                 m.reserved
                     .inc_by((g.rate * g.ttl_ms as f64 / 1_000.0).ceil() as u64);
                 // An item that asked for nothing (tokens given back, a lease let go) was not

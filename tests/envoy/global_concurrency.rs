@@ -305,3 +305,42 @@ fn two_quota_service_replicas_on_one_redis_serve_one_limit() {
         .metrics()
         .contains("tollgate_quota_slot_calls_total{outcome=\"ok\"}"));
 }
+
+/// Issue 33, item 2, for global concurrency: the memory quota service killed and started again
+/// (it forgot every holding) while two Envoys keep about 9 of the limit's 10 in flight. Each
+/// Envoy's renewal brings its holding back by its evidence — not only what it has in flight — so
+/// traffic under the limit is never refused across the loss, and the upstream never has more
+/// than the limit.
+#[test]
+fn a_quota_service_that_lost_its_holdings_refuses_nothing_under_the_limit() {
+    let app = Upstream::start(&["--capacity", "1000", "--service-ms", "1500"]);
+    let mut quota = Quota::start(&["--lease-ttl-ms", "3000"]);
+    let (a, b) = (envoy(&app, quota.port, 2), envoy(&app, quota.port, 2));
+    let results = std::thread::scope(|s| {
+        // 3 a second each, 1.5 s upstream: about 4.5 in flight each, 9 in all.
+        let loads = s.spawn(|| load_all(&[&a, &b], 3, 9.0, Some(500)));
+        std::thread::sleep(Duration::from_millis(3_000));
+        quota.kill();
+        std::thread::sleep(Duration::from_millis(300));
+        quota.restart();
+        loads.join().unwrap()
+    });
+    let refused: u64 = results
+        .iter()
+        .map(|r| r["all"]["statuses"]["429"].as_u64().unwrap_or(0))
+        .sum();
+    let most = app.max_at_once();
+    eprintln!(
+        "across a memory store's loss: {refused} refused, the upstream held at most {most}: {}",
+        results
+            .iter()
+            .map(|r| r["timeline"].to_string())
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    assert_eq!(
+        refused, 0,
+        "traffic under the limit refused across the loss"
+    );
+    assert!(most <= 10, "the upstream had {most} in flight");
+}

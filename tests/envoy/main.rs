@@ -13,6 +13,7 @@ mod cluster;
 mod concurrency;
 mod config;
 mod examples;
+mod fleet;
 mod global;
 mod global_concurrency;
 mod headers;
