@@ -30,6 +30,8 @@
 //! Everything is a pure function of the encoded state and the time passed in.
 
 #[cfg(test)]
+mod simulated;
+#[cfg(test)]
 mod tests;
 mod window;
 
