@@ -534,8 +534,8 @@ fn without_recent_cpu_reports_the_signal_is_latency() {
     let w = steady(&a, w, 1_300 * MS, 300, 100_000, Some(300));
     assert!(!a.hot(&w));
     // The reports stop for longer than the window: latency again (until a probe of the
-    // minimum, 200 ms in, finds these answers are the service time now).
-    let w = steady(&a, w, 2_700 * MS, 150, 100_000, None);
+    // minimum, from the first of these answers for 200 ms, finds they are the service time now).
+    let w = steady(&a, w, 2_700 * MS, 100, 100_000, None);
     assert!(a.hot(&w));
 }
 
