@@ -310,8 +310,9 @@ impl Adaptive {
             .map(|&f| u64::from(f))
     }
 
-    /// The estimated capacity (requests in flight the upstream serves without queueing), and the
-    /// minimum response time; `None` until a full bucket has completions.
+    /// The capacity measured (requests in flight the upstream serves without queueing), and the
+    /// minimum response time; `None` until a full bucket since the minimum last moved has
+    /// completions.
     pub fn capacity(&self, w: &Window) -> Option<(u64, u64)> {
         let min_rt = Self::min_rt(w)?;
         let n = self.buckets as u64;
@@ -420,11 +421,11 @@ impl Adaptive {
             }
         }
         if hot || self.cooling(&next, now_ns) {
-            let measured = self.estimate(&next);
+            let from_window = self.estimate(&next);
             let estimate = if hot {
-                measured
+                from_window
             } else {
-                measured.max(Some(u64::from(next.latched)).filter(|&c| c > 0))
+                from_window.max(Some(u64::from(next.latched)).filter(|&c| c > 0))
             };
             // A probe admits half the estimate: no queue can stand while it measures. While the
             // signal is on, the estimate; in the cool-down, with a headroom of its square root,
@@ -441,7 +442,7 @@ impl Adaptive {
             });
             if cap.is_some_and(|c| next.full_for(seat, c, share_milli)) {
                 if hot {
-                    next.latched = saturating_u32(measured.unwrap_or(0));
+                    next.latched = saturating_u32(from_window.unwrap_or(0));
                 }
                 next.refused_ns = now_ns.max(1);
                 return Admission::Refuse(next);

@@ -90,9 +90,8 @@ impl Upstream {
                 }
                 Admission::Refuse(next) => next,
             };
-            let (estimate, min_rt_us) = a.capacity(&w).unwrap_or((0, 0));
-            ticks[i].estimate = estimate;
-            ticks[i].min_rt_us = min_rt_us;
+            ticks[i].estimate = a.estimate(&w).unwrap_or(0);
+            ticks[i].min_rt_us = Adaptive::min_rt(&w).unwrap_or(0);
         }
         (w, ticks)
     }
