@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -19,10 +20,11 @@ from harness import (LOAD_THREADS, QUOTA, REPO, Proc, free_port, measure, setups
                      wait_port)
 
 
-SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split", "overload", "change", "llm",
-            "bandwidth")
+SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split", "overload", "change",
+            "slowdowns", "llm", "bandwidth")
 LLM_HEADING = "## Token budgets: reserve then settle vs charge after"
 BANDWIDTH_HEADING = "## Bandwidth per key: tollgate, nginx limit_rate, Envoy bandwidth_limit"
+SLOWDOWNS_HEADING = "### Twenty slowdowns"
 
 
 def main():
@@ -74,6 +76,8 @@ def main():
             saved["overload"] = sections.overload()
         if "change" in wanted:
             saved["change"] = sections.capacity_change()
+        if "slowdowns" in wanted:
+            saved["slowdowns"] = sections.slowdowns()
         if "llm" in wanted:
             saved["llm"] = sections.llm()
         if "bandwidth" in wanted:
@@ -87,10 +91,12 @@ def main():
     else:
         # Not every section is in results.json: rewrite only these sections of docs/benchmarks.md.
         for name, heading, lines_of, chart in (("llm", LLM_HEADING, llm_lines, llm_chart),
-                                               ("bandwidth", BANDWIDTH_HEADING, bandwidth_lines, bandwidth_chart)):
+                                               ("bandwidth", BANDWIDTH_HEADING, bandwidth_lines, bandwidth_chart),
+                                               ("slowdowns", SLOWDOWNS_HEADING, slowdown_lines, None)):
             if name in saved and (name in wanted or "report" in wanted):
                 splice_section(REPO / "docs/benchmarks.md", heading, lines_of(saved[name]))
-                chart(saved[name])
+                if chart:
+                    chart(saved[name])
 
 
 def cost(args, qp, qrp):
@@ -593,6 +599,8 @@ def report(saved, args):
             "![goodput and p99 as the service time changes](overload-change.png)",
             "",
         ]
+    if "slowdowns" in saved:
+        lines += slowdown_lines(saved["slowdowns"])
     if "llm" in saved:
         lines += llm_lines(saved["llm"])
     if "bandwidth" in saved:
@@ -655,18 +663,54 @@ def report(saved, args):
 
 
 def splice_section(path, heading, lines):
-    """Replace the section under `heading` (up to the next `## ` heading) of a Markdown file with
-    `lines`, or put it before `## Noise` (else at the end)."""
+    """Replace the section under `heading` (up to the next heading of its level or above) of a
+    Markdown file with `lines`, or put it before `## Noise` (else at the end)."""
     text = path.read_text()
     block = "\n".join(lines).rstrip("\n") + "\n\n"
     start = text.find(heading + "\n")
     if start >= 0:
-        end = text.find("\n## ", start + len(heading))
+        level = len(heading) - len(heading.lstrip("#"))
+        after = re.search(r"\n#{1,%d} " % level, text[start + len(heading):])
+        end = start + len(heading) + after.start() if after else -1
         text = text[:start] + block + (text[end + 1:] if end >= 0 else "")
     else:
         at = text.find("\n## Noise\n")
         text = text[:at + 1] + block + text[at + 1:] if at >= 0 else text.rstrip("\n") + "\n\n" + block
     path.write_text(text)
+
+
+def slowdown_lines(s):
+    """The report's table of the slowdown runs (`sections.slowdowns`)."""
+    runs = s["runs"]
+    capacity = 100  # 10 at once × 100 ms
+    lines = [
+        SLOWDOWNS_HEADING,
+        "",
+        f"Issue 33's scenario, {len(runs)} times: the same upstream (10 at once) under {s['rate']}/s, its service "
+        f"time from 50 ms (capacity 200/s) to 100 ms ({capacity}/s) {s['slow_at']} s into each run of "
+        f"{s['seconds']} s, a fresh upstream and Envoy each time, tollgate's adaptive rule (latency signal) "
+        f"in `{s['module']}`. Goodput by when requests were due, from the change to the end of the run "
+        "(`bench/run.py --sections slowdowns`; each run holds the overload tests' machine lock and starts "
+        "once the machine's 1-minute load average is below its 2 cores, waiting up to 5 minutes).",
+        "",
+        f"| run | least goodput per {s['bucket_ms'] / 1000:g} s | least per second | "
+        f"half-seconds below {capacity // 2}/s | goodput per {s['bucket_ms'] / 1000:g} s from the change | "
+        "load average (1 min, to a tenth) before → after |",
+        "|---|---|---|---|---|---|",
+    ]
+    first = int(s["slow_at"] * 1000 / s["bucket_ms"])
+    for i, r in enumerate(runs, 1):
+        lines.append(f"| {i} | {r['least_half']:.0f}/s | {r['least_second']:.0f}/s | {r['halves_below']} | "
+                     + " ".join(f"{g:.0f}" for g in r["goodput"][first:])
+                     + f" | {r['load'][0]:g} → {r['load'][1]:g} |")
+    least = min(r["least_half"] for r in runs)
+    lines += [
+        "",
+        f"Least of all runs: {least:.0f}/s per half-second ({least / capacity:.0%} of the new capacity), "
+        f"{min(r['least_second'] for r in runs):.0f}/s per second.",
+        "",
+    ]
+    return lines
 
 
 LLM_NAMES = {  # the setups' names in results.json, and what the report calls them

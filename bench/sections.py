@@ -4,6 +4,7 @@ token budgets (reserve then settle against charging after the response), and ban
 (tollgate's byte limit against nginx's limit_rate and Envoy's bandwidth_limit).
 Each function returns plain rows for results.json and the report."""
 import asyncio
+import fcntl
 import json
 import os
 import math
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import harness
 from harness import (HUGE, QUOTA, TOLLGATE, TOLLGATE_PROBE, HOST_PROBE, EnvoyServer, Proc, free_port,
@@ -548,6 +550,36 @@ def overload(seconds=7, warmup=3, rounds=3, factors=(2, 3, 5)):
             for (name, factor), ms in runs.items()]
 
 
+def changing_upstream(filters, rate, seconds, bucket_ms, changes):
+    """A fresh upstream (10 at once, 50 ms) behind a fresh Envoy (2 workers) with `filters`, under an
+    open-loop load of `rate`/s for `seconds`; at each of `changes` (seconds from the start, service
+    time in ms) the upstream's service time changes. Goodput and p99 of the 200s, and refusals, per
+    `bucket_ms`, by when requests were due."""
+    port = free_port()
+    app = Proc([str(TESTBED), "upstream", "--port", str(port), "--capacity", "10", "--service-ms", "50"])
+    harness.wait_port(port)
+    envoy = EnvoyServer(filters, [upstream_cluster(port)], concurrency=2, pin=False, upstream="app")
+    load = subprocess.Popen([str(TESTBED), "load", "--url", envoy.url, "--rate", str(rate),
+                             "--seconds", str(seconds), "--bucket-ms", str(bucket_ms)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        started = time.monotonic()
+        for at, ms in changes:
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/__set?service_ms={ms}", timeout=5).read()
+        result = json.loads(load.communicate()[0])
+    finally:
+        envoy.stop()
+        app.stop()
+    timeline = []
+    for i, b in enumerate(result["timeline"]):
+        ok = sorted(b.get("ok_ms", []))
+        timeline.append({"t": i * bucket_ms / 1000, "goodput": len(ok) * 1000 / bucket_ms,
+                         "p99_ms": ok[len(ok) * 99 // 100] if ok else None,
+                         "refused": sum(v for k, v in b.items() if k not in ("200", "ok_ms")) * 1000 / bucket_ms})
+    return timeline
+
+
 def capacity_change(rate=300, seconds=22, slow_at=6, fast_at=14, bucket_ms=500):
     """The same upstream (10 at once) whose service time goes 50 → 100 → 50 ms under a constant
     open-loop load of 300/s (1.5×, then 3×, then 1.5× its capacity), behind tollgate's adaptive rule
@@ -558,31 +590,57 @@ def capacity_change(rate=300, seconds=22, slow_at=6, fast_at=14, bucket_ms=500):
     }
     out = {}
     for name, filters in setups.items():
-        port = free_port()
-        app = Proc([str(TESTBED), "upstream", "--port", str(port), "--capacity", "10", "--service-ms", "50"])
-        harness.wait_port(port)
-        envoy = EnvoyServer(filters, [upstream_cluster(port)], concurrency=2, pin=False, upstream="app")
-        load = subprocess.Popen([str(TESTBED), "load", "--url", envoy.url, "--rate", str(rate),
-                                 "--seconds", str(seconds), "--bucket-ms", str(bucket_ms)],
-                                stdout=subprocess.PIPE, text=True)
-        try:
-            started = time.monotonic()
-            for at, ms in ((slow_at, 100), (fast_at, 50)):
-                time.sleep(max(0.0, started + at - time.monotonic()))
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/__set?service_ms={ms}", timeout=5).read()
-            result = json.loads(load.communicate()[0])
-        finally:
-            envoy.stop()
-            app.stop()
-        timeline = []
-        for i, b in enumerate(result["timeline"]):
-            ok = sorted(b.get("ok_ms", []))
-            timeline.append({"t": i * bucket_ms / 1000, "goodput": len(ok) * 1000 / bucket_ms,
-                             "p99_ms": ok[len(ok) * 99 // 100] if ok else None,
-                             "refused": sum(v for k, v in b.items() if k not in ("200", "ok_ms")) * 1000 / bucket_ms})
-        out[name] = timeline
-        print(f"capacity change, {name}: " + " ".join(f"{x['goodput']:.0f}" for x in timeline), flush=True)
+        out[name] = changing_upstream(filters, rate, seconds, bucket_ms, ((slow_at, 100), (fast_at, 50)))
+        print(f"capacity change, {name}: " + " ".join(f"{x['goodput']:.0f}" for x in out[name]), flush=True)
     return {"rate": rate, "slow_at": slow_at, "fast_at": fast_at, "bucket_ms": bucket_ms, "setups": out}
+
+
+def machine_lock(name):
+    """The lock the Envoy tests take (testkit's MachineLock, a flock in the temporary directory): one
+    timed load at a time on the machine, across worktrees. Held until the returned file is closed."""
+    lock = open(os.path.join(tempfile.gettempdir(), f"tollgate-tests-{name}.lock"), "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
+
+
+def quiet_machine(cores=2, within_s=300):
+    """Wait (up to `within_s`) until the machine's 1-minute load average is below its cores: other
+    work on a shared machine starves the upstream and the proxy, and a timed run would measure that.
+    The load average when it stopped waiting."""
+    deadline = time.monotonic() + within_s
+    while os.getloadavg()[0] >= cores and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def slowdowns(runs=20, rate=300, seconds=12, slow_at=4, bucket_ms=500):
+    """Issue 33's scenario, `runs` times: the upstream (10 at once) under 300/s whose service time goes
+    from 50 to 100 ms (capacity 200/s to 100/s) `slow_at` s in, behind tollgate's adaptive rule (latency
+    signal), a fresh upstream and Envoy each run (each once the machine is quiet, under the Envoy
+    tests' machine lock). Per run, from the change to the end: the least goodput of any half-second and of
+    any second (by when requests were due), the half-seconds below half the new capacity, and the
+    machine's load average before and after."""
+    module = tollgate_module()
+    filters = [wasm_filter(module, {"rules": [{"name": "app", "algorithm": "adaptive"}]})]
+    first, end = int(slow_at * 1000 / bucket_ms), int(seconds * 1000 / bucket_ms)
+    out = []
+    for r in range(runs):
+        load_before = quiet_machine()
+        with machine_lock("overload"):
+            timeline = changing_upstream(filters, rate, seconds, bucket_ms, ((slow_at, 100),))
+        after = [b["goodput"] for b in timeline[first:end]]
+        seconds_after = [(a + b) / 2 for a, b in zip(after[0::2], after[1::2])]
+        run = {"goodput": [b["goodput"] for b in timeline[:end]],
+               "refused": [b["refused"] for b in timeline[:end]], "least_half": min(after),
+               "least_second": min(seconds_after), "halves_below": sum(g < 50 for g in after),
+               "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+        out.append(run)
+        print(f"slowdown run {r + 1} (load {run['load'][0]} → {run['load'][1]}): least {run['least_half']:.0f}/s "
+              f"per half-second, {run['least_second']:.0f}/s per second; after the change: "
+              + " ".join(f"{g:.0f}" for g in after), flush=True)
+    return {"rate": rate, "seconds": seconds, "slow_at": slow_at, "bucket_ms": bucket_ms,
+            "module": str(module.relative_to(harness.REPO)) if module.is_relative_to(harness.REPO) else str(module),
+            "runs": out}
 
 
 # ---------------------------------------------------------------- token budgets: reserve then settle
@@ -617,8 +675,11 @@ end
 """
 
 
-def llm_module():
-    """The tollgate module: the newer of `make dist`'s optimised build and `make build`'s."""
+def tollgate_module():
+    """The tollgate module: the newer of `make dist`'s optimised build and `make build`'s (or the one
+    TOLLGATE_WASM names, as for the Envoy tests)."""
+    if os.environ.get("TOLLGATE_WASM"):
+        return Path(os.environ["TOLLGATE_WASM"])
     found = [p for p in (TOLLGATE, harness.REPO / "dist/tollgate.wasm") if p.exists()]
     if not found:
         raise RuntimeError("no tollgate module: run `make build` (or `make dist`)")
@@ -825,7 +886,7 @@ LLM_SETUPS = ("tollgate, reserve then settle", "tollgate, charge after the respo
 def llm_overshoot(plan):
     """The three setups under the same workload (Envoy with 2 workers, not pinned)."""
     from rls import RateLimitService
-    module = llm_module()
+    module = tollgate_module()
     out = {}
     for name in LLM_SETUPS:
         app_port = free_port()
@@ -1177,7 +1238,7 @@ def bandwidth(idle_s=2.0, rest_s=1.2):
     1 MB/s (as near as the units allow) over one connection, four connections of one key, and two
     clients at once; and the proxy's CPU per MB against the same proxy without a limit. One proxy
     per setup, 2 workers, not pinned; `tollgate-testbed upstream` answers /bytes/N at full speed."""
-    module = llm_module()
+    module = tollgate_module()
     app_port = free_port()
     app = Proc([str(TESTBED), "upstream", "--port", str(app_port)])
     out = {"module": str(module.relative_to(harness.REPO)), "rate": BW_RATE, "burst": BW_BURST, "kbps": BW_KBPS,

@@ -1,4 +1,4 @@
-//! A slot's state bytes, what a decision returns, and the integer helpers the algorithms share.
+//! A slot's state bytes, what a decision returns, and the helpers (integers, a draw) they share.
 
 /// Bytes of algorithm state in a slot. All zeros is a fresh key.
 pub const STATE_BYTES: usize = 32;
@@ -34,6 +34,15 @@ pub enum Decision {
     /// The source of quota failed (global rules): the rule's failure mode decides. With
     /// `claim`, write it: this request asks the source again (the failure mode still decides it).
     Fallback { claim: Option<State> },
+}
+
+/// A draw in `0..2^32` from a seed (SplitMix64): requests need no random source of the host's, a
+/// counter or the time is seed enough for a refusal probability.
+pub fn draw(seed: u64) -> u32 {
+    let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) >> 32) as u32
 }
 
 pub(crate) fn read_u32(s: &State, at: usize) -> u32 {
@@ -90,5 +99,20 @@ pub(crate) fn apply(decision: Decision, state: &mut State) -> bool {
             true
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn draws_are_spread_evenly(seed in any::<u64>()) {
+            // Of 4096 consecutive seeds, about a quarter fall below 2^30.
+            let below = (0..4096u64).filter(|i| draw(seed.wrapping_add(*i)) < 1 << 30).count();
+            prop_assert!((850..1200).contains(&below), "{below}");
+        }
     }
 }

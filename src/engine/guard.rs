@@ -10,7 +10,8 @@ use log::debug;
 use smallvec::SmallVec;
 use tollgate_core::limiter::MAX_CAS_ATTEMPTS;
 use tollgate_core::overload::adaptive::{self, Adaptive, Admission, Window, FLOWS, MILLI};
-use tollgate_core::overload::throttle::{draw, Counts, SreThrottle};
+use tollgate_core::overload::throttle::{Counts, SreThrottle};
+use tollgate_core::state::draw;
 use tollgate_core::store::UpdateError;
 use tollgate_core::CasStore;
 

@@ -184,15 +184,6 @@ impl Counts {
     }
 }
 
-/// A draw in `0..2^32` from a seed (SplitMix64): requests need no random source of the host's, a
-/// counter or the time is seed enough for a refusal probability.
-pub fn draw(seed: u64) -> u32 {
-    let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) >> 32) as u32
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,13 +290,6 @@ mod tests {
                 prop_assert!(t.refusal_p32(&s, at, level) <= 1 << 32);
             }
             prop_assert_eq!(Counts::decode(&s.encode()), s);
-        }
-
-        #[test]
-        fn draws_are_spread_evenly(seed in any::<u64>()) {
-            // Of 4096 consecutive seeds, about a quarter fall below 2^30.
-            let below = (0..4096u64).filter(|i| draw(seed.wrapping_add(*i)) < 1 << 30).count();
-            prop_assert!((850..1200).contains(&below), "{below}");
         }
     }
 }

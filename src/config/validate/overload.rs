@@ -9,7 +9,7 @@ use crate::config::model::overload::{
 use crate::config::model::KeyPart;
 use crate::config::syntax::is_token;
 use crate::config::{err, ConfigError};
-use tollgate_core::overload::adaptive::{Adaptive, Cpu, Signal, LEVELS, MILLI};
+use tollgate_core::overload::adaptive::{Adaptive, Cpu, Signal, LEVELS, MILLI, WINDOW_LAYOUT};
 use tollgate_core::overload::throttle::{SreThrottle, K_SCALE};
 use tollgate_core::SlotTable;
 /// A fraction in thousandths, checked to lie in `range` (inclusive).
@@ -71,8 +71,11 @@ impl RawRule {
                 Vec::new(),
             )
         };
-        let fingerprint =
-            tollgate_core::slot::fingerprint(format!("{kind:?}/{max_keys}").as_bytes());
+        // The windows' layout is in their name: a module that stores them otherwise starts
+        // afresh instead of misreading what an older one left in shared data.
+        let fingerprint = tollgate_core::slot::fingerprint(
+            format!("{kind:?}/{max_keys}/{WINDOW_LAYOUT}").as_bytes(),
+        );
         // Windows are named like slot groups: one "group" of the table per key.
         let table = SlotTable::new(
             format!("tollgate.{}.{fingerprint:016x}.w", self.name.0),

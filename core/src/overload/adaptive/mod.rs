@@ -2,8 +2,9 @@
 //! estimated from what it did lately, by Little's law (in flight = throughput × response time).
 //!
 //! A window of buckets (default 10 × 100 ms) records the requests that completed in each and their
-//! minimum response time. Estimated capacity = the most completions of any full bucket, per second,
-//! × the minimum response time. A request is refused when the in-flight count has reached the
+//! minimum response time. Estimated capacity = the most completions of any full bucket (of any run
+//! of full buckets as long as the minimum, if it is longer than one), per second, × the minimum
+//! response time. A request is refused when the in-flight count has reached the
 //! capacity (with a headroom of its square root, so that an estimate held low by the limit itself
 //! can grow) *and* the limit is engaged: the overload signal is on — the upstream's own CPU (an EWMA
 //! of what it reports) above a threshold, or, without such reports, the window's mean response
@@ -15,9 +16,20 @@
 //! two `min_rt_period`s): a queue that stands at the upstream inflates every response time of a
 //! window alike, and a window's own minimum would take the queue for the service time. When no
 //! answer has come close to that minimum for a window while the signal is on, the minimum is
-//! *probed*: for twice the window's mean response time the limit admits half the estimate, so that
-//! no queue can stand, and the least response time of that probe replaces the minimum — the
-//! upstream's new service time if it changed (slower or faster), the old one if a queue had stood.
+//! *probed*: for twice the window's mean response time (and on until one of its requests is
+//! answered) the limit admits half the estimate, so that no queue can stand, and the least response
+//! time of the requests it admitted replaces the minimum — the upstream's new service time if it
+//! got slower, the old one if a queue had stood. An answer more than an eighth under the minimum
+//! lowers it at once: the upstream got faster.
+//!
+//! When the minimum moves with the service time, the window's throughput is of the service time
+//! before: buckets from before the move no longer count, and the estimate does not fall below the
+//! capacity *carried* over — the one measured when an answer last confirmed the minimum, which an
+//! upstream of workers still holds at its new service time. (Without it, a slower upstream's lower
+//! throughput × the old minimum shrank the estimate, which shrank the throughput: a spiral down to
+//! an estimate of 1 or 2 before the probe, and a probe at half of that measured little.) What is
+//! carried holds until a window has been measured at the new minimum; a probe that finds the old
+//! minimum (a queue had stood, or the upstream lost workers) drops it.
 //! The capacity measured while the signal itself was on is kept through the cool-down, so that
 //! refusals that hold the in-flight count below it (lower priorities) do not shrink the estimate.
 //!
@@ -30,6 +42,8 @@
 //! Everything is a pure function of the encoded state and the time passed in.
 
 #[cfg(test)]
+mod simulated;
+#[cfg(test)]
 mod tests;
 mod window;
 
@@ -41,10 +55,13 @@ pub const MAX_BUCKETS: usize = 16;
 pub const LEVELS: usize = 4;
 /// Flows counted for fairness: flow keys hash into this many counters.
 pub const FLOWS: usize = 16;
-const HEADER_BYTES: usize = 96 + FLOWS + 16;
-const _: () = assert!(40 + FLOWS * 2 <= 72 && 24 + LEVELS * 4 <= 40);
+const HEADER_BYTES: usize = 128;
+// The in-flight counts fit in their places, and the flows' levels in two bits each of a u32.
+const _: () = assert!(40 + FLOWS * 2 <= 72 && 24 + LEVELS * 4 <= 40 && LEVELS <= 4 && FLOWS <= 16);
 /// Bytes of an encoded [`Window`].
 pub const WINDOW_BYTES: usize = HEADER_BYTES + MAX_BUCKETS * 8;
+/// The encoding of a [`Window`]: one more each time it changes (a window is named with it).
+pub const WINDOW_LAYOUT: u32 = 2;
 
 /// Fixed-point scale of ratios (threshold, decay, factor, share, signal): thousandths.
 pub const MILLI: u64 = 1_000;
@@ -116,12 +133,20 @@ pub struct Window {
     latched: u32,
     /// When the last refusal was, ns; 0: none.
     refused_ns: u64,
+    /// The capacity carried over a change of the service time, which the estimate does not fall
+    /// below (0: none): the one measured when an answer last confirmed the minimum, or the
+    /// estimate when the minimum last moved.
+    carried: u32,
+    /// When the minimum last moved with the service time ([`stamp`]; 0: never): a probe found it
+    /// higher, or an answer came more than an eighth under it. Buckets from before do not count.
+    moved: u32,
     /// When the signal itself was last seen on ([`stamp`]; 0: never).
     hot: u32,
     /// When an answer last came within a quarter of the minimum response time ([`stamp`]).
     confirmed: u32,
-    /// While a probe of the minimum runs: when it ends ([`stamp`]; 0: none), and the least
-    /// response time it saw, µs (0: none yet).
+    /// While a probe of the minimum runs: when it started and when it ends ([`stamp`]s; 0:
+    /// none), and the least response time of the requests it admitted, µs (0: none yet).
+    probe_from: u32,
     probe_until: u32,
     probe_floor: u32,
     /// Index (time / min_rt_period) of the newest minimum response time + 1.
@@ -206,6 +231,29 @@ impl Adaptive {
         if w.newest == 0 {
             next.cpu_milli = u32::MAX;
         }
+        // A probe that ended: its least response time is the minimum from now on. (Checked at
+        // every call: a probe ends between buckets, and a decision that found it over and the
+        // minimum still stale would start the next one, losing what this one measured.)
+        if next.probe_until != 0 && !self.probing(&next, now_ns) {
+            if next.probe_floor > 0 {
+                let old = Self::min_rt(&next);
+                if old.is_some_and(|min| u64::from(next.probe_floor) * 4 > min * 5) {
+                    // Slower: an upstream of workers holds as many at once at its new service
+                    // time as at its old, and its throughput fell with the old minimum still
+                    // in the estimate — the carried capacity holds while the window refills.
+                    next.moved = stamp(now_ns);
+                } else {
+                    // The minimum was right and a queue had stood: the capacity carried from
+                    // before is not what the upstream holds now.
+                    next.carried = 0;
+                }
+                next.floors = [next.probe_floor, 0];
+            }
+            next.probe_from = 0;
+            next.probe_until = 0;
+            next.probe_floor = 0;
+            next.confirmed = stamp(now_ns);
+        }
         if newest <= w.newest {
             return next;
         }
@@ -217,25 +265,21 @@ impl Adaptive {
         next.newest = newest;
         let period = now_ns / self.min_rt_period_ns + 1;
         if period == w.floor_period + 1 {
-            next.floors = [0, w.floors[0]];
+            next.floors = [0, next.floors[0]];
         } else if period > w.floor_period {
             next.floors = [0, 0];
         }
         next.floor_period = next.floor_period.max(period);
-        // A probe that ended: its least response time is the minimum from now on.
-        if next.probe_until != 0 && !Self::probing(&next, now_ns) {
-            if next.probe_floor > 0 {
-                next.floors = [next.probe_floor, 0];
-            }
-            next.probe_until = 0;
-            next.probe_floor = 0;
-            next.confirmed = stamp(now_ns);
-        }
         next
     }
 
-    fn probing(w: &Window, now_ns: u64) -> bool {
-        w.probe_until != 0 && ms_until(now_ns, w.probe_until) > 0
+    /// True while a probe runs: until its end, and past it (up to a window from its start)
+    /// until an answer to a request it admitted has come — while a queue from before drains,
+    /// the answers that come are not the service time.
+    fn probing(&self, w: &Window, now_ns: u64) -> bool {
+        let waiting = w.probe_floor == 0
+            && ms_since(now_ns, w.probe_from).is_some_and(|ms| ms * 1_000_000 < self.window_ns());
+        w.probe_until != 0 && (ms_until(now_ns, w.probe_until) > 0 || waiting)
     }
 
     /// True if no answer came near the minimum for a window: it may be the service time of
@@ -266,25 +310,56 @@ impl Adaptive {
             .map(|&f| u64::from(f))
     }
 
-    /// The estimated capacity (requests in flight the upstream serves without queueing), and the
-    /// minimum response time; `None` until a full bucket has completions.
+    /// The capacity measured (requests in flight the upstream serves without queueing), and the
+    /// minimum response time; `None` until a full bucket since the minimum last moved has
+    /// completions.
     pub fn capacity(&self, w: &Window) -> Option<(u64, u64)> {
-        let current = (w.newest % self.buckets as u64) as usize;
-        let mut max_passed = 0u64;
-        for (i, b) in w.buckets.iter().take(self.buckets).enumerate() {
-            // The current bucket is still filling: its count would understate throughput.
-            if i != current {
-                max_passed = max_passed.max(u64::from(b.passed));
-            }
-        }
         let min_rt = Self::min_rt(w)?;
-        if max_passed == 0 {
+        let n = self.buckets as u64;
+        // Completions of the `ago`-th bucket before the current one, which is still filling (its
+        // count would understate throughput); none if it began before the minimum last moved
+        // (its throughput is of the service time before: times the new minimum, too little if
+        // the upstream got faster, too much if slower).
+        let passed = |ago: u64| {
+            let began_ns = w.newest.saturating_sub(1 + ago) * self.bucket_ns;
+            let since_moved = w.moved == 0 || ms_until(began_ns, w.moved) <= 0;
+            let b = &w.buckets[((w.newest + n - ago) % n) as usize];
+            if since_moved {
+                u64::from(b.passed)
+            } else {
+                0
+            }
+        };
+        // Throughput over as many consecutive buckets as the minimum spans: requests admitted
+        // together come back together, and in buckets shorter than their response time one
+        // bucket would hold a burst and the next none.
+        let span = (min_rt * 1_000).div_ceil(self.bucket_ns).clamp(1, n - 1);
+        let mut sum: u64 = (1..=span).map(passed).sum();
+        let mut most = sum;
+        for ago in span + 1..n {
+            sum = sum + passed(ago) - passed(ago - span);
+            most = most.max(sum);
+        }
+        if most == 0 {
             return None;
         }
         // passed per bucket × buckets per second × min RT in seconds, rounded up.
-        let per_s = u128::from(max_passed) * 1_000_000_000 / u128::from(self.bucket_ns);
+        let per_s = u128::from(most) * 1_000_000_000 / u128::from(span * self.bucket_ns);
         let capacity = (per_s * u128::from(min_rt.max(1))).div_ceil(1_000_000);
         Some((u64::try_from(capacity).unwrap_or(u64::MAX).max(1), min_rt))
+    }
+
+    /// The capacity the limit holds to: the one measured or, if more, the one carried over a
+    /// change of the service time; `None` until one of them is known.
+    fn estimate(&self, w: &Window) -> Option<u64> {
+        let carried = Some(u64::from(w.carried)).filter(|&c| c > 0);
+        self.capacity(w).map(|(c, _)| c).max(carried)
+    }
+
+    /// True within a window of the minimum's moving: the window has not been measured at the
+    /// new minimum yet.
+    fn settling(&self, w: &Window, now_ns: u64) -> bool {
+        ms_since(now_ns, w.moved).is_some_and(|ms| ms * 1_000_000 < self.window_ns())
     }
 
     /// The signal's value in thousandths, if there is one yet.
@@ -339,24 +414,25 @@ impl Adaptive {
         let hot = self.hot(&next);
         if hot {
             next.hot = stamp(now_ns);
-            if !Self::probing(&next, now_ns) && self.stale(&next, now_ns) {
+            if !self.probing(&next, now_ns) && self.stale(&next, now_ns) {
+                next.probe_from = stamp(now_ns);
                 next.probe_until = stamp(now_ns.saturating_add(self.probe_ns(&next)));
                 next.probe_floor = 0;
             }
         }
         if hot || self.cooling(&next, now_ns) {
-            let measured = self.capacity(&next).map(|(c, _)| c);
+            let from_window = self.estimate(&next);
             let estimate = if hot {
-                measured
+                from_window
             } else {
-                measured.max(Some(u64::from(next.latched)).filter(|&c| c > 0))
+                from_window.max(Some(u64::from(next.latched)).filter(|&c| c > 0))
             };
             // A probe admits half the estimate: no queue can stand while it measures. While the
             // signal is on, the estimate; in the cool-down, with a headroom of its square root,
             // so that an estimate the limit held low can grow (an upstream with room answers
             // the more without a queue, and the estimate follows).
             let cap = estimate.map(|c| {
-                if Self::probing(&next, now_ns) {
+                if self.probing(&next, now_ns) {
                     (c / 2).max(1)
                 } else if hot {
                     c
@@ -366,7 +442,7 @@ impl Adaptive {
             });
             if cap.is_some_and(|c| next.full_for(seat, c, share_milli)) {
                 if hot {
-                    next.latched = saturating_u32(measured.unwrap_or(0));
+                    next.latched = saturating_u32(from_window.unwrap_or(0));
                 }
                 next.refused_ns = now_ns.max(1);
                 return Admission::Refuse(next);
@@ -399,19 +475,39 @@ impl Adaptive {
     ) -> Window {
         let mut next = self.abandon(w, now_ns, seat);
         let rt = saturating_u32(rt_us).max(1);
+        let min_before = Self::min_rt(&next);
+        let estimate_before = self.estimate(&next);
         let floor = &mut next.floors[0];
         *floor = if *floor == 0 { rt } else { (*floor).min(rt) };
-        if Self::probing(&next, now_ns) {
+        // An answer to a request the probe admitted (not one that waited in a queue from before).
+        // (Stamps are whole milliseconds: one less, so that no request admitted just before the
+        // probe counts.)
+        let of_probe = ms_since(now_ns, next.probe_from)
+            .is_some_and(|ms| u64::from(rt) <= ms.saturating_sub(1) * 1_000);
+        if of_probe && self.probing(&next, now_ns) {
             let p = &mut next.probe_floor;
             *p = if *p == 0 { rt } else { (*p).min(rt) };
         }
         // Within a quarter of the minimum: the minimum is still the service time.
-        if Self::min_rt(&next).is_some_and(|min| u64::from(rt) * 4 <= min * 5) {
+        let confirms = Self::min_rt(&next).is_some_and(|min| u64::from(rt) * 4 <= min * 5);
+        if confirms {
             next.confirmed = stamp(now_ns);
         }
         let b = &mut next.buckets[(next.newest % self.buckets as u64) as usize];
         b.passed = b.passed.saturating_add(1);
         b.rt_sum_us = b.rt_sum_us.saturating_add(rt);
+        let faster = min_before.is_some_and(|min| u64::from(rt) * 8 < min * 7);
+        if faster && !self.probing(&next, now_ns) {
+            // More than an eighth under the minimum, and not in a probe draining a queue: the
+            // upstream got faster. It holds as many at once as before (a pool of workers does);
+            // its throughput of before times the new minimum would be a fraction of that.
+            next.carried = saturating_u32(estimate_before.unwrap_or(0));
+            next.moved = stamp(now_ns);
+        } else if confirms && !self.settling(&next, now_ns) {
+            // What the estimate may not fall below if the minimum goes into doubt: the capacity
+            // measured while it is the service time.
+            next.carried = saturating_u32(self.capacity(&next).map_or(0, |c| c.0));
+        }
         if let (Some(cpu), Some(Cpu { decay, .. })) = (cpu_milli, self.signal.cpu) {
             next.cpu_ns = now_ns.max(1);
             let cpu = cpu.min(u64::from(u32::MAX - 1));
@@ -440,7 +536,7 @@ impl Adaptive {
     pub fn status(&self, w: &Window, now_ns: u64) -> Status {
         let w = self.advance(w, now_ns);
         Status {
-            capacity: self.capacity(&w).map_or(0, |(c, _)| c),
+            capacity: self.estimate(&w).unwrap_or(0),
             in_flight: w.in_flight(),
             signal_milli: self.signal_milli(&w).unwrap_or(0),
             overloaded: self.overloaded(&w, now_ns),

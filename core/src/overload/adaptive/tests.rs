@@ -1,9 +1,8 @@
 //! Estimates, probes, priorities, fairness and CPU reports over simulated upstreams.
 
+use super::simulated::{every, jittered, over, poisson, Tick, Upstream, MS, TICK_NS};
 use super::*;
 use proptest::prelude::*;
-
-const MS: u64 = 1_000_000;
 
 fn latency() -> Adaptive {
     Adaptive::new(
@@ -214,79 +213,6 @@ fn with_the_cpu_signal_the_cool_down_ends_one_cool_down_after_the_signal_whateve
     ));
 }
 
-/// An upstream serving `slots` requests at once, each for the service time the run gives it
-/// at its start; more wait in line. One request arrives every `gap` ns from `from` to `to`;
-/// the limiter decides each. Per 100 ms: requests answered and their slowest response time
-/// (µs), the estimate, the minimum response time.
-struct Upstream {
-    slots: Vec<u64>,
-    /// (answered at, response time µs) of requests in flight.
-    pending: Vec<(u64, u64)>,
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-struct Tick {
-    answered: u64,
-    slowest_us: u64,
-    estimate: u64,
-    min_rt_us: u64,
-}
-
-impl Upstream {
-    fn new(slots: usize) -> Self {
-        Self {
-            slots: vec![0; slots],
-            pending: Vec::new(),
-        }
-    }
-
-    fn run(
-        &mut self,
-        a: &Adaptive,
-        mut w: Window,
-        (from, to, gap): (u64, u64, u64),
-        service_ns: impl Fn(u64) -> u64,
-    ) -> (Window, Vec<Tick>) {
-        let mut ticks = vec![Tick::default(); ((to - from) / (100 * MS)) as usize + 1];
-        let mut t = from;
-        while t < to {
-            self.pending.sort_unstable();
-            while let Some(&(at, rt_us)) = self.pending.first().filter(|p| p.0 <= t) {
-                self.pending.remove(0);
-                w = a.complete(&w, at, Seat::default(), rt_us, None);
-                let tick = &mut ticks[((at - from) / (100 * MS)) as usize];
-                tick.answered += 1;
-                tick.slowest_us = tick.slowest_us.max(rt_us);
-            }
-            if let Admission::Admit(next) = a.admit(&w, t, Seat::default(), MILLI) {
-                w = next;
-                let slot = (0..self.slots.len())
-                    .min_by_key(|&i| self.slots[i])
-                    .unwrap();
-                let start = self.slots[slot].max(t);
-                let done = start + service_ns(start);
-                self.slots[slot] = done;
-                self.pending.push((done, (done - t) / 1_000));
-            } else if let Admission::Refuse(next) = a.admit(&w, t, Seat::default(), MILLI) {
-                w = next;
-            }
-            let tick = &mut ticks[((t - from) / (100 * MS)) as usize];
-            tick.estimate = a.capacity(&w).map_or(0, |c| c.0);
-            tick.min_rt_us = a.capacity(&w).map_or(0, |c| c.1);
-            t += gap;
-        }
-        (w, ticks)
-    }
-}
-
-/// Answered per second and the slowest response time (ms) over `ticks[from..to]`.
-fn over(ticks: &[Tick], from: usize, to: usize) -> (f64, u64) {
-    let span = &ticks[from..to];
-    let answered: u64 = span.iter().map(|t| t.answered).sum();
-    let slowest = span.iter().map(|t| t.slowest_us).max().unwrap_or(0);
-    (answered as f64 * 10.0 / span.len() as f64, slowest / 1_000)
-}
-
 #[test]
 fn a_slower_and_then_faster_upstream_is_followed_within_seconds() {
     let a = latency();
@@ -300,7 +226,13 @@ fn a_slower_and_then_faster_upstream_is_followed_within_seconds() {
             50 * MS
         }
     };
-    let (_, ticks) = up.run(&a, Window::default(), (0, 25_000 * MS, 3_333_333), service);
+    let (_, ticks) = up.run(
+        &a,
+        Window::default(),
+        0,
+        every(0, 25_000 * MS, 3_333_333),
+        service,
+    );
     let (before, _) = over(&ticks, 30, 50);
     assert!(before >= 190.0, "{before}/s before: {:?}", &ticks[30..50]);
     // From 3 s after each change: goodput within 20% of the new capacity, and no queue
@@ -328,14 +260,166 @@ fn a_slower_and_then_faster_upstream_is_followed_within_seconds() {
     assert_eq!(ticks[240].min_rt_us / 1_000, 50);
 }
 
+/// What one change of the service time did to goodput: the service times before and after
+/// (ms), and the least goodput of any half-second and of any second from it until the next
+/// change, over the new capacity.
+#[derive(Debug, Clone, Copy)]
+struct Change {
+    from_ms: u64,
+    to_ms: u64,
+    half: f64,
+    second: f64,
+}
+
+/// The least goodput (requests admitted by when they were due, as the load generator counts
+/// them) per `ticks_per` ticks over `ticks`, over `capacity` a second.
+fn least_goodput(ticks: &[Tick], ticks_per: usize, capacity: f64) -> f64 {
+    let per_s = (1_000 * MS / TICK_NS) as f64 / ticks_per as f64;
+    ticks
+        .chunks_exact(ticks_per)
+        .map(|span| span.iter().map(|t| t.admitted).sum::<u64>() as f64 * per_s / capacity)
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// An upstream of 10 workers under Poisson arrivals at 300/s drawn from `seed`, its service
+/// time (jittered by up to 5%) 50 ms for 5 s and then each of `service_ms` for 10 s in turn
+/// (the minimum response time is remembered for 10 to 20 s: every slowdown finds the old
+/// one).
+fn changes(a: &Adaptive, seed: u64, service_ms: &[u64]) -> Vec<Change> {
+    const WORKERS: u64 = 10;
+    const SEGMENT_NS: u64 = 10_000 * MS;
+    let mut up = Upstream::new(WORKERS as usize);
+    let warm = 5_000 * MS;
+    let (mut w, _) = up.run(
+        a,
+        Window::default(),
+        0,
+        poisson(0, warm, 300.0, seed << 8),
+        jittered(50, seed << 8),
+    );
+    let mut out = Vec::new();
+    let mut before = 50;
+    for (i, &ms) in service_ms.iter().enumerate() {
+        let from = warm + i as u64 * SEGMENT_NS;
+        let stream = (seed << 8) + i as u64 + 1;
+        let (next, mut ticks) = up.run(
+            a,
+            w,
+            from,
+            poisson(from, from + SEGMENT_NS, 300.0, stream),
+            jittered(ms, stream),
+        );
+        w = next;
+        ticks.truncate((SEGMENT_NS / TICK_NS) as usize);
+        let capacity = (WORKERS * 1_000 / ms) as f64;
+        out.push(Change {
+            from_ms: before,
+            to_ms: ms,
+            half: least_goodput(&ticks, 5, capacity),
+            second: least_goodput(&ticks, 10, capacity),
+        });
+        before = ms;
+    }
+    out
+}
+
+#[test]
+fn after_a_change_of_service_time_goodput_stays_above_half_the_new_capacity() {
+    // 20 seeds × 20 changes: 50 → 100 → 50 → 200 → 50 ms, five times. Goodput from the change
+    // on, by when requests were due: per half-second between 50 and 100 ms; per second when
+    // 200 ms is on either side (a probe at half the estimate lasts two service times and more,
+    // and requests admitted at 200 ms hold the upstream for a while after it got faster).
+    let a = latency();
+    let schedule: Vec<u64> = [100, 50, 200, 50].repeat(5);
+    let mut all: Vec<(u64, Change)> = Vec::new();
+    for seed in 0..20 {
+        all.extend(changes(&a, seed, &schedule).into_iter().map(|c| (seed, c)));
+    }
+    for (from, to) in [(50, 100), (100, 50), (50, 200), (200, 50)] {
+        let of: Vec<&Change> = all
+            .iter()
+            .map(|(_, c)| c)
+            .filter(|c| (c.from_ms, c.to_ms) == (from, to))
+            .collect();
+        let least = |f: fn(&Change) -> f64| of.iter().map(|&c| f(c)).fold(f64::INFINITY, f64::min);
+        let below = |f: fn(&Change) -> f64| of.iter().filter(|&&c| f(c) < 0.5).count();
+        eprintln!(
+            "{from} -> {to} ms, {} changes: least goodput per half-second {:.0}% of the new \
+             capacity ({} below 50%), per second {:.0}% ({} below 50%)",
+            of.len(),
+            least(|c| c.half) * 100.0,
+            below(|c| c.half),
+            least(|c| c.second) * 100.0,
+            below(|c| c.second),
+        );
+    }
+    let low: Vec<_> = all
+        .iter()
+        .filter(|(_, c)| {
+            let measure = if c.from_ms.max(c.to_ms) <= 100 {
+                c.half
+            } else {
+                c.second
+            };
+            measure < 0.5
+        })
+        .collect();
+    assert!(
+        low.is_empty(),
+        "{} of {} changes (seed, change) fell below half the new capacity: {low:?}",
+        low.len(),
+        all.len()
+    );
+}
+
+#[test]
+fn an_upstream_that_lost_workers_is_still_shed() {
+    // 10 workers at 50 ms under Poisson arrivals at 300/s; at 5 s half the workers go (100/s),
+    // at 15 s the service time doubles as well (50/s). The capacity carried over a change of
+    // the service time must not hold the limit at what the upstream could do before: from 2 s
+    // after each change, goodput at its new capacity and no queue past what the latency signal
+    // lets stand (twice the service time).
+    let a = latency();
+    for seed in 0..5 {
+        let mut up = Upstream::new(10);
+        let arrivals = |from: u64, stream: u64| poisson(from, from + 10_000 * MS, 300.0, stream);
+        let warm = poisson(0, 5_000 * MS, 300.0, seed);
+        let (w, _) = up.run(&a, Window::default(), 0, warm, jittered(50, seed));
+        up.set_workers(5);
+        let fewer = arrivals(5_000 * MS, seed + 100);
+        let (w, fewer) = up.run(&a, w, 5_000 * MS, fewer, jittered(50, seed + 100));
+        let slower = arrivals(15_000 * MS, seed + 200);
+        let (_, slower) = up.run(&a, w, 15_000 * MS, slower, jittered(100, seed + 200));
+        for (ticks, capacity, service_ms) in [(fewer, 100.0, 50), (slower, 50.0, 100)] {
+            let (goodput, slowest) = over(&ticks, 20, 100);
+            assert!(
+                goodput >= capacity * 0.9 && slowest * 2 <= service_ms * 5,
+                "seed {seed}, {service_ms} ms: {goodput}/s, slowest {slowest} ms"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_standing_queue_does_not_pass_for_the_service_time() {
     let a = latency();
     // 10 at once, 50 ms each (200/s): warm at 100/s, then 400/s for 20 s. The queue that
     // forms before the signal comes on is drained and the minimum stays the service time.
     let mut up = Upstream::new(10);
-    let (w, _) = up.run(&a, Window::default(), (0, 2_000 * MS, 10 * MS), |_| 50 * MS);
-    let (_, ticks) = up.run(&a, w, (2_000 * MS, 22_000 * MS, 2_500_000), |_| 50 * MS);
+    let (w, _) = up.run(
+        &a,
+        Window::default(),
+        0,
+        every(0, 2_000 * MS, 10 * MS),
+        |_| 50 * MS,
+    );
+    let (_, ticks) = up.run(
+        &a,
+        w,
+        2_000 * MS,
+        every(2_000 * MS, 22_000 * MS, 2_500_000),
+        |_| 50 * MS,
+    );
     assert!(
         ticks
             .iter()
@@ -450,8 +534,8 @@ fn without_recent_cpu_reports_the_signal_is_latency() {
     let w = steady(&a, w, 1_300 * MS, 300, 100_000, Some(300));
     assert!(!a.hot(&w));
     // The reports stop for longer than the window: latency again (until a probe of the
-    // minimum, 200 ms in, finds these answers are the service time now).
-    let w = steady(&a, w, 2_700 * MS, 150, 100_000, None);
+    // minimum, from the first of these answers for 200 ms, finds they are the service time now).
+    let w = steady(&a, w, 2_700 * MS, 100, 100_000, None);
     assert!(a.hot(&w));
 }
 

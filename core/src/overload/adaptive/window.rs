@@ -50,12 +50,16 @@ impl Window {
         out[80..84].copy_from_slice(&self.floors[0].to_le_bytes());
         out[84..88].copy_from_slice(&self.floors[1].to_le_bytes());
         out[88..96].copy_from_slice(&self.cpu_ns.to_le_bytes());
-        out[96..96 + FLOWS].copy_from_slice(&self.flow_levels);
-        let at = 96 + FLOWS;
-        out[at..at + 4].copy_from_slice(&self.hot.to_le_bytes());
-        out[at + 4..at + 8].copy_from_slice(&self.confirmed.to_le_bytes());
-        out[at + 8..at + 12].copy_from_slice(&self.probe_until.to_le_bytes());
-        out[at + 12..at + 16].copy_from_slice(&self.probe_floor.to_le_bytes());
+        let levels = (self.flow_levels.iter().enumerate())
+            .fold(0u32, |packed, (i, &l)| packed | u32::from(l & 3) << (2 * i));
+        out[96..100].copy_from_slice(&levels.to_le_bytes());
+        out[100..104].copy_from_slice(&self.carried.to_le_bytes());
+        out[104..108].copy_from_slice(&self.moved.to_le_bytes());
+        out[108..112].copy_from_slice(&self.probe_from.to_le_bytes());
+        out[112..116].copy_from_slice(&self.hot.to_le_bytes());
+        out[116..120].copy_from_slice(&self.confirmed.to_le_bytes());
+        out[120..124].copy_from_slice(&self.probe_until.to_le_bytes());
+        out[124..128].copy_from_slice(&self.probe_floor.to_le_bytes());
         for (i, n) in self.in_flight.iter().enumerate() {
             out[24 + i * 4..28 + i * 4].copy_from_slice(&n.to_le_bytes());
         }
@@ -87,15 +91,14 @@ impl Window {
             floor_period: u64_at(72),
             floors: [u32_at(80), u32_at(84)],
             cpu_ns: u64_at(88),
-            hot: u32_at(96 + FLOWS),
-            confirmed: u32_at(96 + FLOWS + 4),
-            probe_until: u32_at(96 + FLOWS + 8),
-            probe_floor: u32_at(96 + FLOWS + 12),
-            flow_levels: {
-                let mut levels = [0; FLOWS];
-                levels.copy_from_slice(&bytes[96..96 + FLOWS]);
-                levels
-            },
+            carried: u32_at(100),
+            moved: u32_at(104),
+            probe_from: u32_at(108),
+            hot: u32_at(112),
+            confirmed: u32_at(116),
+            probe_until: u32_at(120),
+            probe_floor: u32_at(124),
+            flow_levels: std::array::from_fn(|i| (u32_at(96) >> (2 * i) & 3) as u8),
             ..Self::default()
         };
         for (i, n) in w.in_flight.iter_mut().enumerate() {
