@@ -5,12 +5,11 @@ use crate::harness::{parallel, Client, Envoy, Options, Quota, Upstream};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-/// A request's status and its `Retry-After`, when it was answered (ms after `started`).
+/// A request's status, when it was answered (ms after `started`).
 #[derive(Debug, Clone, Copy)]
 struct Sent {
     at_ms: u64,
     status: u16,
-    retry_after: Option<u64>,
 }
 
 /// `per_s` requests a second to `url` with `headers` from `started` for `span`, spread over
@@ -37,7 +36,6 @@ fn paced(
             sent.push(Sent {
                 at_ms: started.elapsed().as_millis() as u64,
                 status: reply.status,
-                retry_after: reply.header("retry-after").and_then(|v| v.parse().ok()),
             });
             due += gap;
         }
