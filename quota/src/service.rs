@@ -246,6 +246,10 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                 if answers.refused.iter().any(|(i, _)| *i == n) {
                     continue;
                 }
+                tracing::debug!(
+                    instance = %request.instance, item = ?item, grant = ?g,
+                    "lease item answered"
+                );
                 m.items.inc();
                 m.granted.inc_by(g.granted);
                 m.given_back.inc_by(g.returned);

@@ -38,13 +38,24 @@ impl Quota {
     /// Start (again) with the same port and arguments.
     pub fn restart(&mut self) {
         let bin = built_artifact("TOLLGATE_QUOTA_BIN", "target/debug/tollgate-quota");
+        let log = std::env::var("TOLLGATE_QUOTA_LOG").ok();
         let mut child = guarded(
             Command::new(bin)
                 .args(["--listen", &format!("127.0.0.1:{}", self.port)])
                 .args(&self.args)
-                .env("RUST_LOG", "warn")
+                // TOLLGATE_QUOTA_LOG=tollgate_quota=debug logs each lease item and its answer.
+                .env("RUST_LOG", log.as_deref().unwrap_or("warn"))
                 .stdin(Stdio::null())
-                .stdout(Stdio::null()),
+                .stdout(match &log {
+                    // Appended to /tmp/tollgate-quota-<port>.log (one per service, across its
+                    // restarts).
+                    Some(_) => std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(format!("/tmp/tollgate-quota-{}.log", self.port))
+                        .map_or_else(|_| Stdio::null(), Stdio::from),
+                    None => Stdio::null(),
+                }),
         );
         wait_for_port(self.port, "tollgate-quota", &mut child);
         self.child = Some(child);

@@ -28,6 +28,9 @@ pub struct Options {
     pub debug_log: bool,
     /// A cluster `quota` pointing at this port on 127.0.0.1 (the quota service).
     pub quota_port: Option<u16>,
+    /// A standby quota service on this port: the cluster sends calls to it while `quota_port`
+    /// fails its health check (Envoy's priority failover, checked every 100 ms).
+    pub quota_standby: Option<u16>,
     /// Another build of the module than `make test`'s (e.g. [`probe_wasm_path`]).
     pub module: Option<PathBuf>,
     /// A second listener ("second", [`Envoy::port2`]) whose tollgate filter has this
@@ -53,6 +56,7 @@ impl Default for Options {
             lds: false,
             debug_log: false,
             quota_port: None,
+            quota_standby: None,
             module: None,
             second_plugin: None,
             app_port: None,
@@ -186,17 +190,31 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
             }));
     }
     if let Some(port) = opts.quota_port {
+        let endpoint = |port: u16, priority: u32| {
+            json!({"priority": priority, "lb_endpoints": [{"endpoint": {"address":
+                {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]})
+        };
+        let mut cluster = json!({
+            "name": "quota",
+            "type": "STATIC",
+            "connect_timeout": "0.25s",
+            "load_assignment": {"cluster_name": "quota", "endpoints": [endpoint(port, 0)]}
+        });
+        if let Some(standby) = opts.quota_standby {
+            cluster["load_assignment"]["endpoints"]
+                .as_array_mut()
+                .unwrap()
+                .push(endpoint(standby, 1));
+            cluster["health_checks"] = json!([{
+                "timeout": "0.1s", "interval": "0.1s", "no_traffic_interval": "0.1s",
+                "unhealthy_threshold": 1, "healthy_threshold": 1,
+                "http_health_check": {"path": "/healthz"}
+            }]);
+        }
         boot["static_resources"]["clusters"]
             .as_array_mut()
             .unwrap()
-            .push(json!({
-                "name": "quota",
-                "type": "STATIC",
-                "connect_timeout": "0.25s",
-                "load_assignment": {"cluster_name": "quota", "endpoints": [{"lb_endpoints": [{
-                    "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}
-                }]}]}
-            }));
+            .push(cluster);
     }
     if opts.lds {
         fs::create_dir_all(dir.join("lds")).unwrap();
@@ -388,6 +406,17 @@ impl Envoy {
             first.elapsed() > Duration::from_millis(30)
         });
         assert!(steady, "{name} stayed at {}, not {value}", self.stat(name));
+    }
+
+    /// Wait until Envoy's health checks of cluster `quota` passed for the endpoint on `port`
+    /// (until then, calls may go to a standby: [`Options::quota_standby`]).
+    pub fn wait_for_quota_healthy(&self, port: u16) {
+        let flags = format!("quota::127.0.0.1:{port}::health_flags::healthy");
+        let healthy = || self.admin_get("/clusters").lines().any(|l| l == flags);
+        assert!(
+            eventually(Duration::from_secs(10), healthy),
+            "the quota service on {port} never passed Envoy's health check"
+        );
     }
 
     /// Wait until a stat is more than `value`.

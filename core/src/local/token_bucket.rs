@@ -313,15 +313,15 @@ mod tests {
         ) {
             let period_ns = period_ms * 1_000_000;
             let tb = TokenBucket::new(requests, period_ns, burst).unwrap();
-            // The client's n-th request comes no earlier than n intervals after its first.
-            let start = 1_000_000 * SEC;
+            // Each of the client's requests comes no earlier than an interval after the one
+            // before (in whole ns: the interval rounded up).
+            let interval = period_ns.div_ceil(requests);
+            let mut now = 1_000_000 * SEC;
             let mut tat = 0;
-            let mut extra = 0u64;
             for (n, slack) in slack_ns.into_iter().enumerate() {
-                extra += slack;
-                let ideal = u128::from(n as u64) * u128::from(period_ns)
-                    / u128::from(requests);
-                let now = start + u64::try_from(ideal).unwrap() + 1 + extra;
+                if n > 0 {
+                    now += interval + slack;
+                }
                 let t = allowed(tb.decide(tat, now, 1));
                 prop_assert!(t.is_some(), "request {} refused", n);
                 tat = t.unwrap();

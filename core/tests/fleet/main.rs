@@ -140,6 +140,46 @@ fn a_store_loss_under_load_refuses_nothing_the_limit_allows() {
     }
 }
 
+/// A store that loses its state before the proxies have measured their rates (they hold token
+/// leases, not shares): traffic under the limit is still never refused once the service
+/// answers again. The proxies renewing with evidence of the bucket take the rate it holds for
+/// the holders of before (a replica failing over at a deployment's start, a restart within a
+/// second of it).
+#[test]
+fn a_store_loss_while_proxies_hold_token_leases_refuses_nothing_under_the_limit() {
+    for (at_ms, outage_ms) in [(300, 1), (300, 500), (700, 1)] {
+        for seed in 1..=3 {
+            let mut setup = Setup::new(50, 1_000, 50, 2);
+            setup.seed = seed;
+            setup.jitter_ms = 3;
+            setup.lease_size = 6;
+            let back = at_ms + outage_ms;
+            let ms = back + 5_000;
+            let mut fleet = Fleet::new(
+                setup,
+                vec![Load::steady(0, 20.0, 0, ms), Load::steady(1, 20.0, 0, ms)],
+            )
+            .with(Event::Outage {
+                from_ms: at_ms,
+                until_ms: back,
+                lost: true,
+            });
+            fleet.run(ms);
+            assert!(fleet.worst <= 0.0, "{} beyond the bound", fleet.worst);
+            let refused: Vec<u64> = fleet
+                .answered
+                .iter()
+                .filter(|a| refused(&a.fate) && a.decided_ms >= back)
+                .map(|a| a.decided_ms)
+                .collect();
+            assert!(
+                refused.is_empty(),
+                "lost at {at_ms} ms, seed {seed}: {refused:?}"
+            );
+        }
+    }
+}
+
 /// Issue 33, item 1: a settlement's debt reaches the service's bucket within a tick, so another
 /// proxy that asks for the key afterwards is refused, with the true wait.
 #[test]
@@ -295,7 +335,7 @@ mod bound {
             setup.jitter_ms = jitter_ms;
             setup.seed = seed;
             if conservative {
-                setup.cold = ColdStart::Conservative { epoch_ms: 0 };
+                setup.cold = tollgate_core::global::lease::ColdStart::Conservative { epoch_ms: 0 };
             }
             let mut fleet = Fleet::new(setup, loads);
             for e in events {

@@ -178,7 +178,7 @@ impl Service {
                 self.bucket.insert(GlobalBucket::new(item, now, ttl, cold))
             }
         };
-        if checks && bucket.reconcile(item, now, ttl) {
+        if checks && bucket.reconcile(&format!("p{proxy}"), item, now, ttl) {
             self.lost = true;
         }
         bucket.lease(&format!("p{proxy}"), item, now, ttl)
@@ -306,7 +306,8 @@ impl Fleet {
     /// with a proxy that restarted before its call). `worst` is the largest excess over that
     /// seen (the bound holds while it is at most 0). Across a loss of the service's state, a debt
     /// survives by the proxies' evidence less at most the reserve, a token and a call's time of
-    /// refill; a
+    /// refill, and a proxy that held a share and has not called since may accrue it while others
+    /// renew with the rate held for it; a
     /// bucket made anew by a proxy without evidence can exceed it (the documented race): then no
     /// check.
     pub fn run(&mut self, ms: u64) -> &mut Self {
@@ -350,6 +351,10 @@ impl Fleet {
         // proxies' evidence brings it back).
         let mut before_loss: Option<GlobalBucket> = None;
         let mut blind = false;
+        // The shares of before each loss, per holder: (proxy, milli-tokens a second, from, until,
+        // the send time of its first call after the loss). Renewing proxies take the rate held
+        // for them; one that has not renewed accrues its old share meanwhile (the stated slack).
+        let mut silent: Vec<(usize, u64, u64, u64, Option<u64>)> = Vec::new();
         let probe = self.item(&Ask::default());
         for now in 0..ms {
             for e in &self.events {
@@ -362,6 +367,14 @@ impl Fleet {
                             // the refill of a call's time (the evidence's own slack).
                             losses += 1;
                             before_loss = service.bucket.take();
+                            for h in before_loss.iter().flat_map(|b| &b.holders) {
+                                if let Some(n) = h.instance.strip_prefix('p') {
+                                    if h.share > 0 && h.until_ms > now {
+                                        let proxy = n.parse().unwrap_or(usize::MAX);
+                                        silent.push((proxy, h.share, now, h.until_ms, None));
+                                    }
+                                }
+                            }
                             // A debt survives a loss as far as the evidence of the first proxy
                             // to call shows it (others' bring back the rest when they call):
                             // the bound is not checked after a loss in debt.
@@ -406,6 +419,12 @@ impl Fleet {
                     let fresh = service.bucket.is_none();
                     let item = self.item(&call.ask);
                     call.answer = Some(service.lease(call.proxy, &item, now, s.ttl_ms));
+                    for h in silent
+                        .iter_mut()
+                        .filter(|h| h.0 == call.proxy && h.4.is_none())
+                    {
+                        h.4 = Some(call.sent_ms.max(h.2));
+                    }
                     blind |= fresh && item.known_ms == 0 && losses > 0;
                     call.served = true;
                     if self.trace {
@@ -604,8 +623,16 @@ impl Fleet {
                     .map(|p| allowance.allowance(&p.state, now))
                     .sum::<u64>() as f64
                     - taken as f64;
+                let unrenewed: f64 = silent
+                    .iter()
+                    .map(|&(_, mtps, from, until, renewed)| {
+                        let to = until.min(renewed.unwrap_or(now)).min(now);
+                        mtps as f64 / 1e6 * to.saturating_sub(from) as f64
+                    })
+                    .sum();
                 let allowed = s.bound(now) - tokens - unspent
                     + owed
+                    + unrenewed
                     + forgotten as f64
                     + losses as f64
                         * (newcomers_reserve(s.burst) as f64

@@ -268,7 +268,9 @@ impl MemoryStore {
                     GlobalBucket::new(item, now_ms, ttl_ms, self.cold.for_new(lost))
                 },
                 |bucket| {
-                    if self.cold.checks_evidence() && bucket.reconcile(item, now_ms, ttl_ms) {
+                    if self.cold.checks_evidence()
+                        && bucket.reconcile(instance, item, now_ms, ttl_ms)
+                    {
                         self.lost();
                     }
                     bucket.lease(instance, item, now_ms, ttl_ms)

@@ -20,11 +20,10 @@ async fn evidence_empties_a_bucket_made_anew(store: &Store) {
         .lease("old", &[known("late", 500, 3)], ttl)
         .await
         .unwrap()[0];
-    assert_eq!(
-        (g.granted, g.rate),
-        (0, 0.0),
-        "3 + 1 + 100/s × 0.5 s < 75 left"
-    );
+    // Emptied but for the newcomers' reserve (12): 3 + 1 + 100/s × 0.5 s < 75 left. The rate
+    // is held for the holders of before, and the caller, one of them, takes what it asks for of
+    // it.
+    assert_eq!((g.granted, g.remaining, g.rate), (12, 0, 50.0), "{g:?}");
 }
 
 /// A key whose hash tag (`tg:lim:<key>`) is in the same Redis slot as key `k`'s, so that both
@@ -53,12 +52,26 @@ async fn auto_cold_start_story(
     assert_eq!((g.granted, g.rate, g.remaining), (25, 50.0, 75));
     lose.await;
     // After the loss, the proxy that was answered calls with its evidence: the store lost the
-    // bucket, which starts empty with its rate held for a TTL.
+    // bucket, which starts empty but for the newcomers' reserve (12), with its rate held for a
+    // TTL for the holders of before. The caller is one of them: it renews what it asks for of
+    // that rate at once.
     let g = after
         .lease("a", &[known("k", 1_200, 75)], ttl)
         .await
         .unwrap()[0];
-    assert_eq!((g.granted, g.rate), (0, 0.0), "lost: conservative");
+    assert_eq!(
+        (g.granted, g.remaining, g.rate),
+        (12, 0, 50.0),
+        "lost: {g:?}"
+    );
+    // Another proxy with evidence takes the rest; none is left for a third.
+    let g = after
+        .lease("c", &[known("k", 1_000, 75)], ttl)
+        .await
+        .unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 50.0), "{g:?}");
+    let g = after.lease("d", &[known("k", 900, 75)], ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (0, 0.0), "{g:?}");
     assert!((5_000..=10_000).contains(&g.retry_ms), "{g:?}");
     // The store (on Redis: the slot) is known to have lost state: a key it does not know starts
     // conservatively too, evidence or not.
@@ -66,7 +79,11 @@ async fn auto_cold_start_story(
         .lease("b", &[rated(&same_slot_as_k())], ttl)
         .await
         .unwrap()[0];
-    assert_eq!((g.granted, g.rate), (0, 0.0), "lost state: conservative");
+    assert_eq!(
+        (g.granted, g.rate),
+        (12, 0.0),
+        "lost state: conservative, but the reserve"
+    );
 }
 
 /// Redis stores take the cold-start mode; each slot's marker has its own epoch.
@@ -75,7 +92,8 @@ const CONSERVATIVE: ColdStart = ColdStart::Conservative { epoch_ms: 0 };
 #[tokio::test]
 async fn a_store_that_lost_its_buckets_starts_cold() {
     let ttl = 10_000;
-    // Memory: every start is one; the bucket grants nothing for a lease TTL, and says when.
+    // Memory: every start is one; the bucket grants only the newcomers' reserve (an eighth of
+    // the burst) for a lease TTL, then nothing, and says when.
     let memory = Store::Memory(MemoryStore::new(
         100,
         ColdStart::Conservative {
@@ -89,6 +107,8 @@ async fn a_store_that_lost_its_buckets_starts_cold() {
         ..item("k", 100, 25)
     }];
     let g = memory.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (12, 0.0));
+    let g = memory.lease("a", &items, ttl).await.unwrap()[0];
     assert_eq!((g.granted, g.rate), (0, 0.0));
     assert!((9_000..=10_000).contains(&g.retry_ms), "{g:?}");
     // Redis: a bucket missing from a slot whose epoch marker is young starts cold, and a Redis
@@ -99,6 +119,8 @@ async fn a_store_that_lost_its_buckets_starts_cold() {
             .await
             .unwrap(),
     );
+    let g = store.lease("a", &items, ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (12, 0.0));
     let g = store.lease("a", &items, ttl).await.unwrap()[0];
     assert_eq!((g.granted, g.rate), (0, 0.0));
     let client = redis::Client::open(redis.url()).unwrap();
@@ -128,7 +150,11 @@ async fn a_store_that_lost_its_buckets_starts_cold() {
     assert_eq!((g.granted, g.rate), (25, 50.0));
     let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
     let g = store.lease("a", &items, ttl).await.unwrap()[0];
-    assert_eq!((g.granted, g.rate), (0, 0.0), "lost data: cold again");
+    assert_eq!(
+        (g.granted, g.rate),
+        (12, 0.0),
+        "lost data: cold again, but the reserve"
+    );
 }
 
 #[tokio::test]
@@ -164,6 +190,7 @@ async fn auto_cold_start_serves_a_new_deployment_and_holds_the_limit_after_a_los
     let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
     let g = store.lease("a", &[rated("w")], 10_000).await.unwrap()[0];
     assert_eq!(g.remaining, 75);
+    // The bucket as it was before that call: full, and no record of the caller.
     let _: () = redis::cmd("HSET")
         .arg("{tg:lim:w}:b")
         .arg("tokens")
@@ -171,15 +198,19 @@ async fn auto_cold_start_serves_a_new_deployment_and_holds_the_limit_after_a_los
         .query_async(&mut conn)
         .await
         .unwrap();
+    let _: () = redis::cmd("HDEL")
+        .arg("{tg:lim:w}:b")
+        .arg("@a")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     let g = store
         .lease("a", &[known("w", 50, 75)], 10_000)
         .await
         .unwrap()[0];
-    assert_eq!(
-        (g.granted, g.rate),
-        (0, 0.0),
-        "more than the evidence allows: emptied"
-    );
+    // More than the evidence allows: emptied but for the newcomers' reserve; the caller, a
+    // holder of before, takes the rate it asks for.
+    assert_eq!((g.granted, g.remaining, g.rate), (12, 0, 50.0), "{g:?}");
 }
 
 #[tokio::test]
@@ -374,4 +405,58 @@ async fn a_redis_clock_stepped_back_keeps_holdings_and_reservations_one_term_at_
         g.granted, 10,
         "the bucket refilled once a's reservation ended: {g:?}"
     );
+}
+
+/// Tokens given back after a proxy's evidence can leave a bucket fuller than that evidence
+/// allows: the store that has served the proxy since lost nothing, and serves it as usual (both
+/// stores).
+#[tokio::test]
+async fn give_backs_beyond_a_served_proxys_evidence_are_no_loss() {
+    let auto = || ColdStart::Auto {
+        epoch_ms: tollgate_quota::store::now_ms(),
+    };
+    let redis = Redis::start();
+    let stores = [
+        Store::Memory(MemoryStore::new(100, auto())),
+        Store::Redis(
+            RedisStore::connect(&single(&redis), Duration::from_millis(200), auto())
+                .await
+                .unwrap(),
+        ),
+    ];
+    for store in &stores {
+        let ttl = 10_000;
+        let take = |n| LeaseItem {
+            wanted: n,
+            ..item("g", 100, n)
+        };
+        assert_eq!(
+            store.lease("a", &[take(50)], ttl).await.unwrap()[0].granted,
+            50
+        );
+        let g = store.lease("b", &[take(50)], ttl).await.unwrap()[0];
+        assert_eq!((g.granted, g.remaining), (50, 0));
+        // b gives 40 back: 40 in the bucket, a's evidence said 0.
+        let back = LeaseItem {
+            returned: 40,
+            ..take(0)
+        };
+        assert_eq!(
+            store.lease("b", &[back], ttl).await.unwrap()[0].returned,
+            40
+        );
+        let g = store
+            .lease(
+                "a",
+                &[LeaseItem {
+                    known_ms: 5,
+                    known_remaining: 0,
+                    ..take(30)
+                }],
+                ttl,
+            )
+            .await
+            .unwrap()[0];
+        assert_eq!((g.granted, g.remaining), (30, 10), "{g:?}");
+    }
 }

@@ -330,6 +330,22 @@ async fn redis_charges_debts_takes_tokens_back_and_restores_shares_as_memory_doe
                 share: (0.5, 4_900),
                 ..STEP
             },
+            // A token lease holder of before (evidence, no share): what it asks for of the
+            // rate still held.
+            Step {
+                who: "d",
+                wanted: 10,
+                demand: 0.4,
+                known: (700, 0, 0),
+                ..STEP
+            },
+            Step {
+                who: "d",
+                wanted: 10,
+                demand: 0.5,
+                known: (100, 0, 0),
+                ..STEP
+            },
         ],
     )
     .await;

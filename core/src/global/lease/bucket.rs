@@ -8,6 +8,11 @@ use crate::global::fair_share::max_min_fair;
 /// milli-tokens per second × ms).
 pub const MIN_RESERVED_MTPS_MS: u128 = 2 * 1_000_000;
 
+/// The most a call and its answer take between the service and a proxy, on top of the age of
+/// the proxy's evidence (`known_ms` counts from the answer's arrival; the service's record of the
+/// call from before it was answered).
+pub const EVIDENCE_TRANSIT_MS: u64 = 250;
+
 /// A capped holder's renewal reaches the service this long after it is due (its next request,
 /// then its worker's tick and the call).
 const RENEWAL_MARGIN_MS: f64 = 20.0;
@@ -109,11 +114,13 @@ impl GlobalBucket {
                 holders: Vec::new(),
                 idle_at_ms: now_ms,
             },
-            // Empty at the epoch, with the whole rate held by the proxies of before; the first
-            // lease refills it from there (long after the epoch: full, as if never lost).
+            // Empty at the epoch but for the reserve (proxies within their fair share bridge
+            // with it until the renewing holders' shares are cut to theirs), with the whole rate
+            // held by the proxies of before; the first lease refills it from there (long after
+            // the epoch: full, as if never lost).
             ColdStart::Conservative { epoch_ms } => Self {
                 tokens: 0.0,
-                reserve: 0.0,
+                reserve: newcomers_reserve(item.burst) as f64,
                 updated_ms: epoch_ms.min(now_ms),
                 holders: vec![Holder {
                     instance: String::new(),
@@ -181,22 +188,53 @@ impl GlobalBucket {
         b.tokens + b.reserve
     }
 
-    /// Check the bucket against the item's evidence at `now_ms`: if it holds more tokens than
-    /// it can ([`LeaseItem::evidence_bound`]), the store lost writes (or lost the bucket and made
+    /// Check the bucket against `instance`'s evidence at `now_ms` (unless the store has served
+    /// the instance since that evidence): if it holds more tokens than it can
+    /// ([`LeaseItem::evidence_bound`]), the store lost writes (or lost the bucket and made
     /// it anew): it restarts empty (or in the debt the evidence shows), its whole rate held for
     /// one lease TTL (for leases of before that only their holders know: each gets its own back
     /// when it calls). True if so.
-    pub fn reconcile(&mut self, item: &LeaseItem, now_ms: u64, ttl_ms: u64) -> bool {
+    pub fn reconcile(
+        &mut self,
+        instance: &str,
+        item: &LeaseItem,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> bool {
         self.refill(item, now_ms);
         let Some(bound) = item.evidence_bound() else {
             return false;
         };
+        // The store remembers serving the instance at least as recently as the answer its
+        // evidence is of: it lost nothing since (tokens others gave back or repaid meanwhile
+        // may well exceed the evidence).
+        let since_ms = now_ms.saturating_sub(item.known_ms.saturating_add(EVIDENCE_TRANSIT_MS));
+        if self
+            .holders
+            .iter()
+            .any(|h| h.instance == instance && h.asked_ms >= since_ms)
+        {
+            return false;
+        }
         if self.tokens + self.reserve <= bound {
             return false;
         }
-        // Empty, or owing what the evidence says it owed (less the refill since).
+        // Empty but for the reserve (as a store that lost the bucket starts it), or owing what
+        // the evidence says it owed (less the refill since).
         self.tokens = bound.min(0.0).max(-(MAX_DEBT as f64));
-        self.reserve = 0.0;
+        // (One reserve per loss: not again while the rate is held for the holders of before.)
+        let holding = self
+            .holders
+            .first()
+            .is_some_and(|h| h.instance.is_empty() && h.until_ms > now_ms);
+        let reserve = newcomers_reserve(item.burst) as f64;
+        self.reserve = if bound < 0.0 {
+            0.0
+        } else if holding {
+            self.reserve.min(reserve)
+        } else {
+            reserve
+        };
         let before = Holder {
             instance: String::new(),
             share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
@@ -245,6 +283,9 @@ impl GlobalBucket {
         // it accrue since its last call (replaced now), less what it gave back.
         let before = self.holders.iter().find(|h| h.instance == instance);
         let demand_before = before.map_or(0, |h| h.demand);
+        let share_before = before
+            .filter(|h| h.until_ms > now_ms)
+            .map_or(0, |h| h.share);
         let outstanding = before.map_or(0, |h| {
             let reserved_ms = h.until_ms.min(now_ms).saturating_sub(h.asked_ms);
             let accrued = u128::from(h.share) * u128::from(reserved_ms) / 1_000_000;
@@ -308,7 +349,18 @@ impl GlobalBucket {
         };
         let fair_rate = max_min_fair(pool, &of_live(|h| h.demand))[at];
         let reserved = self.reserved_at(now_ms);
-        let share = demand.min(fair_rate).min(pool.saturating_sub(reserved));
+        // After a loss, an instance with evidence of the bucket renews: it was one of the
+        // holders the rate is held for (a token lease drawing on the refill has no share to
+        // show, only its demand), so it may take what it asks for of that rate. What nobody
+        // claims stays held.
+        let held_for_before = if after_loss && item.known_ms > 0 && at > 0 {
+            self.holders[0].share
+        } else {
+            0
+        };
+        let share = demand
+            .min(fair_rate)
+            .min((pool + held_for_before).saturating_sub(reserved));
         // A share that cannot accrue a few tokens within the lease is no share: what accrues
         // is lost at the lease's end. The bucket refills by it instead, and the instance asks
         // for its tokens (`retry_ms` says when one comes). A bucket in debt reserves nothing:
@@ -347,6 +399,11 @@ impl GlobalBucket {
         if share > 0 {
             self.holders[at].share = share;
             self.holders[at].until_ms = now_ms.saturating_add(ttl_ms);
+        }
+        if held_for_before > 0 {
+            // Only what it takes beyond its own share of before.
+            let taken = share.saturating_sub(share_before).min(held_for_before);
+            self.holders[0].share -= taken;
         }
         let asked = item.wanted > 0 || demand > 0;
         let nothing = asked && granted == 0 && share == 0;

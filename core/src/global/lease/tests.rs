@@ -148,15 +148,21 @@ fn the_reserve_is_for_those_within_their_fair_share() {
 fn a_cold_start_grants_nothing_for_one_lease_ttl_then_refills_from_empty() {
     let cold = ColdStart::Conservative { epoch_ms: 1_000 };
     let mut b = GlobalBucket::new(&item(10), 1_000, 10_000, cold);
+    // Only the newcomers' reserve (an eighth of the burst: 15), for an instance within its fair
+    // share; then nothing.
+    let g = b.lease("a", &rated(10, 2.0), 1_000, 10_000);
+    assert_eq!((g.granted, g.rate), (10, 0.0));
+    let g = b.lease("a", &rated(10, 2.0), 1_000, 10_000);
+    assert_eq!((g.granted, g.rate), (5, 0.0));
     let g = b.lease("a", &rated(10, 2.0), 1_000, 10_000);
     assert_eq!((g.granted, g.rate), (0, 0.0));
     assert_eq!(
         g.retry_ms, 10_000,
         "asks again when the old leases have ended"
     );
-    // 5 s after the reservation of before the restart ended: 10 tokens.
+    // 5 s after the reservation of before the restart ended: 10 tokens, and the reserve's 15.
     let mut b = GlobalBucket::new(&item(100), 16_000, 10_000, cold);
-    assert_eq!(b.lease("a", &item(100), 16_000, 10_000).granted, 10);
+    assert_eq!(b.lease("a", &item(100), 16_000, 10_000).granted, 25);
     // Long after the start, a new bucket is full.
     let mut b = GlobalBucket::new(&item(100), 100_000, 10_000, cold);
     assert_eq!(b.lease("a", &item(120), 100_000, 10_000).granted, 120);
@@ -179,9 +185,11 @@ fn auto_starts_full_unless_the_store_lost_state_and_evidence_reconciles() {
         known_remaining: 30,
         ..item(10)
     };
-    assert!(b.reconcile(&evidence, 0, 10_000));
-    // Emptied, the whole rate held for a TTL: nothing for 10 s, then the refill.
-    assert_eq!(b.lease("a", &evidence, 0, 10_000).granted, 0);
+    assert!(b.reconcile("b", &evidence, 0, 10_000));
+    // Emptied but for the newcomers' reserve (15), the whole rate held for a TTL: the reserve,
+    // then nothing for 10 s, then the refill.
+    assert_eq!(b.lease("a", &evidence, 0, 10_000).granted, 10);
+    assert_eq!(b.lease("a", &item(10), 1, 10_000).granted, 5);
     assert_eq!(b.lease("a", &item(10), 9_999, 10_000).granted, 0);
     assert_eq!(b.lease("a", &item(10), 12_000, 10_000).granted, 4);
     // Evidence that agrees changes nothing.
@@ -192,7 +200,13 @@ fn auto_starts_full_unless_the_store_lost_state_and_evidence_reconciles() {
         known_remaining: 100,
         ..item(10)
     };
-    assert!(!b.reconcile(&agrees, 1, 10_000));
+    assert!(!b.reconcile("b", &agrees, 1, 10_000));
+    // Evidence of an instance the store has served since the answer it is of: nothing was lost
+    // (others may have given back or repaid more than the evidence shows).
+    let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);
+    b.lease("a", &item(20), 5_000, 10_000);
+    assert!(!b.reconcile("a", &evidence, 10_000, 10_000));
+    assert!(b.reconcile("c", &evidence, 10_000, 10_000));
 }
 
 /// Everything instances may admit by `now`: the tokens granted, and each rate lease's refill
@@ -229,7 +243,7 @@ fn admissible(events: &[(usize, u64, u64, f64)], ttl: u64, cold: ColdStart) -> V
 proptest::proptest! {
     /// Whatever instances ask and whenever: what they may admit stays within
     /// `burst + rate × elapsed` (here 20 + 7 per 3 s), and after a conservative cold start
-    /// within `rate × (elapsed − ttl)`.
+    /// within `burst / 8 + rate × (elapsed − ttl)`.
     #[test]
     fn rate_leases_never_exceed_the_global_bound(
         events in proptest::collection::vec(
@@ -244,7 +258,8 @@ proptest::proptest! {
         };
         for (now, total) in admissible(&events, ttl, cold) {
             let bound = if conservative {
-                7.0 / 3_000.0 * now.saturating_sub(ttl) as f64
+                // The newcomers' reserve (an eighth of the burst), then the refill.
+                2.0 + 7.0 / 3_000.0 * now.saturating_sub(ttl) as f64
             } else {
                 20.0 + 7.0 / 3_000.0 * now as f64
             };

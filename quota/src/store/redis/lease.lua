@@ -32,6 +32,8 @@ local checks = cold ~= '0'
 local max_debt = 1000000000000
 -- A capped holder's renewal reaches the service this long after it is due (RENEWAL_MARGIN_MS).
 local renewal_margin = 20
+-- A call and its answer on top of the age of a caller's evidence (EVIDENCE_TRANSIT_MS).
+local evidence_transit_ms = 250
 
 -- A slot's marker: its epoch, and whether it lost buckets in use.
 local function read_marker(v)
@@ -114,7 +116,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     end
     kept = 0
     if cold == '1' or (cold == '2' and (lost or known > 0)) then
-      tokens, updated = 0, min(epoch, now)
+      tokens, updated, kept = 0, min(epoch, now), reserve
       n = 1
       N[1], W[1], D[1], A[1], S[1], U[1], O[1] = '', 0, 0, epoch, rate_mtps + 1, epoch + ttl, 0
     else
@@ -161,7 +163,13 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   -- More tokens than the caller's evidence allows: the slot lost writes (or the bucket, made
   -- anew meanwhile). Empty (or in the debt the evidence shows), the whole rate held for a TTL
   -- (GlobalBucket::reconcile).
-  if checks and known > 0 then
+  -- (Not if the slot has served the caller since the answer its evidence is of: nothing was
+  -- lost; tokens others gave back or repaid meanwhile may exceed the evidence.)
+  local served_since = false
+  for i = 1, n do
+    if N[i] == instance and A[i] >= now - known - evidence_transit_ms then served_since = true end
+  end
+  if checks and known > 0 and not served_since then
     local bound
     if kd > 0 then
       bound = -min(kd, max_debt) + 1 + rate * known
@@ -170,7 +178,14 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     end
     if tokens + kept > bound then
       tokens = max(min(bound, 0), -max_debt)
-      kept = 0
+      -- (One reserve per loss: not again while the rate is held for the holders of before.)
+      if bound < 0 then
+        kept = 0
+      elseif n > 0 and N[1] == '' and U[1] > now then
+        kept = min(kept, reserve)
+      else
+        kept = reserve
+      end
       hold_for_before(rate_mtps)
       reconciled = true
       local epoch, lost = read_marker(call('GET', mkey))
@@ -190,11 +205,12 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
 
   -- What the instance may give back: what it was granted, and what its reservation let it
   -- accrue since its last call (replaced now), less what it gave back.
-  local outstanding, demand_before = 0, 0
+  local outstanding, demand_before, share_before = 0, 0, 0
   for i = 1, n do
     if N[i] == instance and (A[i] + ttl > now or U[i] > now) then
       outstanding = O[i] + floor(S[i] * max(min(U[i], now) - A[i], 0) / 1e6)
       demand_before = D[i]
+      if U[i] > now then share_before = S[i] end
     end
   end
   local back = min(returned, outstanding)
@@ -258,7 +274,11 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   for i = 1, n do
     if U[i] > now then held = held + S[i] end
   end
-  local share = min(demand, fair_rate, max(pool - held, 0))
+  -- After a loss, an instance with evidence of the bucket renews: it may take what it asks for
+  -- of the rate held for the holders of before; what nobody claims stays held.
+  local held_for_before = 0
+  if after_loss and known > 0 and at > 1 then held_for_before = S[1] end
+  local share = min(demand, fair_rate, max(pool + held_for_before - held, 0))
   -- A share that cannot accrue two tokens within the lease is none (MIN_RESERVED_MTPS_MS); a
   -- bucket in debt reserves nothing.
   if share * ttl < 2000000 or tokens < 0 then share = 0 end
@@ -280,6 +300,9 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   O[at] = O[at] + granted
   if share > 0 then
     S[at], U[at] = share, now + ttl
+  end
+  if held_for_before > 0 then
+    S[1] = S[1] - min(max(share - share_before, 0), held_for_before)
   end
 
   -- When the bucket is full again, and when one that got nothing may ask again.
