@@ -12,6 +12,8 @@ targets=${FUZZ_TARGETS:-configuration requests quota_answers call_bodies}
 PROPTEST_CASES=$cases cargo test -p tollgate --lib -- fuzz_ every_configuration_seed_parses \
     arbitrary_header_bytes_are_handled keys_are_unambiguous any_lease_answer_is_read_safely
 PROPTEST_CASES=$cases cargo test -p tollgate-quota --test service -- fuzz_
+# The fleet's bound: a simulated fleet over the real lease code, checked at every admission.
+PROPTEST_CASES=$cases cargo test --release -p tollgate-core --test fleet -- bound::
 
 rustc +nightly --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked
@@ -28,12 +30,14 @@ blocks = [b.split("```")[0] for b in docs.split("```json")[1:] if '"rules"' in b
 for i, block in enumerate(blocks):
     (corpus / "configuration" / f"docs-{i}").write_text(block)
     (corpus / "requests" / f"docs-{i}").write_bytes(bytes([i]) + b"10.0.0.1:4000\n\x00u1\n\x02/api")
-lease = {"items": [{"granted": 5, "ttl_ms": 10000, "remaining": 7, "reset_ms": 1000, "rate": 0.5}]}
+lease = {"items": [{"granted": 5, "ttl_ms": 10000, "remaining": 7, "reset_ms": 1000, "rate": 0.5,
+                    "debt": 3, "revoked": 1}]}
 slots = {"items": [{"held": 2, "share": 2, "free": 3, "ttl_ms": 10000}]}
 (corpus / "quota_answers" / "ok").write_bytes(
     b"200\x00" + json.dumps(lease).encode() + b"\x00" + json.dumps(slots).encode() + b"\x0010.0.0.1\n\x00u")
 item = {"rule": "r", "limit_id": "l", "key": "k", "requests": 10, "per_ms": 1000, "burst": 20,
-        "wanted": 5, "used": 1, "demand": 2.5, "known_ms": 100, "known_remaining": 3, "returned": 1}
+        "wanted": 5, "used": 1, "demand": 2.5, "known_ms": 100, "known_remaining": 3, "returned": 1,
+        "owed": 7, "held": 2, "share": 2.5, "share_ms": 900}
 (corpus / "call_bodies" / "lease").write_bytes(b"\x00" + json.dumps({"instance": "p", "items": [item]}).encode())
 slot = {"rule": "r", "limit_id": "l", "key": "k", "concurrent": 10, "wanted": 2, "keep": 1, "known_held": 1}
 (corpus / "call_bodies" / "slots").write_bytes(b"\x01" + json.dumps({"instance": "p", "items": [slot]}).encode())

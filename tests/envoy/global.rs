@@ -808,24 +808,29 @@ fn across_a_restart(cold: Option<&'static str>, mut redis: Option<&mut Redis>) -
 #[test]
 fn a_restarted_quota_service_or_an_emptied_redis_admits_no_more_than_the_limit() {
     // The defaults: a new deployment gets its burst at once (checked in `across_a_restart`), and
-    // the proxy's evidence makes the restarted store start the bucket conservatively.
+    // the proxy's evidence makes the restarted store start the bucket conservatively — but for
+    // the reserve, and a token: what the bound states a loss may add (docs/quota-api.md).
+    let loss = 50 / 8 + 1;
     let (admitted, bound) = across_a_restart(None, None);
-    eprintln!("memory store restarted: {admitted} admitted, bound {bound}");
+    eprintln!("memory store restarted: {admitted} admitted, bound {bound} + {loss}");
     assert!(
-        admitted <= bound,
-        "memory: {admitted} admitted, bound {bound}"
+        admitted <= bound + loss,
+        "memory: {admitted} admitted, bound {bound} + {loss}"
     );
     let mut redis = Redis::start();
     let (admitted, bound) = across_a_restart(None, Some(&mut redis));
-    eprintln!("Redis restarted empty: {admitted} admitted, bound {bound}");
+    eprintln!("Redis restarted empty: {admitted} admitted, bound {bound} + {loss}");
     assert!(
-        admitted <= bound,
-        "redis: {admitted} admitted, bound {bound}"
+        admitted <= bound + loss,
+        "redis: {admitted} admitted, bound {bound} + {loss}"
     );
     // What `--cold-start full` costs: a restart grants the burst again.
     let (admitted, bound) = across_a_restart(Some("full"), None);
     eprintln!("memory store restarted, full: {admitted} admitted, bound {bound}");
-    assert!(admitted > bound, "full: {admitted} admitted, bound {bound}");
+    assert!(
+        admitted > bound + loss,
+        "full: {admitted} admitted, bound {bound} + {loss}"
+    );
 }
 
 /// A Redis that keeps its data (append-only file) restarted under load: the service reconnects,

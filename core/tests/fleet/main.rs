@@ -335,7 +335,7 @@ mod bound {
             setup.jitter_ms = jitter_ms;
             setup.seed = seed;
             if conservative {
-                setup.cold = tollgate_core::global::lease::ColdStart::Conservative { epoch_ms: 0 };
+                setup.cold = ColdStart::Conservative { epoch_ms: 0 };
             }
             let mut fleet = Fleet::new(setup, loads);
             for e in events {
