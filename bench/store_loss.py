@@ -9,15 +9,18 @@ a second (burst 50) leased from one `tollgate-quota` on the memory store (defaul
 requests a second over two keep-alive connections (the fleet's demand is twice the limit; the four
 connections are spaced 10 ms apart). `--kill-at` seconds in, the quota service is SIGKILLed and
 started again on the same port `--outage` later (it forgot everything); the load goes on to
-`--seconds`. Every request's send time, answer time and status is recorded.
+`--seconds` (by default 16 s: past a lease TTL, 10 s, after the restart). Every request's send
+time, answer time and status is recorded.
 
 Each variant (`after`: this tree's `make build quota`; `before`: the module and service given by
-`--before-module` and `--before-quota`) is run `--runs` times, interleaved; the chart shows the run
-whose admissions in the 3 s after the restart are the median of its variant's (`--pick` chooses
-another). Measurements go to target/store-loss.json; `--plot-only` redraws from it.
+`--before-module` and `--before-quota`) is run `--runs` times, interleaved, each once the machine's
+load average is below its cores (or after a minute); the chart shows the run whose admissions in the
+3 s after the restart are the median of its variant's (`--pick` chooses another). Measurements go to
+target/store-loss.json; `--plot-only` redraws from it. The chart needs matplotlib (`make bench`
+installs it in .venv).
 
-    python3 bench/store_loss.py --before-module /path/to/old/tollgate.wasm \\
-        --before-quota /path/to/old/tollgate-quota      # measure both, then draw (needs matplotlib)
+    .venv/bin/python bench/store_loss.py --before-module /path/to/old/tollgate.wasm \\
+        --before-quota /path/to/old/tollgate-quota      # measure both, then draw
     .venv/bin/python bench/store_loss.py --plot-only    # redraw from target/store-loss.json
 
 Not part of `make test` or `make bench`. The load is light (100 requests a second, loopback only).
@@ -173,9 +176,13 @@ def pick(runs, index):
 
 
 def chart(results, choice, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no chart")
+        return
 
     fig, (rate_ax, cum_ax) = plt.subplots(1, 2, figsize=(10, 5), gridspec_kw={"width_ratios": [3, 2]})
     seconds = results["seconds"]
@@ -206,7 +213,7 @@ def chart(results, choice, path):
             cum_ax.plot(bound_t, [BURST, BURST + RATE * seconds], color="black", linestyle=":",
                         label=f"bound: {BURST} + {RATE} × t")
     rate_ax.axhline(RATE * BUCKET_MS / 1000, color="black", linestyle=":",
-                    label=f"the limit's rate ({RATE * BUCKET_MS // 1000} per {BUCKET_MS} ms)")
+                    label=f"the limit's rate ({RATE * BUCKET_MS // 1000} per {BUCKET_MS} ms, {RATE * 3} in 3 s)")
     killed = min(outages)
     for ax in (rate_ax, cum_ax):
         ax.axvspan(killed, 0, color="black", alpha=0.12, linewidth=0)
@@ -215,7 +222,7 @@ def chart(results, choice, path):
         ax.grid(alpha=0.3)
         ax.set_xlabel("seconds from the quota service's restart")
     # The steady state before the loss, not the first burst of the run (the right panel has it).
-    rate_ax.set_xlim(killed - 2.5, (seconds * 1000 - min(r["back_ms"] for runs in results["variants"].values()
+    rate_ax.set_xlim(killed - 2, (seconds * 1000 - min(r["back_ms"] for runs in results["variants"].values()
                                                         for r in runs)) / 1000)
     rate_ax.set_ylim(0, 12)
     rate_ax.text(killed, 11.6, "killed ", ha="right", va="top", fontsize=8)
@@ -278,7 +285,8 @@ def main():
         for n, run in enumerate(runs):
             mark = "*" if n == choice[label] else " "
             print(f"{mark} {label} {n}: {json.dumps(run['summary'])}")
-        print(f"  {label}: 3 s after the restart, median {statistics.median(r['summary']['three_seconds'] for r in runs)}")
+        median = statistics.median(r["summary"]["three_seconds"] for r in runs)
+        print(f"  {label}: admitted in the 3 s after the restart, median of the runs {median}")
     chart(results, choice, args.chart)
 
 

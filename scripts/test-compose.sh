@@ -2,10 +2,13 @@
 # `make test-compose`: the Docker demo as a user runs it, checked. Builds the module and the quota
 # service image, `docker compose up -d --build`, runs the walk-through (demo/curl.sh, which waits
 # for readiness) and checks every step's status codes and rule names, then: published ports are
-# on 127.0.0.1 only, the quota service refuses calls without its token, and `docker compose
-# restart redis` loses no budget and makes no request fall back. Ends with `docker compose down -v`,
-# also on failure. Needs Docker (Engine and Compose v2 `docker compose` or v1 `docker-compose`)
-# and the images the compose file names (pulled, or built locally).
+# on 127.0.0.1 only, the quota service refuses calls without its token, `docker compose restart
+# redis` loses no budget and makes no request fall back, and `docker compose restart quota` (the
+# service restarted in front of the same Redis) under light load within the /search limit, through
+# both Envoys, refuses none of it and decides none by the failure mode, the limit still refusing
+# past its quota after it. Ends with `docker compose down -v`, also on failure. Needs Docker
+# (Engine and Compose v2 `docker compose` or v1 `docker-compose`) and the images the compose file
+# names (pulled, or built locally).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -99,6 +102,7 @@ for i in 1 2 3 4 5 6; do
   done
   sleep 0.5
 done
+last_search_ms=$(date +%s%3N)
 elapsed=$((SECONDS - started))
 # 6 a minute: since the walk-through began, at most one more per 10 s could have come back.
 allowed=$((elapsed / 10 + 1))
@@ -114,6 +118,93 @@ errors=$(curl -s http://127.0.0.1:8090/metrics | awk '/^tollgate_quota_storage_e
 calls=$(( $(quota_calls) - calls_before ))
 [ "$calls" -gt 0 ] || fail "no quota call after the Redis restart: nothing was checked"
 echo "test-compose: Redis restarted: no budget lost, 0 fallbacks, 0 storage errors ($calls calls after it)"
+
+# A quota service restart under light load: `docker compose restart quota` stops the service
+# (SIGTERM: it stops listening and lets calls in progress finish) and starts it again in front of
+# the same Redis, while the proxies hold leases of /search and evidence of its bucket. The load is
+# under the limit (6 a minute: a token every 10 s): one request every 11 s, alternating Envoys (A,
+# B, A, B, restart, A, B), once the bucket has refilled to 5 tokens or more (50 s without a /search
+# request), as light traffic leaves it. Both proxies' last answer for /search had nothing (the
+# walk-through and the Redis check spent the bucket): their first requests are those of clients
+# that come back when told. The limit allows every one of these: none may be refused, none decided
+# by the failure mode (`allow` here: the `fallback` counters must not move), and the limit must
+# still refuse past its quota after the restart.
+now_ms() { date +%s%3N; }
+sleep_until_ms() {
+  local wait=$(($1 - $(now_ms)))
+  if [ "$wait" -gt 0 ]; then sleep "$((wait / 1000)).$(printf '%03d' $((wait % 1000)))"; fi
+}
+clock() { date -u +%H:%M:%S.%3N; } # UTC, as the quota service logs
+search_stat() { # a /search counter, summed over both Envoys
+  local total=0 n admin
+  for admin in http://127.0.0.1:9901 http://127.0.0.1:9902; do
+    n=$(curl -s "$admin/stats/prometheus" \
+      | awk -v name="tollgate_rule_$1{tollgate_rule=\"search\"}" '$1 == name {print $2}')
+    total=$((total + ${n:-0}))
+  done
+  echo "$total"
+}
+quota_failures() {
+  local total=0 n admin
+  for admin in http://127.0.0.1:9901 http://127.0.0.1:9902; do
+    n=$(curl -s "$admin/stats/prometheus" | awk '/^tollgate_quota_failures\{\}/ {print $2}')
+    total=$((total + ${n:-0}))
+  done
+  echo "$total"
+}
+quota_started() { docker inspect -f '{{.State.StartedAt}}' "$(compose ps -q quota)"; }
+envoy_url() { if [ "$1" = A ]; then echo http://127.0.0.1:10000; else echo http://127.0.0.1:10001; fi; }
+fallbacks_before=$(search_stat fallback)
+failures_before=$(quota_failures)
+quota_start_before=$(quota_started)
+first_ms=$((last_search_ms + 45000))
+echo "test-compose: /search under its limit across \`docker compose restart quota\`:"
+refused=""
+i=0
+# offset (ms after the first):Envoy, or restart
+for step in 0:A 500:B 11000:A 22000:B 27500:restart 33000:A 44000:B; do
+  IFS=: read -r offset what <<<"$step"
+  sleep_until_ms $((first_ms + offset))
+  at=$(clock)
+  if [ "$what" = restart ]; then
+    t=$(now_ms)
+    compose restart quota >/dev/null 2>&1 || fail "docker compose restart quota failed"
+    echo "    $at quota restarted ($(($(now_ms) - t)) ms)"
+    continue
+  fi
+  code=$(curl -s -o /dev/null --max-time 10 -w '%{http_code}' "$(envoy_url "$what")/search?q=quota-$offset")
+  i=$((i + 1))
+  echo "    $at $what $code"
+  [ "$code" = 200 ] || refused="$refused $at:$what:$code"
+done
+[ "$(quota_started)" != "$quota_start_before" ] || fail "the quota service did not restart"
+fallbacks=$(($(search_stat fallback) - fallbacks_before))
+failures=$(($(quota_failures) - failures_before))
+[ -z "$refused" ] || fail "the quota restart: /search under its limit not admitted:$refused ($fallbacks fallbacks, $failures failed quota calls)"
+[ "$fallbacks" = 0 ] || fail "the quota restart: $fallbacks /search requests decided by the failure mode ($failures failed quota calls)"
+items=$(curl -s http://127.0.0.1:8090/metrics | awk '/^tollgate_quota_lease_items_total/ {print $2}')
+[ "${items:-0}" -gt 0 ] || fail "the restarted quota service served no lease item: nothing was checked"
+# Past its quota: 8 requests back to back, right after the last one.
+burst_admitted=0
+burst_refused=0
+for envoy in A B A B A B A B; do
+  code=$(curl -s -o /dev/null --max-time 10 -w '%{http_code}' "$(envoy_url $envoy)/search?q=burst")
+  case $code in
+    200) burst_admitted=$((burst_admitted + 1)) ;;
+    429) burst_refused=$((burst_refused + 1)) ;;
+    *) fail "a /search request past the quota after the quota restart got $code" ;;
+  esac
+done
+[ "$burst_refused" -gt 0 ] || fail "after the quota restart, 8 /search requests back to back: none refused"
+# The global limit over the whole run: the bucket (6) and a token per 10 s since the walk-through
+# began (a second more for the rounding of $SECONDS).
+elapsed=$((SECONDS - started))
+admitted_all=$(search_stat allowed)
+bound=$((6 + (elapsed + 1) / 10))
+[ "$admitted_all" -le "$bound" ] || fail "the global limit: $admitted_all /search admitted in ${elapsed}s (bound $bound)"
+fallbacks=$(($(search_stat fallback) - fallbacks_before))
+[ "$fallbacks" = 0 ] || fail "after the quota restart: $fallbacks /search requests decided by the failure mode"
+echo "test-compose: quota restarted: $i of $i /search under the limit admitted, 0 fallbacks ($failures failed quota calls); then $burst_admitted of 8 back to back admitted; $admitted_all admitted in all in ${elapsed}s (bound $bound); the restarted service served $items lease items"
 
 compose down -v --remove-orphans
 trap - EXIT

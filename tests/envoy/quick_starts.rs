@@ -286,6 +286,46 @@ fn a_global_rule_of_a_few_a_minute_keeps_to_its_rate() {
     assert_eq!(admitted, 3.0, "{statuses:?}");
 }
 
+/// The demo's low global rule (6 a minute, burst 1, over two Envoys): a client refused on both
+/// Envoys comes back when `Retry-After` says, on either, and is admitted — not refused once more
+/// while its proxy asks the service again after an answer that had nothing.
+#[test]
+fn a_client_that_comes_back_when_told_is_admitted() {
+    let quota = Quota::start(&[]);
+    let plugin = json!({
+        "rules": [{"name": "search", "scope": "global", "limit": {"requests": 6, "per": "1m"},
+                   "burst": 1}],
+        "quota_service": {"upstream": "quota", "instances_hint": 2, "lease_size": 1}
+    });
+    let envoys = [envoy(&quota, &plugin), envoy(&quota, &plugin)];
+    let ask = |e: &Envoy| {
+        let reply = Client::new().get(&e.url("/"), &[("x-user", "anyone")]);
+        let retry: Option<u64> = reply.header("retry-after").and_then(|v| v.parse().ok());
+        (reply.status, retry)
+    };
+    assert_eq!(ask(&envoys[0]).0, 200, "the burst");
+    // Both Envoys' last answers for the key had nothing.
+    let mut wait = 0;
+    for e in &envoys {
+        let (status, retry) = ask(e);
+        assert_eq!(status, 429);
+        wait = wait.max(retry.expect("Retry-After"));
+    }
+    for (round, e) in envoys.iter().enumerate() {
+        std::thread::sleep(Duration::from_secs(wait) + Duration::from_millis(100));
+        let (status, retry) = ask(e);
+        assert_eq!(
+            status, 200,
+            "round {round}: came back after {wait} s: {status} {retry:?}"
+        );
+        // Refused again at once (the token is spent), with the wait until the next one.
+        let (status, retry) = ask(&envoys[1 - round]);
+        assert_eq!(status, 429);
+        wait = retry.expect("Retry-After");
+        assert!((9..=10).contains(&wait), "{wait}");
+    }
+}
+
 #[test]
 fn a_local_burst_back_to_back_on_fresh_connections_is_admitted_in_full() {
     // 100 a minute with a burst of 20 per user, every default (worker stashes on): 21 requests

@@ -435,21 +435,26 @@ impl LeaseAllowance {
                 claim: Some(encode(&p.claimed(now_ms, self.claim_ms))),
             };
         }
-        // Exhausted until the mark; or the last answer had nothing for this key and the next is
-        // on its way: refuse rather than hold requests for what is most likely nothing again.
-        if !owes && marked && (p.mark_flags & EXHAUSTED != 0 || p.flags & DENIED != 0) {
+        // When the global bucket can have this request's tokens at the earliest, by the last
+        // answer: its debt repaid and `cost` tokens back at the full rate.
+        let missing = (cost as i64)
+            .saturating_sub(p.reported)
+            .max(1)
+            .unsigned_abs();
+        let refilled_ms = u64::try_from(
+            (u128::from(missing) * u128::from(self.global_interval_ns)).div_ceil(1_000_000),
+        )
+        .unwrap_or(u64::MAX);
+        let token_back_ms = p.base.saturating_add(refilled_ms).saturating_sub(now_ms);
+        // Exhausted until the mark; or the last answer had nothing for this key, the next is on
+        // its way, and by the last the tokens cannot be back yet: refuse rather than hold
+        // requests for what is most likely nothing again. (Once they can be, the requests wait
+        // for the answer, as for a first lease: a client that came back when told is not
+        // refused for the call's time.)
+        let nothing_yet = p.flags & DENIED != 0 && token_back_ms > 0;
+        if !owes && marked && (p.mark_flags & EXHAUSTED != 0 || nothing_yet) {
             // This proxy asks again at the mark (a share may free up sooner); the client is told
-            // when the global bucket can have this request's tokens at the earliest, by the
-            // answer: its debt repaid and `cost` tokens back at the full rate.
-            let missing = (cost as i64)
-                .saturating_sub(p.reported)
-                .max(1)
-                .unsigned_abs();
-            let refilled_ms = u64::try_from(
-                (u128::from(missing) * u128::from(self.global_interval_ns)).div_ceil(1_000_000),
-            )
-            .unwrap_or(u64::MAX);
-            let token_back_ms = p.base.saturating_add(refilled_ms).saturating_sub(now_ms);
+            // when the global bucket can have this request's tokens at the earliest.
             let wait = (p.mark - now_ms)
                 .max(token_back_ms)
                 .saturating_mul(1_000_000);

@@ -195,20 +195,38 @@ fn running_low_asks_again_only_when_asking_can_get_more() {
     let s = l.grant(&[0; STATE_BYTES], T0, &g);
     let next = allowed(&l, &s, T0 + 100);
     assert!(l.claimed(&s, &next));
-    // Refused for want of quota: the next ask wants the whole rate, and while it is on its
-    // way, requests are refused rather than held (only the claimant waits).
-    let none = l.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
-    assert_eq!(l.ask(&none, T0 + 200).demand_mtps, 100_000);
+    // Refused for want of quota (a global bucket of 1 a second, empty by the answer): the
+    // next ask wants the whole rate, and while it is on its way, before a token can be back in
+    // the bucket, requests are refused rather than held (only the claim is sent).
+    let slow = LeaseAllowance {
+        global_interval_ns: 1_000 * MS,
+        ..lease()
+    };
+    let none = slow.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
+    assert_eq!(slow.ask(&none, T0 + 200).demand_mtps, 100_000);
     let Decision::Wait {
         claim: Some(claimed),
-    } = l.decide(&none, (T0 + 200) * MS, 1)
+    } = slow.decide(&none, (T0 + 200) * MS, 1)
     else {
         panic!("the mark expired: a claim");
     };
     assert!(matches!(
-        l.decide(&claimed, (T0 + 201) * MS, 1),
+        slow.decide(&claimed, (T0 + 201) * MS, 1),
         Decision::Refuse { .. }
     ));
+    // Once a token can be back by the last answer (a second after it), the requests wait for
+    // the answer on its way, as for a first lease: a client that came back when told is not
+    // refused for the call's time.
+    let Decision::Wait {
+        claim: Some(claimed),
+    } = slow.decide(&none, (T0 + 1_000) * MS, 1)
+    else {
+        panic!("a claim");
+    };
+    assert_eq!(
+        slow.decide(&claimed, (T0 + 1_001) * MS, 1),
+        Decision::Wait { claim: None }
+    );
 }
 
 #[test]
