@@ -22,8 +22,8 @@ async fn evidence_empties_a_bucket_made_anew(store: &Store) {
         .unwrap()[0];
     // Emptied but for the newcomers' reserve (12): 3 + 1 + 100/s × 0.5 s < 75 left. The rate
     // is held for the holders of before, and the caller, one of them, takes what it asks for of
-    // it.
-    assert_eq!((g.granted, g.remaining, g.rate), (12, 0, 50.0), "{g:?}");
+    // it (so not the reserve: that is for those left short).
+    assert_eq!((g.granted, g.remaining, g.rate), (0, 0, 50.0), "{g:?}");
 }
 
 /// A key whose hash tag (`tg:lim:<key>`) is in the same Redis slot as key `k`'s, so that both
@@ -54,14 +54,14 @@ async fn auto_cold_start_story(
     // After the loss, the proxy that was answered calls with its evidence: the store lost the
     // bucket, which starts empty but for the newcomers' reserve (12), with its rate held for a
     // TTL for the holders of before. The caller is one of them: it renews what it asks for of
-    // that rate at once.
+    // that rate at once (and so leaves the reserve to those left short).
     let g = after
         .lease("a", &[known("k", 1_200, 75)], ttl)
         .await
         .unwrap()[0];
     assert_eq!(
         (g.granted, g.remaining, g.rate),
-        (12, 0, 50.0),
+        (0, 0, 50.0),
         "lost: {g:?}"
     );
     // Another proxy with evidence takes the rest; none is left for a third.
@@ -70,7 +70,10 @@ async fn auto_cold_start_story(
         .await
         .unwrap()[0];
     assert_eq!((g.granted, g.rate), (0, 50.0), "{g:?}");
+    // A third, left with no share, gets the reserve (12), then nothing.
     let g = after.lease("d", &[known("k", 900, 75)], ttl).await.unwrap()[0];
+    assert_eq!((g.granted, g.rate), (12, 0.0), "{g:?}");
+    let g = after.lease("d", &[known("k", 1, 0)], ttl).await.unwrap()[0];
     assert_eq!((g.granted, g.rate), (0, 0.0), "{g:?}");
     assert!((5_000..=10_000).contains(&g.retry_ms), "{g:?}");
     // The store (on Redis: the slot) is known to have lost state: a key it does not know starts
@@ -210,7 +213,7 @@ async fn auto_cold_start_serves_a_new_deployment_and_holds_the_limit_after_a_los
         .unwrap()[0];
     // More than the evidence allows: emptied but for the newcomers' reserve; the caller, a
     // holder of before, takes the rate it asks for.
-    assert_eq!((g.granted, g.remaining, g.rate), (12, 0, 50.0), "{g:?}");
+    assert_eq!((g.granted, g.remaining, g.rate), (0, 0, 50.0), "{g:?}");
 }
 
 #[tokio::test]
@@ -407,23 +410,28 @@ async fn a_redis_clock_stepped_back_keeps_holdings_and_reservations_one_term_at_
     );
 }
 
+/// A memory store and a Redis store on `redis`, both with the automatic cold start.
+async fn auto_stores(redis: &Redis) -> [Store; 2] {
+    let auto = || ColdStart::Auto {
+        epoch_ms: tollgate_quota::store::now_ms(),
+    };
+    [
+        Store::Memory(MemoryStore::new(100, auto())),
+        Store::Redis(
+            RedisStore::connect(&single(redis), Duration::from_millis(200), auto())
+                .await
+                .unwrap(),
+        ),
+    ]
+}
+
 /// Tokens given back after a proxy's evidence can leave a bucket fuller than that evidence
 /// allows: the store that has served the proxy since lost nothing, and serves it as usual (both
 /// stores).
 #[tokio::test]
 async fn give_backs_beyond_a_served_proxys_evidence_are_no_loss() {
-    let auto = || ColdStart::Auto {
-        epoch_ms: tollgate_quota::store::now_ms(),
-    };
     let redis = Redis::start();
-    let stores = [
-        Store::Memory(MemoryStore::new(100, auto())),
-        Store::Redis(
-            RedisStore::connect(&single(&redis), Duration::from_millis(200), auto())
-                .await
-                .unwrap(),
-        ),
-    ];
+    let stores = auto_stores(&redis).await;
     for store in &stores {
         let ttl = 10_000;
         let take = |n| LeaseItem {
@@ -458,5 +466,36 @@ async fn give_backs_beyond_a_served_proxys_evidence_are_no_loss() {
             .await
             .unwrap()[0];
         assert_eq!((g.granted, g.remaining), (30, 10), "{g:?}");
+    }
+}
+
+/// A bucket made anew full by a caller without evidence, then evidence old enough to allow what
+/// it holds (70 + 12 + 1 + 100/s × 0.9 s > 71): the store has no record of serving that caller
+/// within a term, so it lost the bucket all the same, and empties it (both stores): what the
+/// first caller got is all a loss added.
+#[tokio::test]
+async fn old_evidence_still_shows_a_bucket_made_anew() {
+    let redis = Redis::start();
+    let stores = auto_stores(&redis).await;
+    for store in &stores {
+        let g = store.lease("new", &[rated("anew")], 10_000).await.unwrap()[0];
+        assert_eq!((g.granted, g.remaining), (25, 75), "no evidence: full");
+        let g = store
+            .lease(
+                "new",
+                &[LeaseItem {
+                    wanted: 4,
+                    ..rated("anew")
+                }],
+                10_000,
+            )
+            .await
+            .unwrap()[0];
+        assert_eq!(g.remaining, 71);
+        let g = store
+            .lease("old", &[known("anew", 900, 70)], 10_000)
+            .await
+            .unwrap()[0];
+        assert_eq!((g.granted, g.remaining, g.rate), (0, 0, 50.0), "{g:?}");
     }
 }

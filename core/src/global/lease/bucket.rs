@@ -216,35 +216,43 @@ impl GlobalBucket {
         {
             return false;
         }
-        if self.tokens + self.reserve <= bound {
-            return false;
-        }
-        // Empty but for the reserve (as a store that lost the bucket starts it), or owing what
-        // the evidence says it owed (less the refill since).
-        self.tokens = bound.min(0.0).max(-(MAX_DEBT as f64));
-        // (One reserve per loss: not again while the rate is held for the holders of before.)
+        // The rate is already held for the holders of before: this loss is known.
         let holding = self
             .holders
             .first()
             .is_some_and(|h| h.instance.is_empty() && h.until_ms > now_ms);
+        // A store that served the instance within a term remembers it (a holder is kept a term
+        // after it asked): one that does not lost the bucket since, however many tokens it
+        // holds now (a bucket made anew full may hold fewer than old evidence allows).
+        let forgot = !holding && item.known_ms.saturating_add(EVIDENCE_TRANSIT_MS) < ttl_ms;
+        if !forgot && self.tokens + self.reserve <= bound {
+            return false;
+        }
+        // Empty but for the reserve (as a store that lost the bucket starts it), or owing what
+        // the evidence says it owed (less the refill since); never more than it held.
+        let tokens = self.tokens + self.reserve;
+        self.tokens = bound.min(0.0).min(tokens).max(-(MAX_DEBT as f64));
         let reserve = newcomers_reserve(item.burst) as f64;
-        self.reserve = if bound < 0.0 {
+        self.reserve = if bound < 0.0 || tokens < 0.0 {
             0.0
         } else if holding {
+            // (One reserve per loss.)
             self.reserve.min(reserve)
         } else {
             reserve
         };
-        let before = Holder {
-            instance: String::new(),
-            share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
-            asked_ms: now_ms,
-            until_ms: now_ms.saturating_add(ttl_ms),
-            ..Holder::default()
-        };
-        match self.holders.first_mut() {
-            Some(h) if h.instance.is_empty() => *h = before,
-            _ => self.holders.insert(0, before),
+        if !holding {
+            let before = Holder {
+                instance: String::new(),
+                share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+                asked_ms: now_ms,
+                until_ms: now_ms.saturating_add(ttl_ms),
+                ..Holder::default()
+            };
+            match self.holders.first_mut() {
+                Some(h) if h.instance.is_empty() => *h = before,
+                _ => self.holders.insert(0, before),
+            }
         }
         self.idle_at_ms = self.idle_at_ms.max(now_ms.saturating_add(ttl_ms));
         true
@@ -278,7 +286,7 @@ impl GlobalBucket {
         }
         self.refill(item, now_ms);
         self.forget(now_ms, ttl_ms);
-        self.restore(instance, item, now_ms);
+        let restored = self.restore(instance, item, now_ms);
         // What the instance may give back: what it was granted, and what its reservation let
         // it accrue since its last call (replaced now), less what it gave back.
         let before = self.holders.iter().find(|h| h.instance == instance);
@@ -361,6 +369,18 @@ impl GlobalBucket {
         let share = demand
             .min(fair_rate)
             .min((pool + held_for_before).saturating_sub(reserved));
+        // One that had a share grows by at most half of it out of what is held: the holders of
+        // before not yet renewed count for nothing in the fair shares, and a proxy whose lease
+        // ran dry asks for twice what it spent.
+        let had = share_before.max(item.share_mtps());
+        let share = if held_for_before > 0 && had > 0 {
+            share.min(
+                pool.saturating_sub(reserved)
+                    .max(had.saturating_add(had / 2)),
+            )
+        } else {
+            share
+        };
         // A share that cannot accrue a few tokens within the lease is no share: what accrues
         // is lost at the lease's end. The bucket refills by it instead, and the instance asks
         // for its tokens (`retry_ms` says when one comes). A bucket in debt reserves nothing:
@@ -379,8 +399,12 @@ impl GlobalBucket {
         // a burst asks for more, and is light still.)
         let light = demand.min(demand_before) <= fair_rate;
         // (Without rate shares, the refill flows into the bucket and newcomers get their fair
-        // share of it by asking: no reserve is kept then.)
-        let may_take_reserve = light || share == 0;
+        // share of it by asking: no reserve is kept then.) After a loss, not an instance that got
+        // all the rate it asked for: the first to renew may have taken more than its fair share
+        // of what was held for the holders of before, and the reserve bridges the others until
+        // it renews.
+        let may_take_reserve =
+            (light || share == 0) && (!after_loss || share < demand || demand == 0);
         let reachable = |b: &Self| {
             let tokens = b.tokens.max(0.0);
             if may_take_reserve {
@@ -401,8 +425,10 @@ impl GlobalBucket {
             self.holders[at].until_ms = now_ms.saturating_add(ttl_ms);
         }
         if held_for_before > 0 {
-            // Only what it takes beyond its own share of before.
-            let taken = share.saturating_sub(share_before).min(held_for_before);
+            // Only what it takes beyond its own share of before (restored already, or live here).
+            let taken = share
+                .saturating_sub(share_before.max(restored))
+                .min(held_for_before);
             self.holders[0].share -= taken;
         }
         let asked = item.wanted > 0 || demand > 0;
@@ -440,25 +466,29 @@ impl GlobalBucket {
     /// second) calls a bucket that holds the rate for holders it does not know (a store that lost
     /// the bucket starts so): that much of it is the instance's again, to renew now, rather than
     /// held back from it for a lease TTL. Only rate nobody has claimed stays held.
-    fn restore(&mut self, instance: &str, item: &LeaseItem, now_ms: u64) {
+    /// Returns what it took (milli-tokens per second).
+    fn restore(&mut self, instance: &str, item: &LeaseItem, now_ms: u64) -> u64 {
         let claimed = item.share_mtps();
         if claimed == 0 || item.share_ms == 0 {
-            return;
+            return 0;
         }
         let known = self
             .holders
             .iter()
             .any(|h| h.instance == instance && h.share > 0 && h.until_ms > now_ms);
         if known {
-            return;
+            return 0;
         }
-        if let Some(before) = self
+        let Some(before) = self
             .holders
             .first_mut()
             .filter(|h| h.instance.is_empty() && h.until_ms > now_ms)
-        {
-            before.share -= claimed.min(before.share);
-        }
+        else {
+            return 0;
+        };
+        let taken = claimed.min(before.share);
+        before.share -= taken;
+        taken
     }
 
     /// The refill rate reserved at `now_ms` (milli-tokens per second).

@@ -192,15 +192,28 @@ fn auto_starts_full_unless_the_store_lost_state_and_evidence_reconciles() {
     assert_eq!(b.lease("a", &item(10), 1, 10_000).granted, 5);
     assert_eq!(b.lease("a", &item(10), 9_999, 10_000).granted, 0);
     assert_eq!(b.lease("a", &item(10), 12_000, 10_000).granted, 4);
-    // Evidence that agrees changes nothing.
+    // Evidence that agrees changes nothing (evidence older than the store keeps its holders:
+    // it may not remember the instance).
     let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);
     b.lease("a", &item(20), 0, 10_000);
     let agrees = LeaseItem {
-        known_ms: 1,
+        known_ms: 9_800,
         known_remaining: 100,
         ..item(10)
     };
     assert!(!b.reconcile("b", &agrees, 1, 10_000));
+    // Recent evidence of an instance the store does not remember: the store lost the bucket
+    // since, even if it holds no more than the evidence allows (made anew full by a caller
+    // without evidence, who took 4 of 120): emptied but for the reserve.
+    let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);
+    assert_eq!(b.lease("new", &item(4), 0, 10_000).granted, 4);
+    let old = LeaseItem {
+        known_ms: 900,
+        known_remaining: 100,
+        ..item(10)
+    };
+    assert!(b.reconcile("old", &old, 0, 10_000));
+    assert_eq!(b.tokens_at(&item(0), 0), 15.0);
     // Evidence of an instance the store has served since the answer it is of: nothing was lost
     // (others may have given back or repaid more than the evidence shows).
     let mut b = GlobalBucket::new(&item(0), 0, 10_000, ColdStart::Full);

@@ -176,17 +176,22 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     else
       bound = kr + reserve + 1 + rate * known
     end
-    if tokens + kept > bound then
-      tokens = max(min(bound, 0), -max_debt)
+    -- A slot that served the caller within a term remembers it: one that does not lost the
+    -- bucket since, whatever it holds now (unless the loss is known: the rate already held).
+    local holding = n > 0 and N[1] == '' and U[1] > now
+    local forgot = not holding and known + evidence_transit_ms < ttl
+    if forgot or tokens + kept > bound then
+      local held = tokens + kept
+      tokens = max(min(bound, 0, held), -max_debt)
       -- (One reserve per loss: not again while the rate is held for the holders of before.)
-      if bound < 0 then
+      if bound < 0 or held < 0 then
         kept = 0
-      elseif n > 0 and N[1] == '' and U[1] > now then
+      elseif holding then
         kept = min(kept, reserve)
       else
         kept = reserve
       end
-      hold_for_before(rate_mtps)
+      if not holding then hold_for_before(rate_mtps) end
       reconciled = true
       local epoch, lost = read_marker(call('GET', mkey))
       if not lost then call('SET', mkey, format('%d', epoch or now) .. 'L') end
@@ -195,12 +200,16 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
 
   -- The caller's evidence of its own reservation, at a bucket whose holders of before a loss
   -- hold the rate: that much is the caller's again (GlobalBucket::restore).
+  local restored = 0
   if claimed > 0 and claimed_ms > 0 and n > 0 and N[1] == '' and U[1] > now then
     local known_share = false
     for i = 1, n do
       if N[i] == instance and S[i] > 0 and U[i] > now then known_share = true end
     end
-    if not known_share then S[1] = S[1] - min(claimed, S[1]) end
+    if not known_share then
+      restored = min(claimed, S[1])
+      S[1] = S[1] - restored
+    end
   end
 
   -- What the instance may give back: what it was granted, and what its reservation let it
@@ -279,6 +288,12 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   local held_for_before = 0
   if after_loss and known > 0 and at > 1 then held_for_before = S[1] end
   local share = min(demand, fair_rate, max(pool + held_for_before - held, 0))
+  -- One that had a share grows by at most half of it out of what is held (the holders of
+  -- before not yet renewed count for nothing in the fair shares).
+  local had = max(share_before, claimed)
+  if held_for_before > 0 and had > 0 then
+    share = min(share, max(pool - held, had + floor(had / 2)))
+  end
   -- A share that cannot accrue two tokens within the lease is none (MIN_RESERVED_MTPS_MS); a
   -- bucket in debt reserves nothing.
   if share * ttl < 2000000 or tokens < 0 then share = 0 end
@@ -286,7 +301,9 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   -- Within its fair share (by the smaller of its demands before and now), it may take the
   -- reserve; the others take only above it.
   local light = min(demand, demand_before) <= fair_rate
-  local may_take = light or share == 0
+  -- (After a loss, not one that got all the rate it asked for: the reserve bridges the others
+  -- until the first renewers, which may have taken more than their fair share, renew.)
+  local may_take = (light or share == 0) and (not after_loss or share < demand or demand == 0)
   local function reachable()
     local r = max(tokens, 0)
     if may_take then r = r + kept end
@@ -302,7 +319,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     S[at], U[at] = share, now + ttl
   end
   if held_for_before > 0 then
-    S[1] = S[1] - min(max(share - share_before, 0), held_for_before)
+    S[1] = S[1] - min(max(share - max(share_before, restored), 0), held_for_before)
   end
 
   -- When the bucket is full again, and when one that got nothing may ask again.
