@@ -3,7 +3,7 @@
 //! field, read chunk by chunk as the body passes, within a bound on the bytes kept, never
 //! delaying it.
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 
 /// Tokens a response reported, as far as it has been read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -74,19 +74,34 @@ struct Nested {
 
 #[derive(Deserialize)]
 struct Counts {
+    #[serde(default, deserialize_with = "count")]
     prompt_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
     input_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
     completion_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
     output_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
     total_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct GeminiCounts {
+    #[serde(default, deserialize_with = "count")]
     prompt_token_count: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
     candidates_token_count: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
     total_token_count: Option<u64>,
+}
+
+/// A count as a whole number (one past 64 bits saturates, so a huge count is a huge charge);
+/// anything else — negative, a fraction, a word, null — is no count, and the document's other
+/// counts still stand.
+fn count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    Ok(crate::number::whole(&serde_json::Value::deserialize(d)?))
 }
 
 fn grow(slot: &mut Option<u64>, seen: Option<u64>) {
@@ -266,6 +281,36 @@ mod tests {
         event: message_stop\r\ndata: {\"type\":\"message_stop\"}\r\n\r\n";
     const GEMINI_STREAM: &str = "data: {\"candidates\":[],\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":2,\"totalTokenCount\":10}}\r\n\r\n\
         data: {\"candidates\":[],\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":40,\"totalTokenCount\":48}}\r\n\r\n";
+
+    /// Numbers at and past each end of the range: a count too large for 64 bits is the largest
+    /// charge, not none; one that is not a whole number is no count, and leaves the others.
+    #[test]
+    fn huge_counts_saturate_and_other_values_are_no_count() {
+        let read = |v: &str| {
+            let body = format!(r#"{{"usage":{{"prompt_tokens":{v},"completion_tokens":4}}}}"#);
+            read_in(JSON, &body, &[]).input
+        };
+        for huge in [
+            "1e30",
+            "1000000000000000000000000000000",
+            "18446744073709551616",
+            "1.9e19",
+        ] {
+            assert_eq!(read(huge), Some(u64::MAX), "{huge}");
+        }
+        assert_eq!(read("18446744073709551615"), Some(u64::MAX));
+        assert_eq!(read("2000000000000"), Some(2_000_000_000_000));
+        assert_eq!(read("0"), Some(0));
+        assert_eq!(read("300.0"), Some(300));
+        assert_eq!(read(r#""300""#), Some(300));
+        for junk in [
+            "-1", "-1e30", "1.5", "null", "true", r#""ten""#, r#""-3""#, "[1]", "{}",
+        ] {
+            assert_eq!(read(junk), None, "{junk}");
+            let body = format!(r#"{{"usage":{{"prompt_tokens":{junk},"completion_tokens":4}}}}"#);
+            assert_eq!(read_in(JSON, &body, &[]).total(), Some(4), "{junk}");
+        }
+    }
 
     #[test]
     fn each_format_reports_its_usage_in_a_stream_and_in_a_body() {

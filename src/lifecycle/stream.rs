@@ -491,8 +491,8 @@ impl<H: Host> Stream<H> {
             .iter()
             .map(|r| {
                 let value = plugin.host.response_header(engine.settle_header(r)?)?;
-                // Beyond 64 bits is no usable cost: the reservation stands.
-                whole_number(&value).filter(|&n| n != u64::MAX)
+                // Beyond 64 bits saturates: a charge however large is a defined debt.
+                whole_number(&value)
             })
             .collect();
         if let Some(reading) = engine.body_reading(&self.reservations) {

@@ -619,3 +619,66 @@ fn a_body_larger_than_envoy_holds_is_decided_when_it_stops_coming() {
     assert!(started.elapsed().as_secs_f64() >= 0.5);
     assert_eq!(client.post(&url, &[], body("b").as_bytes()).status, 429);
 }
+
+/// Numbers past each end of the range, from the upstream: a usage of 10³⁰ (as a float or as
+/// digits) or a cost header past 64 bits is the largest charge — a debt that refuses the key with
+/// a Retry-After of years — never ignored; a negative count is no count, and the others stand.
+#[test]
+fn a_usage_too_large_for_64_bits_is_a_debt_and_a_negative_count_is_none() {
+    let json = "application/json";
+    let mut header_route = answer("/header", 200, "done\n", "text/plain");
+    header_route["response_headers_to_add"] = json!([{"header": {"key": "x-usage-tokens",
+        "value": "99999999999999999999999"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]);
+    let opts = Options {
+        routes: vec![
+            answer("/u/float", 200, r#"{"usage":{"total_tokens":1e30}}"#, json),
+            answer(
+                "/u/digits",
+                200,
+                r#"{"usage":{"total_tokens":1000000000000000000000000000000}}"#,
+                json,
+            ),
+            answer(
+                "/u/negative",
+                200,
+                r#"{"usage":{"prompt_tokens":-5,"completion_tokens":40}}"#,
+                json,
+            ),
+            header_route,
+        ],
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [
+            {"name": "llm", "match": {"path_prefix": "/u/"},
+             "key": ["header:x-api-key"], "limit": {"requests": 1000, "per": "1m"}, "cost": 100,
+             "settle": {"usage": "total"}},
+            {"name": "metered", "match": {"path_prefix": "/header"}, "key": ["header:x-api-key"],
+             "limit": {"requests": 1000, "per": "1m"}, "cost": 100,
+             "settle": {"header": "x-usage-tokens"}}]}),
+        &opts,
+    );
+    let client = Client::new();
+    let key = [("x-api-key", "negative")];
+    assert_eq!(client.get(&envoy.url("/u/negative"), &key).status, 200);
+    assert_eq!(
+        envoy.counter("llm", "settled"),
+        40,
+        "the negative input is no count; the output stands"
+    );
+    for path in ["/u/float", "/u/digits", "/header"] {
+        let key = [("x-api-key", path)];
+        assert_eq!(client.get(&envoy.url(path), &key).status, 200, "{path}");
+        let refused = client.get(&envoy.url(path), &key);
+        assert_eq!(refused.status, 429, "{path}: the huge charge is a debt");
+        let retry: u64 = refused
+            .header("retry-after")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{path}: a Retry-After"));
+        assert!(retry > 10_000_000, "{path}: Retry-After {retry}");
+        // Another key is another budget.
+        let other = format!("someone else on {path}");
+        let other = [("x-api-key", other.as_str())];
+        assert_eq!(client.get(&envoy.url(path), &other).status, 200, "{path}");
+    }
+}

@@ -24,7 +24,12 @@ impl TokenBucket {
             return next;
         }
         let excess = u128::from(self.period_ns()).saturating_mul(u128::from(actual - reserved));
-        let charged = tat.max(self.scaled(now_ns)).saturating_add(excess);
+        // A debt saturates where the bucket's clock ends (the year 2554): past it, it would read
+        // as a clock that stepped back.
+        let charged = tat
+            .max(self.scaled(now_ns))
+            .saturating_add(excess)
+            .min(self.scaled(u64::MAX));
         write_u128(&mut next, 0, charged);
         let owed_until = self.unscale_up(charged).max(read_u64(state, OWED_UNTIL_AT));
         write_u64(&mut next, OWED_UNTIL_AT, owed_until);
@@ -82,6 +87,27 @@ mod tests {
         // A refund while in debt repays it.
         let s = tb.settle_state(&s, START, 200, 0);
         assert_eq!(tb.debt(&s, START), 100);
+    }
+
+    #[test]
+    fn any_excess_however_large_is_a_debt_that_refuses() {
+        for (requests, period) in [(1_000, 60 * SEC), (1, 1), (u64::MAX, u64::MAX)] {
+            let Some(tb) = TokenBucket::new(requests, period, 1) else {
+                continue;
+            };
+            let s = admitted(&tb, &[0; STATE_BYTES], START, 1).unwrap();
+            let s = tb.settle_state(&s, START, 1, u64::MAX);
+            assert!(tb.debt(&s, START) > 0, "{requests}/{period}");
+            match tb.decide_state(&s, START + 3_600 * SEC, 1) {
+                Decision::Refuse { retry_after_ns, .. } => {
+                    assert!(
+                        retry_after_ns > 100 * 365 * 24 * 3_600 * SEC,
+                        "{retry_after_ns}"
+                    )
+                }
+                other => panic!("{requests}/{period}: admitted in debt: {other:?}"),
+            }
+        }
     }
 
     #[test]
