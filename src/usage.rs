@@ -11,6 +11,11 @@ pub struct Usage {
     pub input: Option<u64>,
     pub output: Option<u64>,
     pub total: Option<u64>,
+    /// The provider's final count came: a JSON body's usage, or a stream's last usage event
+    /// (OpenAI's usage chunk or `response.completed`, Anthropic's `message_delta`, Gemini's chunk
+    /// with a `finishReason`). Before it, the counts are a stream's start (Anthropic's
+    /// `message_start` says one output token) or running totals.
+    pub complete: bool,
 }
 
 impl Usage {
@@ -27,11 +32,24 @@ impl Usage {
         })
     }
 
-    /// Take what `doc` (one JSON document: a body, or one event's data) reports. Counts only
-    /// grow: a stream reports running totals (Anthropic's `message_delta`), or the same again.
-    fn read(&mut self, doc: &Document) {
+    /// Take what `doc` (one JSON document: a whole body if not `in_stream`, else one event's
+    /// data) reports. Counts only grow: a stream reports running totals (Anthropic's
+    /// `message_delta`), or the same again.
+    fn read(&mut self, doc: &Document, in_stream: bool) {
         let nested =
             [&doc.response, &doc.message].map(|n| n.as_ref().and_then(|n| n.usage.as_ref()));
+        let finished = doc
+            .candidates
+            .iter()
+            .flatten()
+            .any(|c| c.finish_reason.is_some());
+        let last = doc.usage.is_some()
+            || nested[0].is_some()
+            || (doc.usage_metadata.is_some() && finished);
+        let any = last || nested[1].is_some() || doc.usage_metadata.is_some();
+        if any && (last || !in_stream) {
+            self.complete = true;
+        }
         for counts in [doc.usage.as_ref(), nested[0], nested[1]]
             .into_iter()
             .flatten()
@@ -65,6 +83,14 @@ struct Document {
     /// Gemini.
     #[serde(rename = "usageMetadata")]
     usage_metadata: Option<GeminiCounts>,
+    /// Gemini's last chunk has a candidate with a `finishReason`.
+    candidates: Option<Vec<Candidate>>,
+}
+
+#[derive(Deserialize)]
+struct Candidate {
+    #[serde(rename = "finishReason")]
+    finish_reason: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Deserialize)]
@@ -209,7 +235,7 @@ impl UsageReader {
     fn document(&mut self, data: &[u8]) {
         if self.wants_usage {
             if let Ok(doc) = serde_json::from_slice::<Document>(data) {
-                self.usage.read(&doc);
+                self.usage.read(&doc, self.stream);
             }
         }
         if self.fields.is_empty() {
@@ -280,7 +306,7 @@ mod tests {
         event: message_delta\r\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\r\n\r\n\
         event: message_stop\r\ndata: {\"type\":\"message_stop\"}\r\n\r\n";
     const GEMINI_STREAM: &str = "data: {\"candidates\":[],\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":2,\"totalTokenCount\":10}}\r\n\r\n\
-        data: {\"candidates\":[],\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":40,\"totalTokenCount\":48}}\r\n\r\n";
+        data: {\"candidates\":[{\"finishReason\":\"STOP\"}],\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":40,\"totalTokenCount\":48}}\r\n\r\n";
 
     /// Numbers at and past each end of the range: a count too large for 64 bits is the largest
     /// charge, not none; one that is not a whole number is no count, and leaves the others.
@@ -341,7 +367,51 @@ mod tests {
             input: Some(input),
             output: Some(output),
             total,
+            complete: true,
         }
+    }
+
+    /// A stream cut at any byte: its usage is complete only once the provider's last usage event
+    /// came whole; before, what it read is the start's or a running count (Anthropic's
+    /// `message_start` says one output token).
+    #[test]
+    fn a_stream_cut_before_its_last_usage_event_is_incomplete() {
+        for (stream, last_event) in [
+            (OPENAI_CHAT_STREAM, "\"usage\""),
+            (OPENAI_RESPONSES_STREAM, "response.completed"),
+            (ANTHROPIC_STREAM, "message_delta"),
+            (GEMINI_STREAM, "finishReason"),
+        ] {
+            let last = stream.rfind(last_event).unwrap();
+            // The end of the line holding the last usage event.
+            let whole = last + stream[last..].find('\n').unwrap();
+            for cut in 0..=stream.len() {
+                let mut r = UsageReader::new(SSE, 64 * 1024);
+                r.push(&stream.as_bytes()[..cut]);
+                let usage = r.finish();
+                // (Cut exactly at the end of its JSON, the line is read whole.)
+                let json_end = stream[..whole].trim_end_matches('\r').len();
+                assert_eq!(
+                    usage.complete,
+                    cut >= json_end,
+                    "{last_event}, cut at {cut}"
+                );
+            }
+        }
+        // A JSON body is read whole, or not at all.
+        let body = r#"{"usage":{"input_tokens":5,"output_tokens":6}}"#;
+        for cut in 0..body.len() {
+            assert!(!read_in(JSON, &body[..cut], &[]).is_known(), "{cut}");
+        }
+        assert!(read_in(JSON, body, &[]).complete);
+        // Anthropic's start alone, even with the stream ended: not the last count.
+        let start =
+            &ANTHROPIC_STREAM[..ANTHROPIC_STREAM.find("event: content_block_delta").unwrap()];
+        let usage = read_in(SSE, start, &[]);
+        assert_eq!(
+            (usage.input, usage.output, usage.complete),
+            (Some(25), Some(1), false)
+        );
     }
 
     #[test]

@@ -678,6 +678,7 @@ fn a_rule_settles_its_cost_from_the_response_and_stashes_nothing() {
         input: Some(100),
         output: Some(10),
         total: Some(110),
+        complete: true,
     };
     assert_eq!(cost.of(&usage), Some(130));
 }

@@ -40,6 +40,8 @@ pub struct ResponseSeen {
     /// For each reservation, the whole number in the header its rule reads, if any.
     pub headers: SmallVec<[Option<u64>; 1]>,
     pub body_bytes: u64,
+    /// The response body's end came (else the stream was cut short, by either side).
+    pub body_ended: bool,
     pub usage: Usage,
     /// The whole numbers read at body fields, by path.
     pub fields: Vec<(Vec<String>, Option<u64>)>,
@@ -138,13 +140,25 @@ impl Engine {
                     seen.headers.get(n).copied().flatten().unwrap_or(r.reserved)
                 }
                 (Some(_), SettleFrom::BodyBytes) => seen.body_bytes,
-                (Some(_), SettleFrom::Usage(cost)) => cost.of(&seen.usage).unwrap_or(r.reserved),
-                (Some(_), SettleFrom::BodyField(path)) => seen
-                    .fields
-                    .iter()
-                    .find(|(p, _)| p == path)
-                    .and_then(|(_, n)| *n)
-                    .unwrap_or(r.reserved),
+                // Before the provider's last count, what a stream reported is its start or a
+                // running count, below what it delivered: the reservation stands unless more
+                // was reported (a client that cuts the stream pays at least that).
+                (Some(_), SettleFrom::Usage(cost)) => match cost.of(&seen.usage) {
+                    Some(n) if seen.usage.complete => n,
+                    n => n.map_or(r.reserved, |n| n.max(r.reserved)),
+                },
+                // The same for a stream's last field cut short.
+                (Some(_), SettleFrom::BodyField(path)) => {
+                    match seen
+                        .fields
+                        .iter()
+                        .find(|(p, _)| p == path)
+                        .and_then(|(_, n)| *n)
+                    {
+                        Some(n) if seen.body_ended => n,
+                        n => n.map_or(r.reserved, |n| n.max(r.reserved)),
+                    }
+                }
             };
             let Some(quota) = self.quota_of(r.which) else {
                 continue;

@@ -530,6 +530,7 @@ impl<H: Host> Stream<H> {
                 }
             }
             if end {
+                self.seen.body_ended = true;
                 self.settle();
             }
         }

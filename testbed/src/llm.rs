@@ -50,7 +50,7 @@ pub fn answer(head: &Head, out: &mut impl Write) -> io::Result<bool> {
             return Ok(false);
         }
         std::thread::sleep(pause);
-        chunk(out, &content_event(format, n))?;
+        chunk(out, &content_event(format, n, input))?;
         out.flush()?;
     }
     if cut_after.is_some_and(|c| c <= events) {
@@ -68,7 +68,7 @@ pub fn answer(head: &Head, out: &mut impl Write) -> io::Result<bool> {
                 input + output
             ),
         ),
-        "gemini" => data(&gemini(input, output)),
+        "gemini" => data(&gemini(input, output, true)),
         _ => {
             data(&format!(
                 "{{\"choices\":[],\"usage\":{{\"prompt_tokens\":{input},\"completion_tokens\":{output},\"total_tokens\":{}}}}}",
@@ -92,21 +92,29 @@ fn document(format: &str, input: u64, output: u64) -> String {
         "responses" => format!(
             "{{\"output\":[],\"usage\":{{\"input_tokens\":{input},\"output_tokens\":{output},\"total_tokens\":{total}}}}}"
         ),
-        "gemini" => gemini(input, output),
+        "gemini" => gemini(input, output, true),
         _ => format!(
             "{{\"choices\":[{{\"message\":{{\"content\":\"ok\"}}}}],\"usage\":{{\"prompt_tokens\":{input},\"completion_tokens\":{output},\"total_tokens\":{total}}}}}"
         ),
     }
 }
 
-fn gemini(input: u64, output: u64) -> String {
+/// Gemini's answer, or one chunk of its stream: every chunk has the usage so far, and the last
+/// (`finished`) a candidate with its `finishReason`.
+fn gemini(input: u64, output: u64, finished: bool) -> String {
+    let candidates = if finished {
+        "[{\"content\":{\"parts\":[{\"text\":\"ok\"}]},\"finishReason\":\"STOP\"}]"
+    } else {
+        "[]"
+    };
     format!(
-        "{{\"candidates\":[],\"usageMetadata\":{{\"promptTokenCount\":{input},\"candidatesTokenCount\":{output},\"totalTokenCount\":{}}}}}",
+        "{{\"candidates\":{candidates},\"usageMetadata\":{{\"promptTokenCount\":{input},\"candidatesTokenCount\":{output},\"totalTokenCount\":{}}}}}",
         input + output
     )
 }
 
-fn content_event(format: &str, n: u64) -> String {
+/// Content event `n` (Gemini's carries its running usage, as Gemini's chunks do).
+fn content_event(format: &str, n: u64, input: u64) -> String {
     match format {
         "anthropic" => event(
             "content_block_delta",
@@ -117,7 +125,9 @@ fn content_event(format: &str, n: u64) -> String {
             &format!("{{\"type\":\"response.output_text.delta\",\"delta\":\"word{n} \"}}"),
         ),
         "gemini" => data(&format!(
-            "{{\"candidates\":[{{\"content\":{{\"parts\":[{{\"text\":\"word{n} \"}}]}}}}]}}"
+            "{{\"candidates\":[{{\"content\":{{\"parts\":[{{\"text\":\"word{n} \"}}]}}}}],\"usageMetadata\":{{\"promptTokenCount\":{input},\"candidatesTokenCount\":{},\"totalTokenCount\":{}}}}}",
+            n + 1,
+            input + n + 1
         )),
         _ => data(&format!(
             "{{\"choices\":[{{\"delta\":{{\"content\":\"word{n} \"}}}}]}}"

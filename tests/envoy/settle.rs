@@ -243,7 +243,7 @@ fn a_stream_cut_short_settles_what_it_reported_else_its_reservation() {
         String::from_utf8_lossy(&answer).into_owned()
     };
     // Anthropic reports the input (and one output token) at the start: a stream cut after it
-    // settles that much…
+    // settles its reservation, not that much (before: 121)…
     let cut = read_all(&[
         b"x-api-key: k",
         b"x-stream: 1",
@@ -261,11 +261,112 @@ fn a_stream_cut_short_settles_what_it_reported_else_its_reservation() {
             envoy.counter("llm", "settled") == n
         })
     };
-    assert!(settled(121), "settled {}", envoy.counter("llm", "settled"));
-    // …an OpenAI stream cut before its usage settles its reservation.
+    assert!(settled(700), "settled {}", envoy.counter("llm", "settled"));
+    // …an OpenAI stream cut before its usage too…
     let cut = read_all(&[b"x-api-key: k", b"x-stream: 1", b"x-cut-after: 2"]);
     assert!(!cut.contains("usage"), "{cut}");
-    assert!(settled(821), "settled {}", envoy.counter("llm", "settled"));
+    assert!(
+        settled(1_400),
+        "settled {}",
+        envoy.counter("llm", "settled")
+    );
+    // …and one that reported more than the reservation before it was cut settles that.
+    let cut = read_all(&[
+        b"x-api-key: k",
+        b"x-stream: 1",
+        b"x-format: anthropic",
+        b"x-usage-input: 750",
+        b"x-cut-after: 2",
+    ]);
+    assert!(cut.contains("message_start"), "{cut}");
+    assert!(
+        settled(2_151),
+        "settled {}",
+        envoy.counter("llm", "settled")
+    );
+}
+
+/// Read a streamed answer to `lines` from `port` until `events` events have come whole, then
+/// reset the connection (all of it if `events` is more than it has). Returns what came.
+fn read_events_then_cut(port: u16, lines: &[&[u8]], events: usize) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    stream
+        .write_all(&testkit::raw(b"/app/llm/chat", lines))
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&answer);
+        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        if body.matches("\n\n").count() >= events {
+            break;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    // A reset, not a polite close: the client is gone mid-stream.
+    testkit::reset(stream);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Issue 34, item 1: a client that resets the connection after any event of a stream, in every
+/// format, is charged at least what the stream delivered — the reservation (2 500: the input and
+/// the most output), unless the provider's last usage event came (then the usage, 2 100). Before:
+/// an Anthropic stream cut before `message_delta` paid its input and one output token, a Gemini
+/// stream its running count.
+#[test]
+fn a_client_that_cuts_a_stream_at_any_event_pays_at_least_what_it_got() {
+    let app = Upstream::start(&[]);
+    let opts = Options {
+        app_port: Some(app.port),
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(
+        &json!({"rules": [{"name": "llm", "key": ["header:x-api-key"],
+            "limit": {"requests": 10000000, "per": "1m"}, "cost": 2500,
+            "settle": {"usage": "total"}}]}),
+        &opts,
+    );
+    let mut settled = 0;
+    for format in ["openai", "responses", "anthropic", "gemini"] {
+        let format_line = format!("x-format: {format}");
+        let lines: [&[u8]; 7] = [
+            b"x-api-key: k",
+            b"x-stream: 1",
+            format_line.as_bytes(),
+            b"x-usage-input: 100",
+            b"x-usage-output: 2000",
+            b"x-events: 4",
+            b"x-event-ms: 40",
+        ];
+        // Every event of the stream, and past its end (read whole).
+        for events in 0..=8 {
+            let got = read_events_then_cut(envoy.port, &lines, events);
+            let done = testkit::eventually(std::time::Duration::from_secs(5), || {
+                envoy.counter("llm", "settled") > settled
+            });
+            assert!(done, "{format}, cut after {events} events: never settled");
+            let now = envoy.counter("llm", "settled");
+            let this = now - settled;
+            settled = now;
+            // What the client saw of the last usage event decides nothing: the filter may have
+            // passed one more event than the client read before its reset.
+            let whole = got.contains("0\r\n\r\n");
+            assert!(
+                this == 2_500 || (this == 2_100 && events >= 4),
+                "{format}, cut after {events} events: settled {this}"
+            );
+            if whole {
+                assert_eq!(this, 2_100, "{format}: read whole");
+            }
+        }
+    }
 }
 
 /// Three Envoys sharing one global budget of 10 000 tokens a minute through the quota service,
