@@ -428,6 +428,27 @@ mod tests {
     }
 
     proptest! {
+        /// A count over the whole u64 and f64 space reads as the whole number it writes: itself,
+        /// the largest past 64 bits, none if negative or fractional — and never hides the others.
+        #[test]
+        fn any_count_reads_as_its_whole_number(n in any::<u64>(), f in any::<f64>()) {
+            let read = |v: &str| {
+                let body = format!(r#"{{"usage":{{"input_tokens":{v},"output_tokens":7}}}}"#);
+                read_in(JSON, &body, &[])
+            };
+            let u = read(&n.to_string());
+            prop_assert_eq!((u.input, u.output), (Some(n), Some(7)));
+            if f.is_finite() {
+                let want = if f >= 0.0 && f.fract() == 0.0 {
+                    Some(if f >= u64::MAX as f64 { u64::MAX } else { f as u64 })
+                } else {
+                    None
+                };
+                let u = read(&format!("{f:e}"));
+                prop_assert_eq!((u.input, u.output), (want, Some(7)));
+            }
+        }
+
         /// However the host cuts the stream into chunks, the usage read is the same.
         #[test]
         fn chunking_never_changes_the_usage(mut cuts in proptest::collection::vec(0usize..700, 0..12)) {

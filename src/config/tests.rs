@@ -253,6 +253,11 @@ fn errors_name_the_field_and_the_reason() {
             "rules[0].burst: must be at least 1",
         ),
         (
+            r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":5,"per":"1m"}}],
+                "quota_service":{"upstream":"q","lease_size":2000000000}}"#,
+            "quota_service.lease_size: must be from 1 to 1000000000",
+        ),
+        (
             r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}},{"name":"r","limit":{"requests":1,"per":"1s"}}]}"#,
             r#"rules[1].name: duplicate rule name "r""#,
         ),

@@ -38,6 +38,11 @@ fn invalid_configurations_are_refused_with_the_field_named() {
             "rules[0].burst: invalid type: string",
         ),
         (
+            json!({"rules": [rule(json!({"scope": "global"}))],
+                   "quota_service": {"upstream": "quota", "lease_size": 2_000_000_000u64}}),
+            "quota_service.lease_size: must be from 1 to 1000000000",
+        ),
+        (
             json!({"rules": [rule(json!({})), rule(json!({}))]}),
             r#"rules[1].name: duplicate rule name "r""#,
         ),

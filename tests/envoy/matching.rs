@@ -177,4 +177,13 @@ fn a_plan_from_request_metadata_is_read_as_a_string_or_a_number() {
         statuses(&url, &[("x-tenant", "n"), ("x-plan-number", "4")], 6),
         (4, 2)
     );
+    // A plan's name is no number, even in eight bytes (a double's size): the rule's own limit,
+    // 10 an hour (before: "business" read as a double, clamped to 100).
+    for name in ["business", "standard", "gold"] {
+        assert_eq!(
+            statuses(&url, &[("x-tenant", name), ("x-plan-string", name)], 12),
+            (10, 2),
+            "{name}"
+        );
+    }
 }

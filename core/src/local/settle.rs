@@ -183,5 +183,34 @@ mod tests {
                 }
             }
         }
+
+        /// Any excess over the whole u64 space, on any bucket: the key is refused until the
+        /// refusal's `Retry-After`, and admitted then (where the clock reaches it) — a debt is
+        /// never wiped by a small request, nor read as a clock that stepped back.
+        #[test]
+        fn any_debt_refuses_until_its_retry_after(
+            requests in 1u64..1_000_000,
+            period in 1_000_000u64..86_400 * SEC,
+            burst in 1u64..1_000_000,
+            excess in prop_oneof![1u64..1_000_000, any::<u64>()],
+            small in 1u64..4,
+        ) {
+            let tb = TokenBucket::new(requests, period, burst).unwrap();
+            let small = small.min(burst);
+            // The whole burst reserved, and more used: `excess` owed.
+            let s = admitted(&tb, &[0; STATE_BYTES], START, burst).unwrap();
+            let s = tb.settle_state(&s, START, burst, burst.saturating_add(excess));
+            let retry = match tb.decide_state(&s, START, small) {
+                Decision::Refuse { retry_after_ns, .. } => retry_after_ns,
+                other => return Err(TestCaseError::fail(format!("admitted in debt: {other:?}"))),
+            };
+            prop_assert!(tb.debt(&s, START) > 0);
+            if let Some(half) = START.checked_add(retry / 2).filter(|_| retry > 1) {
+                prop_assert!(admitted(&tb, &s, half, small).is_none(), "admitted half way");
+            }
+            if let Some(then) = START.checked_add(retry) {
+                prop_assert!(admitted(&tb, &s, then, small).is_some(), "refused at its Retry-After");
+            }
+        }
     }
 }

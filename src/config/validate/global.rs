@@ -56,7 +56,17 @@ impl RawQuotaService {
             retry_ms: self.retry.map_or(DEFAULT_RETRY_MS, |p| p.ms()),
             strict: self.mode == QuotaMode::Strict,
         };
-        Ok((service, self.lease_size.map(NonZeroU64::get)))
+        let lease_size = self.lease_size.map(NonZeroU64::get);
+        if lease_size.is_some_and(|n| n > MAX_COUNT) {
+            // The service refuses any item asking for more: every call would fail.
+            return Err(err(
+                format!("{path}.lease_size"),
+                format!(
+                    "must be from 1 to {MAX_COUNT} (the most the quota service grants at once)"
+                ),
+            ));
+        }
+        Ok((service, lease_size))
     }
 }
 
