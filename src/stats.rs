@@ -192,10 +192,16 @@ pub enum ProcessStat {
     StashHeld,
     /// Gauge: bodies held by byte limits now.
     BodiesHeld,
+    /// Requests decided without reading their body: longer than `max_request_body_bytes`,
+    /// stalled, past `request_body_timeout`, beyond the worker's `max_waiting_body_bytes`, or
+    /// ended by trailers.
+    BodiesUnread,
+    /// Gauge: bytes kept by request bodies waiting for their decision now.
+    BodyBytesKept,
 }
 
 impl ProcessStat {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 10] = [
         Self::QueueHeld,
         Self::ReleaseErrors,
         Self::QuotaCalls,
@@ -204,6 +210,8 @@ impl ProcessStat {
         Self::QuotaWaiting,
         Self::StashHeld,
         Self::BodiesHeld,
+        Self::BodiesUnread,
+        Self::BodyBytesKept,
     ];
 
     pub fn name(self) -> &'static str {
@@ -216,13 +224,19 @@ impl ProcessStat {
             Self::QuotaWaiting => "tollgate.quota.waiting",
             Self::StashHeld => "tollgate.stash.held",
             Self::BodiesHeld => "tollgate.bodies.held",
+            Self::BodiesUnread => "tollgate.bodies.unread",
+            Self::BodyBytesKept => "tollgate.bodies.kept_bytes",
         }
     }
 
     pub fn is_gauge(self) -> bool {
         matches!(
             self,
-            Self::QueueHeld | Self::QuotaWaiting | Self::StashHeld | Self::BodiesHeld
+            Self::QueueHeld
+                | Self::QuotaWaiting
+                | Self::StashHeld
+                | Self::BodiesHeld
+                | Self::BodyBytesKept
         )
     }
 }

@@ -37,6 +37,12 @@ pub(super) struct RawConfig {
     /// The most request-body bytes buffered for rules that read the body (a cost from its
     /// fields, a `body:` key part): default 256 KiB.
     pub max_request_body_bytes: Option<u64>,
+    /// The longest a request waits for its whole body to come before it is decided without
+    /// reading it: default 5 s.
+    pub request_body_timeout: Option<Period>,
+    /// The most request-body bytes all requests waiting for their bodies keep, per worker:
+    /// default 8 MiB.
+    pub max_waiting_body_bytes: Option<u64>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]

@@ -11,6 +11,7 @@ use crate::engine::{read_answer, read_permit_answer, Call, Engine, Refusal, Step
 use crate::stats::{ProcessStat, RuleStat, Stat};
 use log::{debug, info, warn};
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use tollgate_core::slot::KeyPlacement;
 use tollgate_core::CasStore;
 
@@ -27,7 +28,6 @@ const BODY_STALL_NS: u64 = 500_000_000;
 /// A request paused for its body: since when, and when its last chunk came.
 #[derive(Debug)]
 struct BodyWait {
-    id: u32,
     since: u64,
     last_chunk: Option<u64>,
 }
@@ -51,8 +51,11 @@ pub struct Plugin<H: Host> {
     scratch: RefCell<Scratch>,
     rule_metrics: Vec<Vec<Option<Metric>>>,
     process_metrics: Vec<Option<Metric>>,
-    /// Requests paused for their body (Envoy).
-    body_waits: RefCell<Vec<BodyWait>>,
+    /// Requests paused for their body (Envoy), by context id: a chunk finds its own without
+    /// a look at the others.
+    body_waits: RefCell<HashMap<u32, BodyWait>>,
+    /// The bytes the bodies of those requests keep, together (at most `max_waiting_body_bytes`).
+    body_bytes_kept: Cell<usize>,
     /// The host delivered a request body to this worker: it lets a request paused on its
     /// headers read its body.
     body_seen: Cell<bool>,
@@ -144,6 +147,7 @@ impl<H: Host> Plugin<H> {
             rule_metrics,
             process_metrics,
             body_waits: RefCell::default(),
+            body_bytes_kept: Cell::new(0),
             body_seen: Cell::new(false),
             body_warned: Cell::new(false),
         })
@@ -151,24 +155,54 @@ impl<H: Host> Plugin<H> {
 
     /// Request `id` pauses on its headers for its body (Envoy).
     pub fn awaits_body(&self, id: u32, now: u64) {
-        self.body_waits.borrow_mut().push(BodyWait {
+        self.body_waits.borrow_mut().insert(
             id,
-            since: now,
-            last_chunk: None,
-        });
+            BodyWait {
+                since: now,
+                last_chunk: None,
+            },
+        );
     }
 
     /// A chunk of the body request `id` waits for came.
     pub fn body_chunk(&self, id: u32, now: u64) {
         self.body_seen.set(true);
-        if let Some(w) = self.body_waits.borrow_mut().iter_mut().find(|w| w.id == id) {
+        if let Some(w) = self.body_waits.borrow_mut().get_mut(&id) {
             w.last_chunk = Some(now);
         }
     }
 
     /// Request `id` waits for its body no more (decided, or gone).
     pub fn body_done(&self, id: u32) {
-        self.body_waits.borrow_mut().retain(|w| w.id != id);
+        self.body_waits.borrow_mut().remove(&id);
+    }
+
+    /// Room for `n` more bytes of waiting bodies on this worker: taken if there is (true).
+    pub fn keep_body_bytes(&self, n: usize) -> bool {
+        let max = self.engine.borrow().config().max_waiting_body_bytes;
+        let kept = self.body_bytes_kept.get().saturating_add(n);
+        if kept > max {
+            return false;
+        }
+        self.body_bytes_kept.set(kept);
+        self.add(
+            ProcessStat::BodyBytesKept,
+            i64::try_from(n).unwrap_or(i64::MAX),
+        );
+        true
+    }
+
+    /// `n` bytes of a waiting body are kept no more.
+    pub fn release_body_bytes(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.body_bytes_kept
+            .set(self.body_bytes_kept.get().saturating_sub(n));
+        self.add(
+            ProcessStat::BodyBytesKept,
+            -i64::try_from(n).unwrap_or(i64::MAX),
+        );
     }
 
     /// Requests paused for their body that must be decided without it, taken: those whose body
@@ -177,20 +211,27 @@ impl<H: Host> Plugin<H> {
     /// bodies back from a request paused on its headers unless the filter's
     /// `allow_on_headers_stop_iteration` is set (the first time, an error says so).
     pub fn stale_body_waits(&self, now: u64) -> Vec<u32> {
+        let timeout = self.engine.borrow().config().request_body_timeout_ns;
         let mut waits = self.body_waits.borrow_mut();
         let seen = self.body_seen.get();
         let stale: Vec<u32> = waits
             .iter()
-            .filter(|w| match w.last_chunk {
-                Some(last) => now.saturating_sub(last) >= BODY_STALL_NS,
-                None => !seen && now.saturating_sub(w.since) >= BODY_WAIT_NS,
+            .filter(|(_, w)| {
+                // However it comes: a body dripped a byte at a time never stalls.
+                now.saturating_sub(w.since) >= timeout
+                    || match w.last_chunk {
+                        Some(last) => now.saturating_sub(last) >= BODY_STALL_NS,
+                        None => !seen && now.saturating_sub(w.since) >= BODY_WAIT_NS,
+                    }
             })
-            .map(|w| w.id)
+            .map(|(&id, _)| id)
             .collect();
         if stale.is_empty() {
             return stale;
         }
-        waits.retain(|w| !stale.contains(&w.id));
+        for id in &stale {
+            waits.remove(id);
+        }
         if !seen && !self.body_warned.replace(true) {
             log::error!(
                 "a rule reads the request body, but Envoy delivered none to a request paused \
@@ -198,7 +239,7 @@ impl<H: Host> Plugin<H> {
                  filter's config (Envoy 1.35 or later); until then such requests are decided \
                  without their body (a cost from the body is its max, body: key parts are \
                  absent) after that wait",
-                BODY_WAIT_NS / 1_000_000_000
+                BODY_WAIT_NS.min(timeout) as f64 / 1e9
             );
         }
         stale

@@ -137,29 +137,55 @@ impl<H: Host> Stream<H> {
         // nginx: one callback with all of it).
         let max = plugin.engine.borrow().config().max_request_body_bytes;
         let room = max.saturating_sub(self.request_body.len());
-        if size > 0 && room > 0 {
-            if let Some(chunk) = plugin.host.request_body(size.min(room)) {
+        self.request_body_bytes = self.request_body_bytes.saturating_add(size);
+        let take = size.min(room);
+        if take > 0 {
+            // The worker's waiting bodies keep no more: this one is decided now, unread, and
+            // what it kept is let go (a flood of slow uploads costs a bounded memory).
+            if !plugin.keep_body_bytes(take) {
+                let action = self
+                    .decide_unread(&plugin, callers)
+                    .unwrap_or(Action::Continue);
+                return self.after_body_decision(&plugin, action);
+            }
+            let before = self.request_body.len();
+            if let Some(chunk) = plugin.host.request_body(take) {
                 self.request_body.extend_from_slice(&chunk);
             }
+            plugin.release_body_bytes(take.saturating_sub(self.request_body.len() - before));
         }
-        self.request_body_bytes = self.request_body_bytes.saturating_add(size);
         if !end && self.request_body_bytes < max {
             return hold_body(&plugin);
         }
         self.awaiting_body = false;
         plugin.body_done(self.id);
         let cut = !end || self.request_body_bytes > max;
-        let kept = std::mem::take(&mut self.request_body);
+        if cut {
+            plugin.add(ProcessStat::BodiesUnread, 1);
+        }
+        let kept = self.let_go_of_body(&plugin);
         let total = self.request_body_bytes;
         let body = RequestBody::read(&kept, u64::try_from(total).unwrap_or(u64::MAX), cut);
         drop(kept);
-        match self.decide(plugin.clone(), callers, Some(&body)) {
-            // What was held for the decision goes on as the byte limits allow.
-            Action::Continue => self.pace_upload(&plugin, total),
-            // Still waiting: the body stays under flow control.
-            Action::Pause => hold_body(&plugin),
+        let action = self.decide(plugin.clone(), callers, Some(&body));
+        self.after_body_decision(&plugin, action)
+    }
+
+    /// Carry out a decision made on the body (read or not): what was held for it goes on as the
+    /// byte limits allow; a request still waiting keeps its body under flow control.
+    fn after_body_decision(&mut self, plugin: &Plugin<H>, action: Action) -> Action {
+        match action {
+            Action::Continue => self.pace_upload(plugin, self.request_body_bytes),
+            Action::Pause => hold_body(plugin),
             other => other,
         }
+    }
+
+    /// The body kept for the decision, taken, and its bytes no longer counted as kept.
+    fn let_go_of_body(&mut self, plugin: &Plugin<H>) -> Vec<u8> {
+        let kept = std::mem::take(&mut self.request_body);
+        plugin.release_body_bytes(kept.len());
+        kept
     }
 
     /// `size` bytes of the request body are about to go on: paced by byte limits of uploads.
@@ -206,7 +232,8 @@ impl<H: Host> Stream<H> {
             return None;
         }
         plugin.body_done(self.id);
-        self.request_body = Vec::new();
+        plugin.add(ProcessStat::BodiesUnread, 1);
+        drop(self.let_go_of_body(plugin));
         let total = u64::try_from(self.request_body_bytes).unwrap_or(u64::MAX);
         let body = RequestBody::read(&[], total, true);
         Some(self.decide(plugin.clone(), callers, Some(&body)))
@@ -608,6 +635,8 @@ impl<H: Host> Stream<H> {
         if self.awaiting_body {
             plugin.body_done(self.id);
         }
+        // (A client gone while its body was kept: the worker's room for waiting bodies is back.)
+        drop(self.let_go_of_body(&plugin));
         for body in [PaceBody::Request, PaceBody::Response] {
             let Some(at) = self.body_holds[hold_index(body)].take() else {
                 continue;

@@ -38,6 +38,10 @@ pub struct Config {
     pub placement: Option<KeyPlacement>,
     /// The most request-body bytes buffered for rules that read the body.
     pub max_request_body_bytes: usize,
+    /// How long a request waits for its whole body (ns) before it is decided without it.
+    pub request_body_timeout_ns: u64,
+    /// The most body bytes all requests waiting for their bodies keep, per worker.
+    pub max_waiting_body_bytes: usize,
     /// Some rule reads the request's body (a cost from its fields, a `body:` key part).
     pub reads_request_body: bool,
 }

@@ -58,6 +58,8 @@ impl RawConfig {
             None => None,
         };
         const MOST_REQUEST_BODY_BYTES: u64 = 64 << 20;
+        const MOST_WAITING_BODY_BYTES: u64 = 1 << 30;
+        const MOST_BODY_WAIT_MS: u64 = 300_000;
         let max_request_body_bytes = self.max_request_body_bytes.unwrap_or(256 << 10);
         if !(1..=MOST_REQUEST_BODY_BYTES).contains(&max_request_body_bytes) {
             return Err(err(
@@ -65,9 +67,31 @@ impl RawConfig {
                 format!("{max_request_body_bytes} is not within 1..={MOST_REQUEST_BODY_BYTES}"),
             ));
         }
+        let request_body_timeout_ms = self.request_body_timeout.map_or(5_000, |p| p.ms());
+        if !(1..=MOST_BODY_WAIT_MS).contains(&request_body_timeout_ms) {
+            return Err(err(
+                "request_body_timeout",
+                format!("must be from 1ms to {} s", MOST_BODY_WAIT_MS / 1_000),
+            ));
+        }
+        // (At least one body of the most a request keeps.)
+        let max_waiting_body_bytes = self
+            .max_waiting_body_bytes
+            .unwrap_or((8 << 20).max(max_request_body_bytes));
+        if !(max_request_body_bytes..=MOST_WAITING_BODY_BYTES).contains(&max_waiting_body_bytes) {
+            return Err(err(
+                "max_waiting_body_bytes",
+                format!(
+                    "{max_waiting_body_bytes} is not within max_request_body_bytes \
+                     ({max_request_body_bytes}) ..= {MOST_WAITING_BODY_BYTES}"
+                ),
+            ));
+        }
         let reads_request_body = rules.iter().any(crate::config::Rule::reads_request_body);
         Ok(Config {
             max_request_body_bytes: usize::try_from(max_request_body_bytes).unwrap_or(usize::MAX),
+            request_body_timeout_ns: request_body_timeout_ms.saturating_mul(1_000_000),
+            max_waiting_body_bytes: usize::try_from(max_waiting_body_bytes).unwrap_or(usize::MAX),
             reads_request_body,
             placement,
             priorities,

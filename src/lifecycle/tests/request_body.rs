@@ -312,3 +312,80 @@ fn a_body_that_stops_coming_is_decided_without_it_after_half_a_second() {
     proxy.tick();
     assert_eq!(proxy.metric("tollgate.rule.llm.reserved"), 8_000);
 }
+
+/// The same rule, with the body's deadline and the worker's room for waiting bodies set small.
+fn with_body_limits(timeout: &str, waiting_bytes: u64) -> String {
+    LLM.trim_end_matches('}').to_string()
+        + &format!(
+            r#","request_body_timeout":"{timeout}","max_request_body_bytes":100,"max_waiting_body_bytes":{waiting_bytes}}}"#
+        )
+}
+
+#[test]
+fn a_body_dripped_a_byte_at_a_time_is_decided_at_its_deadline() {
+    let mut proxy = Proxy::new(HostCaps::ENVOY, &with_body_limits("1s", 1_000));
+    let (id, _) = proxy.request_headers(&[("x-api-key", "k"), ("content-length", "90")], false);
+    // A byte every 0.4 s never stalls for 0.5 s (before: held for ever).
+    for n in 0..2 {
+        assert_eq!(proxy.request_body(id, b" ", false), Action::HoldBody, "{n}");
+        proxy.advance_ms(400);
+        proxy.tick();
+        assert!(!proxy.resumed(id));
+    }
+    proxy.request_body(id, b" ", false);
+    proxy.advance_ms(200);
+    proxy.tick();
+    assert!(
+        proxy.resumed(id),
+        "decided at its deadline, 1 s after its headers"
+    );
+    proxy.tick();
+    assert_eq!(
+        proxy.metric("tollgate.rule.llm.reserved"),
+        8_000,
+        "at its most"
+    );
+    assert_eq!(proxy.metric("tollgate.bodies.unread"), 1);
+    assert_eq!(proxy.metric("tollgate.bodies.kept_bytes"), 0);
+}
+
+#[test]
+fn bodies_past_the_workers_room_are_decided_at_once_unread_and_the_room_comes_back() {
+    let mut proxy = Proxy::new(HostCaps::ENVOY, &with_body_limits("5s", 250));
+    let chunk = [b' '; 60];
+    let mut waiting = Vec::new();
+    // Four bodies of 60 bytes each fit in 250…
+    for key in ["a", "b", "c", "d"] {
+        let (id, _) = proxy.request_headers(&[("x-api-key", key), ("content-length", "90")], false);
+        assert_eq!(proxy.request_body(id, &chunk, false), Action::HoldBody);
+        waiting.push(id);
+    }
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.bodies.kept_bytes"), 240);
+    // …a fifth's first bytes do not: it is decided now, at its most, and keeps nothing.
+    let (fifth, _) = proxy.request_headers(&[("x-api-key", "e"), ("content-length", "90")], false);
+    assert_eq!(proxy.request_body(fifth, &chunk, false), Action::Continue);
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.rule.llm.reserved"), 8_000);
+    assert_eq!(proxy.metric("tollgate.bodies.unread"), 1);
+    assert_eq!(proxy.metric("tollgate.bodies.kept_bytes"), 240);
+    // One ends with its body read, one's client goes away: their bytes are free again.
+    let done = br#"{"max_tokens":5}"#;
+    let a = proxy.request_body(waiting[0], &done[..], true);
+    assert_eq!(
+        a,
+        Action::Continue,
+        "{:?}",
+        proxy.local_response(waiting[0])
+    );
+    proxy.abort(waiting[1]);
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.bodies.kept_bytes"), 120);
+    let (sixth, _) = proxy.request_headers(&[("x-api-key", "f"), ("content-length", "90")], false);
+    assert_eq!(proxy.request_body(sixth, &chunk, false), Action::HoldBody);
+    for id in [waiting[2], waiting[3], sixth, fifth] {
+        proxy.abort(id);
+    }
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.bodies.kept_bytes"), 0);
+}
