@@ -20,6 +20,16 @@ pub fn push_key_part(key: &mut KeyBytes, value: Option<&[u8]>) {
     }
 }
 
+/// What [`parts`] reads for a part [`push_unreadable_part`] wrote: bytes no configured value (UTF-8)
+/// equals.
+pub const UNREADABLE_PART: &[u8] = b"\xff(unreadable body)";
+
+/// Append a `body:` part of a body that came but cannot be read: `2`, distinct from every value
+/// and from an absent part, so such requests share one bucket.
+pub fn push_unreadable_part(key: &mut KeyBytes) {
+    key.push(2);
+}
+
 /// Key bytes from part values, as requests make them (for override values).
 pub fn encode_key<'v>(values: impl Iterator<Item = Option<&'v [u8]>>) -> Vec<u8> {
     let mut key = KeyBytes::new();
@@ -37,6 +47,10 @@ pub fn parts(mut key: &[u8]) -> impl Iterator<Item = Option<&[u8]>> {
         if tag == 0 {
             key = rest;
             return Some(None);
+        }
+        if tag == 2 {
+            key = rest;
+            return Some(Some(UNREADABLE_PART));
         }
         let len = usize::try_from(u32::from_le_bytes(rest.get(..4)?.try_into().ok()?)).ok()?;
         let value = rest.get(4..4 + len)?;

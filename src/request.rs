@@ -3,10 +3,10 @@
 //! Every value is the bytes the client sent: nothing here assumes UTF-8, and no input can panic.
 
 use crate::config::{KeyPart, Match, MissingKey, PathMatch};
-use crate::key::{push_key_part, KeyBytes};
+use crate::key::{push_key_part, push_unreadable_part, KeyBytes};
 use crate::network::ClientIp;
 use crate::number::whole_number;
-use crate::request_body::RequestBody;
+use crate::request_body::{BodyPart, RequestBody};
 use std::cell::OnceCell;
 use std::net::{IpAddr, SocketAddr};
 
@@ -160,8 +160,14 @@ impl<'a, V: RequestView> Request<'a, V> {
     }
 
     /// The rule's bucket key (see [`crate::key`]). `None` when a part is absent and the rule
-    /// skips such requests.
-    pub fn key(&self, parts: &[KeyPart], missing: MissingKey) -> Option<KeyBytes> {
+    /// skips such requests (`missing`). A `body:` part of a body that cannot be read is one
+    /// "unreadable" value unless `unreadable` skips it too (then it is absent).
+    pub fn key(
+        &self,
+        parts: &[KeyPart],
+        missing: MissingKey,
+        unreadable: MissingKey,
+    ) -> Option<KeyBytes> {
         let mut key = KeyBytes::new();
         for part in parts {
             let owned;
@@ -182,10 +188,17 @@ impl<'a, V: RequestView> Request<'a, V> {
                     owned = self.view.property(path);
                     owned.as_deref()
                 }
-                KeyPart::Body(path) => {
-                    owned = self.body.and_then(|b| b.text(path));
-                    owned.as_deref()
-                }
+                KeyPart::Body(path) => match self.body.map(|b| b.part(path)) {
+                    Some(BodyPart::Value(v)) => {
+                        owned = Some(v);
+                        owned.as_deref()
+                    }
+                    Some(BodyPart::Unreadable) if unreadable == MissingKey::Limit => {
+                        push_unreadable_part(&mut key);
+                        continue;
+                    }
+                    _ => None,
+                },
             };
             if value.is_none() && missing == MissingKey::Skip {
                 return None;
@@ -551,7 +564,7 @@ mod tests {
         let skip = rule_of(r#""key":["header:x-a","header:x-b"]"#);
         let limit = rule_of(r#""key":["header:x-a","header:x-b"],"missing_key":"limit""#);
         let k = |h: &[(&'static str, &str)], r: &crate::config::Rule| {
-            Request::new(&fake(h, "1.1.1.1:1"), 0).key(&r.key, r.missing_key)
+            Request::new(&fake(h, "1.1.1.1:1"), 0).key(&r.key, r.missing_key, r.unreadable_body)
         };
         assert_ne!(
             k(&[("x-a", "ab"), ("x-b", "c")], &skip),
@@ -588,7 +601,7 @@ mod tests {
             let _ = (r.path(), r.host(), r.method(), r.client_ip(), r.query("q"));
             let parts = [KeyPart::Header("x-user".into()), KeyPart::ClientIp, KeyPart::Host,
                          KeyPart::Query("q".into()), KeyPart::Path, KeyPart::Method];
-            let key = r.key(&parts, MissingKey::Limit);
+            let key = r.key(&parts, MissingKey::Limit, MissingKey::Limit);
             prop_assert!(key.is_some());
             let _ = r.matches(&rule_of(r#""match":{"path_prefix":"/a","hosts":["h"],"headers":{"x-user":"u"}}"#).matcher);
             // Another user value gives another key.
@@ -596,7 +609,7 @@ mod tests {
             let mut changed = user.clone();
             changed.push(0);
             g.headers.insert("x-user", changed);
-            prop_assert_ne!(Request::new(&g, hops).key(&parts, MissingKey::Limit), key);
+            prop_assert_ne!(Request::new(&g, hops).key(&parts, MissingKey::Limit, MissingKey::Limit), key);
             let _ = header_cost(Some(&other), 1, 1, 100);
         }
 

@@ -15,6 +15,19 @@ pub struct RequestBody {
     document: Option<Value>,
 }
 
+/// What a body says of a field named as a key part.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BodyPart {
+    /// The field's value as a key part.
+    Value(Vec<u8>),
+    /// The body was read and the field is absent (or null, an array, an object), or there is
+    /// no body.
+    Absent,
+    /// A body came but could not be read: cut, or not strict JSON (an upstream may read it
+    /// all the same: `NaN`, `1e400`, a byte-order mark).
+    Unreadable,
+}
+
 impl RequestBody {
     /// `bytes` of the body's `total` bytes were buffered; `cut`: the body went on past them.
     pub fn read(buffered: &[u8], total: u64, cut: bool) -> Self {
@@ -32,6 +45,20 @@ impl RequestBody {
 
     fn field(&self, path: &[String]) -> Option<&Value> {
         field_at(self.document.as_ref()?, path)
+    }
+
+    /// A body came that the rules cannot read: cut (longer than they keep, stalled, too slow),
+    /// or not strict JSON. What a lenient upstream reads in it is unknown: the worst case.
+    pub fn unreadable(&self) -> bool {
+        self.cut || (self.bytes > 0 && self.document.is_none())
+    }
+
+    /// A field as a key part, or why there is none.
+    pub fn part(&self, path: &[String]) -> BodyPart {
+        if self.unreadable() {
+            return BodyPart::Unreadable;
+        }
+        self.text(path).map_or(BodyPart::Absent, BodyPart::Value)
     }
 
     /// A field as a key part: a string's bytes, a number or boolean as JSON writes it; `None`
@@ -57,14 +84,15 @@ impl RequestBody {
 
     /// The cost of a rule whose cost comes from the body: the largest whole number among
     /// `fields`, else `default`, plus the body's bytes divided by `input_bytes_per_token`
-    /// (rounded up), kept within `min..=max`. A cut body costs `max`.
+    /// (rounded up), kept within `min..=max`. A body that cannot be read costs `max`: a
+    /// lenient upstream may read `max_tokens` in it where the strict reading sees none.
     pub fn cost(
         &self,
         fields: &[Vec<String>],
         input_bytes_per_token: Option<u64>,
         (default, min, max): (u64, u64, u64),
     ) -> u64 {
-        if self.cut {
+        if self.unreadable() {
             return max;
         }
         let output = fields
@@ -126,9 +154,25 @@ mod tests {
         assert_eq!(b.cost(&fields, Some(4), (50, 1, 5_000)), 900 + input);
         assert_eq!(b.cost(&fields, Some(4), (50, 1, 910)), 910);
         assert_eq!(b.cost(&[path("absent")], None, (50, 1, 5_000)), 50);
-        // Not JSON, or cut short: the default, or the most.
+        // Not strict JSON, or cut short: the most (an upstream may read more in it).
         let not_json = RequestBody::read(b"max_tokens=3", 12, false);
-        assert_eq!(not_json.cost(&fields, None, (50, 1, 5_000)), 50);
+        assert_eq!(not_json.cost(&fields, None, (50, 1, 5_000)), 5_000);
+        for lenient in [
+            &br#"{"max_tokens":NaN}"#[..],
+            br#"{"max_tokens":1e400}"#,
+            b"\xef\xbb\xbf{\"max_tokens\":50000}",
+            br#"{"max_tokens":50000,}"#,
+        ] {
+            let b = RequestBody::read(lenient, lenient.len() as u64, false);
+            assert!(b.unreadable());
+            assert_eq!(b.cost(&fields, None, (50, 1, 5_000)), 5_000);
+            assert_eq!(b.part(&path("max_tokens")), BodyPart::Unreadable);
+        }
+        // Read: duplicate names, the last wins (as Python and Node read them); names are
+        // case-sensitive.
+        let dup = body(r#"{"max_tokens":10,"max_tokens":4000,"MAX_TOKENS":9}"#);
+        assert_eq!(dup.cost(&fields, None, (50, 1, 5_000)), 4_000);
+        assert_eq!(body("").part(&path("model")), BodyPart::Absent);
         let cut = RequestBody::read(br#"{"max_tokens":3"#, 1 << 30, true);
         assert_eq!(cut.cost(&fields, None, (50, 1, 5_000)), 5_000);
         assert_eq!(cut.text(&path("max_tokens")), None);

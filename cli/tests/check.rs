@@ -134,3 +134,19 @@ fn rules_that_read_the_body_carry_the_envoy_note() {
     let out = check(&["--host", "nginx", "-"], Some(body));
     assert!(!text(&out.stdout).contains("allow_on_headers_stop_iteration"));
 }
+
+#[test]
+fn a_body_cost_whose_default_is_below_its_max_is_warned_of() {
+    let low = r#"{"rules":[{"name":"llm","key":["header:x-api-key"],"limit":{"requests":100000,"per":"1m"},
+        "cost":{"body":["max_tokens"],"default":1000,"max":50000}}]}"#;
+    let out = check(&["-"], Some(low));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("warning: rules[0].cost.default is 1000, less than its max 50000"),
+        "{stdout}"
+    );
+    let at_max = low.replace(r#""default":1000,"#, "");
+    let out = check(&["-"], Some(&at_max));
+    assert!(!text(&out.stdout).contains("cost.default"));
+}

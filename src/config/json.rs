@@ -116,6 +116,10 @@ pub(super) struct RawRule {
     pub response: Option<RawResponse>,
     #[serde(default)]
     pub missing_key: MissingKey,
+    /// A `body:` key part of a body that came but cannot be read (not strict JSON, cut, too
+    /// slow): `limit` (default) keys it as one "unreadable" value; `skip` as absent.
+    #[serde(default = "unreadable_default")]
+    pub unreadable_body: MissingKey,
     #[serde(default)]
     pub dry_run: bool,
     /// Slots in the rule's table (default 10000): memory is bounded by it, not by clients.
@@ -542,4 +546,8 @@ pub(super) struct RawPriority {
     /// The part of an overload rule's capacity that requests of this level and above may fill
     /// while it refuses (default: 1 for the highest level, 0.1 less per level below it).
     pub share: Option<f64>,
+}
+
+fn unreadable_default() -> MissingKey {
+    MissingKey::Limit
 }

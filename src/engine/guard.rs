@@ -127,7 +127,7 @@ impl Engine {
             if !request.matches(&rule.matcher) {
                 continue;
             }
-            let Some(key) = request.key(&rule.key, rule.missing_key) else {
+            let Some(key) = request.key(&rule.key, rule.missing_key, rule.unreadable_body) else {
                 continue;
             };
             let window = g.table.locate_hash(self.placement.hash(&key)).group;
@@ -136,7 +136,7 @@ impl Engine {
             } else {
                 // Requests without a flow key are not held to a flow's part.
                 request
-                    .key(&g.fair_key, MissingKey::Skip)
+                    .key(&g.fair_key, MissingKey::Skip, MissingKey::Limit)
                     .map(|k| (self.placement.hash(&k) % FLOWS as u128) as u8)
             };
             let level = *level.get_or_insert_with(|| self.level_of(request));

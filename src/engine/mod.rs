@@ -265,7 +265,7 @@ impl Engine {
             if !request.matches(&rule.matcher) {
                 continue;
             }
-            let Some(key) = request.key(&rule.key, rule.missing_key) else {
+            let Some(key) = request.key(&rule.key, rule.missing_key, rule.unreadable_body) else {
                 continue;
             };
             let overridden = rule.overrides.iter().position(|o| o.matches(&key));

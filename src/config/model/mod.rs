@@ -86,6 +86,9 @@ pub struct Rule {
     pub matcher: Match,
     pub key: Vec<KeyPart>,
     pub missing_key: MissingKey,
+    /// What a `body:` part of a body that cannot be read is: one "unreadable" value (`Limit`), or
+    /// absent (`Skip`: then `missing_key` decides).
+    pub unreadable_body: MissingKey,
     /// What the rule limits, and where its state lives.
     pub kind: RuleKind,
     pub cost: Cost,
@@ -394,6 +397,18 @@ impl Config {
                      reports)",
                     cpu.threshold as f64 / 1_000.0
                 ));
+            }
+        }
+        for (i, rule) in self.rules.iter().enumerate() {
+            if let Cost::Body { default, max, .. } = rule.cost {
+                if default < max {
+                    out.push(format!(
+                        "rules[{i}].cost.default is {default}, less than its max {max}: a JSON \
+                         body without the named fields reserves {default}, though the upstream may \
+                         give it its own default (often the model's most); give every field the \
+                         API reads a maximum from, or leave default at max"
+                    ));
+                }
             }
         }
         for (i, rule) in self.rules.iter().enumerate() {
