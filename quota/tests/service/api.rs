@@ -1,4 +1,4 @@
-//! The API: leases, auth, metrics, bodies, credentials and per-credential caps (memory store).
+//! The API: leases, auth, metrics, bodies, credentials, per-credential caps (memory store; Redis where named).
 
 use super::*;
 
@@ -227,6 +227,59 @@ async fn a_caller_that_states_another_limit_cannot_rewrite_a_bucket() {
         50,
         "the bucket still holds its 50"
     );
+}
+
+/// The binding of before: 32 bits of a public hash of `limit_id` and the limit.
+fn binding_of_before(limit_id: &str, limit: [u64; 3]) -> u32 {
+    let mut bytes = limit_id.as_bytes().to_vec();
+    for n in limit {
+        bytes.extend_from_slice(&n.to_le_bytes());
+    }
+    tollgate_core::slot::fingerprint(&bytes) as u32
+}
+
+#[tokio::test]
+async fn a_limit_whose_32_bit_binding_collides_cannot_rewrite_a_bucket_in_either_store() {
+    // Two limits of `lim` (about one a day: nothing refills during the test) whose bindings of
+    // before were equal, found by a birthday search over `per_ms` (2^17 victims' limits against
+    // 2^19 attackers': 0.5 s). Against one victim's limit it takes about 2^32 hashes.
+    let victim = [1, 86_401_546, 50];
+    let attacker = [1, 86_552_055, 1];
+    assert_eq!(
+        binding_of_before("lim", victim),
+        binding_of_before("lim", attacker)
+    );
+    let limit = |[requests, per_ms, burst]: [u64; 3], wanted| LeaseItem {
+        requests,
+        per_ms,
+        ..item("victim", burst, wanted)
+    };
+    let redis = Redis::start();
+    let on_redis = RedisStore::connect(&single(&redis), Duration::from_secs(2), ColdStart::Full)
+        .await
+        .unwrap();
+    let stores = [
+        (
+            "memory",
+            Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        ),
+        ("redis", Store::Redis(on_redis)),
+    ];
+    for (name, store) in stores {
+        let svc = service(store, Some("s3cret"));
+        let ok = Some("Bearer s3cret");
+        // The attacker's limit, burst 1, takes nothing: before, the victim's bucket was cut to
+        // one token.
+        let (status, text) = call(&svc, lease_body("evil", vec![limit(attacker, 0)]), ok).await;
+        assert_eq!(status, StatusCode::OK, "{name}: {text}");
+        let (status, text) = call(&svc, lease_body("a", vec![limit(victim, 50)]), ok).await;
+        assert_eq!(status, StatusCode::OK, "{name}: {text}");
+        assert_eq!(
+            grants(&text)[0].granted,
+            50,
+            "{name}: the bucket holds its 50"
+        );
+    }
 }
 
 #[tokio::test]
