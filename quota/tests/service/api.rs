@@ -341,6 +341,44 @@ async fn a_credential_cannot_invent_instances_to_collect_fair_shares() {
     );
 }
 
+#[tokio::test]
+async fn a_holder_of_the_shared_token_at_the_instance_cap_cannot_lock_out_proxies_with_their_own_tokens(
+) {
+    let svc = Arc::new(Service {
+        store: Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        credentials: Credentials::new(
+            Some("shared-token".into()),
+            vec![ProxyToken::parse("edge-a=aaaaaaaaaaaaaaaa").unwrap()],
+            4,
+            Duration::from_secs(10),
+        ),
+        lease_ttl_ms: 10_000,
+        metrics: Metrics::default(),
+        body_timeout: Duration::from_secs(5),
+    });
+    let (shared, own) = (Some("Bearer shared-token"), Some("Bearer aaaaaaaaaaaaaaaa"));
+    // The holder keeps as many names live as the cap allows the shared token.
+    for i in 0..4 {
+        let (status, text) = call(&svc, lease_body(&format!("junk-{i}"), vec![]), shared).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+    }
+    // A proxy restarted under the shared token comes back with a new name: refused for as long
+    // as the holder keeps its names live, and told how to get out.
+    let (status, text) = call(&svc, lease_body("proxy-2", vec![item("k", 10, 1)]), shared).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    for named in [
+        "the shared token has 4 live instances",
+        "--proxy-token",
+        "--max-instances",
+    ] {
+        assert!(text.contains(named), "{named} in {text}");
+    }
+    // A proxy with its own token has a budget of its own.
+    let (status, text) = call(&svc, lease_body("proxy-2", vec![item("k", 10, 1)]), own).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(grants(&text)[0].granted, 1);
+}
+
 proptest::proptest! {
     /// Call bodies of any shape, near-valid ones mostly (`make fuzz` runs many more cases):
     /// every one is answered with a defined status, none panics the service.
