@@ -155,8 +155,11 @@ impl Credentials {
                 Caller::Proxy(name) => format!("proxy token {name}"),
                 _ => "the shared token".into(),
             };
+            // The operator who reads this in a proxy's failures learns the way out: a fleet
+            // that shares one token shares this budget with whoever else holds the token.
             return Err(format!(
-                "{who} has {} live instances, the most --max-instances allows",
+                "{who} has {} live instances, the most --max-instances allows; give each proxy \
+                 or fleet its own --proxy-token NAME=TOKEN, or raise --max-instances",
                 instances.len()
             ));
         }

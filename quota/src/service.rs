@@ -149,19 +149,21 @@ async fn read_call<T: serde::de::DeserializeOwned + Call>(
     Ok(request)
 }
 
-/// The name a bucket is stored under: the caller's `limit_id` bound to the limit the item states.
-/// A caller that states another limit for a key reaches another bucket, never rewrites the one
-/// the proxies of that limit use (one call with `burst: 1` could cut their bucket to 1 token).
+/// The name a bucket is stored under: the caller's `limit_id` bound to the whole limit the item
+/// states, `<limit_id>.<n>.<n>…` in decimal. A caller that states another limit for a key reaches
+/// another bucket, never rewrites the one the proxies of that limit use (one call with `burst: 1`
+/// could cut their bucket to 1 token). The numbers themselves, not a hash of them: 32 bits of a
+/// public hash let about 2^32 tries find another limit bound to the same name. Numbers hold no
+/// `.`, so read from the right the name gives back its limit: no two limits share one.
 pub fn bound_limit_id(limit_id: &str, limit: &[u64]) -> String {
-    let mut bytes = Vec::with_capacity(limit_id.len() + 8 * limit.len());
-    bytes.extend_from_slice(limit_id.as_bytes());
+    use std::fmt::Write;
+    let mut bound = String::with_capacity(limit_id.len() + 21 * limit.len());
+    bound.push_str(limit_id);
     for n in limit {
-        bytes.extend_from_slice(&n.to_le_bytes());
+        // Writing to a String cannot fail.
+        let _ = write!(bound, ".{n}");
     }
-    format!(
-        "{limit_id}.{:08x}",
-        tollgate_core::slot::fingerprint(&bytes) as u32
-    )
+    bound
 }
 
 /// The items without a problem, in order, each `bind`ed: the ones the store serves.

@@ -82,10 +82,10 @@ fn a_cluster_holds_the_buckets_on_all_its_masters_and_survives_a_failover() {
         }
     };
     send(&mut statuses, Duration::from_millis(1_000));
-    // The Envoy's bucket: its limit id is 16 hex digits and the service's 8 for the limit (the
-    // probe's is "cluster").
+    // The Envoy's bucket: its limit id is 16 hex digits, bound by the service to the limit it
+    // states (100 per 1 000 ms, burst 100; the probe's limit id is "cluster").
     let holder = cluster
-        .masters_with("{tg:????????????????.????????:*}:b")
+        .masters_with("{tg:????????????????.100.1000.100:*}:b")
         .into_iter()
         .find(|(_, keys)| *keys > 0)
         .map(|(i, _)| i)

@@ -1,4 +1,4 @@
-//! The API: leases, auth, metrics, bodies, credentials and per-credential caps (memory store).
+//! The API: leases, auth, metrics, bodies, credentials, per-credential caps (memory store; Redis where named).
 
 use super::*;
 
@@ -229,6 +229,59 @@ async fn a_caller_that_states_another_limit_cannot_rewrite_a_bucket() {
     );
 }
 
+/// The binding of before: 32 bits of a public hash of `limit_id` and the limit.
+fn binding_of_before(limit_id: &str, limit: [u64; 3]) -> u32 {
+    let mut bytes = limit_id.as_bytes().to_vec();
+    for n in limit {
+        bytes.extend_from_slice(&n.to_le_bytes());
+    }
+    tollgate_core::slot::fingerprint(&bytes) as u32
+}
+
+#[tokio::test]
+async fn a_limit_whose_32_bit_binding_collides_cannot_rewrite_a_bucket_in_either_store() {
+    // Two limits of `lim` (about one a day: nothing refills during the test) whose bindings of
+    // before were equal, found by a birthday search over `per_ms` (2^17 victims' limits against
+    // 2^19 attackers': 0.5 s). Against one victim's limit it takes about 2^32 hashes.
+    let victim = [1, 86_401_546, 50];
+    let attacker = [1, 86_552_055, 1];
+    assert_eq!(
+        binding_of_before("lim", victim),
+        binding_of_before("lim", attacker)
+    );
+    let limit = |[requests, per_ms, burst]: [u64; 3], wanted| LeaseItem {
+        requests,
+        per_ms,
+        ..item("victim", burst, wanted)
+    };
+    let redis = Redis::start();
+    let on_redis = RedisStore::connect(&single(&redis), Duration::from_secs(2), ColdStart::Full)
+        .await
+        .unwrap();
+    let stores = [
+        (
+            "memory",
+            Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        ),
+        ("redis", Store::Redis(on_redis)),
+    ];
+    for (name, store) in stores {
+        let svc = service(store, Some("s3cret"));
+        let ok = Some("Bearer s3cret");
+        // The attacker's limit, burst 1, takes nothing: before, the victim's bucket was cut to
+        // one token.
+        let (status, text) = call(&svc, lease_body("evil", vec![limit(attacker, 0)]), ok).await;
+        assert_eq!(status, StatusCode::OK, "{name}: {text}");
+        let (status, text) = call(&svc, lease_body("a", vec![limit(victim, 50)]), ok).await;
+        assert_eq!(status, StatusCode::OK, "{name}: {text}");
+        assert_eq!(
+            grants(&text)[0].granted,
+            50,
+            "{name}: the bucket holds its 50"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_proxy_token_cannot_speak_for_another_proxys_instances() {
     let svc = with_proxy_tokens(DEFAULT_MAX_INSTANCES);
@@ -286,6 +339,44 @@ async fn a_credential_cannot_invent_instances_to_collect_fair_shares() {
             .0,
         StatusCode::OK
     );
+}
+
+#[tokio::test]
+async fn a_holder_of_the_shared_token_at_the_instance_cap_cannot_lock_out_proxies_with_their_own_tokens(
+) {
+    let svc = Arc::new(Service {
+        store: Store::Memory(MemoryStore::new(100, ColdStart::Full)),
+        credentials: Credentials::new(
+            Some("shared-token".into()),
+            vec![ProxyToken::parse("edge-a=aaaaaaaaaaaaaaaa").unwrap()],
+            4,
+            Duration::from_secs(10),
+        ),
+        lease_ttl_ms: 10_000,
+        metrics: Metrics::default(),
+        body_timeout: Duration::from_secs(5),
+    });
+    let (shared, own) = (Some("Bearer shared-token"), Some("Bearer aaaaaaaaaaaaaaaa"));
+    // The holder keeps as many names live as the cap allows the shared token.
+    for i in 0..4 {
+        let (status, text) = call(&svc, lease_body(&format!("junk-{i}"), vec![]), shared).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+    }
+    // A proxy restarted under the shared token comes back with a new name: refused for as long
+    // as the holder keeps its names live, and told how to get out.
+    let (status, text) = call(&svc, lease_body("proxy-2", vec![item("k", 10, 1)]), shared).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    for named in [
+        "the shared token has 4 live instances",
+        "--proxy-token",
+        "--max-instances",
+    ] {
+        assert!(text.contains(named), "{named} in {text}");
+    }
+    // A proxy with its own token has a budget of its own.
+    let (status, text) = call(&svc, lease_body("proxy-2", vec![item("k", 10, 1)]), own).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(grants(&text)[0].granted, 1);
 }
 
 proptest::proptest! {

@@ -1,4 +1,4 @@
-//! The binary as run: signals, slow and idle clients, connection caps, where it listens.
+//! The binary as run: signals, slow and idle clients, connection caps, where it listens, whom it trusts.
 
 use super::*;
 
@@ -295,4 +295,25 @@ fn without_a_token_it_refuses_to_listen_beyond_loopback() {
     );
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+#[test]
+fn a_tls_master_named_by_plain_sentinels_is_refused_at_startup() {
+    // A sentinel's reply over plain TCP is not authenticated: whoever is on the network could name
+    // any host with a certificate the system trusts as the master, and be sent its password.
+    let sentinel = format!("redis://127.0.0.1:{}", free_port());
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate-quota"))
+        .args(["--redis-sentinel", &sentinel, "--redis-master", "mymaster"])
+        .args(["--redis-master-password", "m4ster", "--redis-master-tls"])
+        .env_remove("TOLLGATE_QUOTA_REDIS_CA")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    for named in ["--redis-master-tls", "rediss://", "--redis-ca"] {
+        assert!(err.contains(named), "{named} in {err}");
+    }
+    assert!(!err.contains("m4ster"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
 }

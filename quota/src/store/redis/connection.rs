@@ -109,6 +109,9 @@ pub(super) fn sentinel_client(
         }
         addrs.push(info.addr().clone());
     }
+    if let Some(problem) = untrusted_sentinels(sentinels, &addrs, access, trust) {
+        return Err(StoreError::Failed(problem));
+    }
     let tls_to_sentinels = addrs
         .iter()
         .any(|a| matches!(a, redis::ConnectionAddr::TcpTls { .. }));
@@ -141,6 +144,33 @@ pub(super) fn sentinel_client(
         }
     }
     builder.build().map_err(failed)
+}
+
+/// Why the sentinels' replies cannot be trusted to name a TLS master, if they cannot. A reply over
+/// plain TCP is not authenticated: anyone on the network could name as the master any host holding
+/// a certificate the system's authorities vouch for, and the service would send it the master's
+/// password and its buckets. Over TLS the reply comes from a sentinel; with `--redis-ca` only a
+/// certificate of that authority is accepted, whoever names the host.
+fn untrusted_sentinels(
+    urls: &[String],
+    addrs: &[redis::ConnectionAddr],
+    access: &MasterAccess,
+    trust: &RedisTls,
+) -> Option<String> {
+    if !access.tls || trust.ca_pem.is_some() {
+        return None;
+    }
+    let (url, _) = urls
+        .iter()
+        .zip(addrs)
+        .find(|(_, a)| matches!(a, redis::ConnectionAddr::Tcp(..)))?;
+    Some(format!(
+        "--redis-master-tls with the plain sentinel {}: a reply over plain TCP is not \
+         authenticated, so anyone on the network could name as the master a host holding any \
+         certificate the system trusts and be sent the master's password; give every sentinel as \
+         a rediss:// URL, or pin the authority of Redis's certificates with --redis-ca",
+        redact(url)
+    ))
 }
 
 /// A Redis URL without its password: `redis://user:secret@host` → `redis://user:***@host`.
@@ -229,6 +259,40 @@ pub(super) fn manager_config(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tls_master_is_named_only_by_sentinels_over_tls_or_under_a_pinned_authority() {
+        let tls = MasterAccess {
+            tls: true,
+            ..MasterAccess::default()
+        };
+        let pinned = RedisTls {
+            ca_pem: Some(b"-----BEGIN CERTIFICATE-----".to_vec()),
+            ..RedisTls::default()
+        };
+        let system = RedisTls::default();
+        let check = |urls: &[&str], access: &MasterAccess, trust: &RedisTls| {
+            let urls: Vec<String> = urls.iter().map(|u| u.to_string()).collect();
+            let addrs: Vec<_> = urls
+                .iter()
+                .map(|u| {
+                    use redis::IntoConnectionInfo;
+                    u.as_str().into_connection_info().unwrap().addr().clone()
+                })
+                .collect();
+            untrusted_sentinels(&urls, &addrs, access, trust)
+        };
+        let plain = ["rediss://s1:26379", "redis://:pw@s2:26379"];
+        let e = check(&plain, &tls, &system).unwrap();
+        assert!(
+            e.contains("redis://:***@s2:26379") && !e.contains("pw@"),
+            "{e}"
+        );
+        assert!(check(&plain, &tls, &pinned).is_none());
+        assert!(check(&["rediss://s1:26379", "rediss://s2:26379"], &tls, &system).is_none());
+        // A master reached without TLS is promised nothing.
+        assert!(check(&plain, &MasterAccess::default(), &system).is_none());
+    }
 
     #[test]
     fn passwords_never_reach_a_log_line() {
