@@ -6,6 +6,7 @@ use crate::config::PaceBody;
 use crate::request::{Request, RequestView};
 use crate::stats::RuleStat;
 use smallvec::SmallVec;
+use tollgate_core::limiter::return_stash;
 use tollgate_core::{pace, CasStore, SlotId};
 
 /// One byte limit's part in a request: the key's slot, and how much of the body it paced.
@@ -91,6 +92,35 @@ impl Engine {
             }
         }
         wait
+    }
+
+    /// `bytes` of a request's `body`, charged and held, never went on (the stream ended): give
+    /// them back to the keys' byte buckets (at most what each rule charged of the body; not to a
+    /// slot another key holds now).
+    pub fn unpace<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        pacers: &Pacers,
+        body: PaceBody,
+        bytes: u64,
+        now: u64,
+    ) {
+        if bytes == 0 {
+            return;
+        }
+        for p in pacers.iter().filter(|p| p.body == body) {
+            let back = bytes.min(p.seen.saturating_sub(p.after));
+            let Some(quota) = self.config.rules.get(p.rule).and_then(|r| r.quota()) else {
+                continue;
+            };
+            if back == 0 {
+                continue;
+            }
+            // (`paced_bytes` is a counter: it keeps them.)
+            if return_stash(store, &quota.limit, &quota.table, p.slot, back, now).is_err() {
+                self.stats.bump(p.rule, RuleStat::StoreErrors);
+            }
+        }
     }
 
     /// Time a body of this request was held by byte limits, counted for each of its `pacers`.

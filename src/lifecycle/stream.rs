@@ -45,6 +45,9 @@ pub struct Stream<H: Host> {
     /// response).
     pacers: Pacers,
     body_holds: [Option<u64>; 2],
+    /// Per body, the bytes charged to byte limits while it is held, not passed on yet: given
+    /// back if the stream ends before they are.
+    unpassed: [u64; 2],
     /// The decision waits for the request body (a rule that applies reads it), kept here as it
     /// comes (at most `max_request_body_bytes`), and how many bytes came.
     awaiting_body: bool,
@@ -69,6 +72,7 @@ impl<H: Host> Stream<H> {
             forwarded: false,
             pacers: Pacers::new(),
             body_holds: [None; 2],
+            unpassed: [0; 2],
             awaiting_body: false,
             request_body: Vec::new(),
             request_body_bytes: 0,
@@ -584,9 +588,15 @@ impl<H: Host> Stream<H> {
         let last = &mut self.body_holds[hold_index(body)];
         // Still held unless the tick has let it go since.
         let held = last.filter(|&at| plugin.queues.borrow().body_held(at, self.id, body));
+        let unpassed = &mut self.unpassed[hold_index(body)];
+        if held.is_none() {
+            // What was held before went on.
+            *unpassed = 0;
+        }
         if wait == 0 && held.is_none() {
             return Action::Continue;
         }
+        *unpassed = unpassed.saturating_add(u64::try_from(new).unwrap_or(u64::MAX));
         let due = now.saturating_add(wait);
         let until = held.map_or(due, |h| h.max(due));
         plugin
@@ -641,9 +651,16 @@ impl<H: Host> Stream<H> {
             let Some(at) = self.body_holds[hold_index(body)].take() else {
                 continue;
             };
-            // Still queued means the client went away while its body was held.
+            // Still queued means the client went away while its body was held: the bytes charged
+            // for it that never left go back to the key.
             if plugin.queues.borrow_mut().unhold_body(at, self.id, body) {
                 plugin.add(ProcessStat::BodiesHeld, -1);
+                let unpassed = std::mem::take(&mut self.unpassed[hold_index(body)]);
+                let now = plugin.host.now_ns().unwrap_or(0);
+                plugin
+                    .engine
+                    .borrow_mut()
+                    .unpace(&plugin.host, &self.pacers, body, unpassed, now);
             }
         }
         if let Some(due) = self.held_until.take() {

@@ -146,3 +146,39 @@ fn a_request_limit_and_a_byte_limit_for_one_key_in_one_configuration() {
     assert_eq!(client.get(&url, &[("x-user", "g")]).status, 429);
     assert_eq!(envoy.counter("bytes", "paced_bytes"), 1_500_000);
 }
+
+/// Issue 34, item 6: twenty downloads of a key that read their headers and reset while Envoy
+/// held their bodies: the bytes charged for them, which never left, go back to the key, and its
+/// next download is paced as if they had never come (before: it waited for all of them, about
+/// 20 MiB at 1 MB/s).
+#[test]
+fn bytes_of_downloads_cut_while_held_go_back_to_the_key() {
+    let app = Upstream::start(&[]);
+    let envoy = envoy(&app);
+    parallel(20, |_| {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
+        stream
+            .write_all(&testkit::raw(b"/app/bytes/1048576", &[b"x-user: cut"]))
+            .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0; 4096];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        // Let Envoy read (and charge) what it buffers of the body, then vanish.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        testkit::reset(stream);
+    });
+    assert_eq!(envoy.await_prometheus("tollgate_bodies_held{}", 0), 0);
+    let t = download(&envoy, "cut", 1, 200_000);
+    eprintln!(
+        "after 20 cut downloads, 200 000 bytes in {t:.2} s; {} bytes charged in all",
+        envoy.counter("downloads", "paced_bytes")
+    );
+    // What the cut downloads passed on (their share of the burst) and this one's own bytes:
+    // well under a second at 1 MB/s.
+    assert!(t < 1.0, "{t:.2} s");
+}

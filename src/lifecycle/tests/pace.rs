@@ -93,3 +93,51 @@ fn a_dry_run_byte_limit_holds_nothing_and_counts_what_it_would_have_held() {
     // A byte limit decides no requests.
     assert_eq!(proxy.metric("tollgate.rule.dl.allowed"), 0);
 }
+
+#[test]
+fn bytes_held_for_a_stream_that_ends_go_back_to_its_key() {
+    // 1 000 bytes a second per user, burst 1 000.
+    let config = r#"{"rules":[{"name":"dl","key":["header:x-user"],
+        "limit":{"bytes":1000,"per":"1s"}}]}"#;
+    let mut proxy = Proxy::new(HostCaps::ENVOY, config);
+    let user = [("x-user", "u")];
+    // Ten streams of the key each push 1 000 bytes past the burst and reset while held
+    // (before: 10 s of the key's rate charged for bytes that never left).
+    let (first, _) = proxy.request(&user);
+    proxy.response_headers(first, &[]);
+    assert_eq!(
+        proxy.response_chunk(first, &[0; 1000], false),
+        Action::Continue
+    );
+    for _ in 0..10 {
+        let (id, _) = proxy.request(&user);
+        proxy.response_headers(id, &[]);
+        assert_eq!(
+            proxy.response_chunk(id, &[0; 1000], false),
+            Action::HoldBody
+        );
+        proxy.abort(id);
+    }
+    proxy.tick();
+    // The key's next stream waits only for what the first one passed on: its 500 bytes go
+    // within half a second of the burst's refill.
+    proxy.advance_ms(1_000);
+    let (next, _) = proxy.request(&user);
+    proxy.response_headers(next, &[]);
+    assert_eq!(
+        proxy.response_chunk(next, &[0; 500], true),
+        Action::Continue
+    );
+    // Bytes that went on stay charged: a held body whose hold ended is not given back.
+    let (a, _) = proxy.request(&user);
+    proxy.response_headers(a, &[]);
+    assert_eq!(proxy.response_chunk(a, &[0; 1000], false), Action::HoldBody);
+    proxy.advance_ms(1_000);
+    proxy.tick();
+    assert_eq!(proxy.response_continued(a), 1);
+    proxy.abort(a);
+    let (b, _) = proxy.request(&user);
+    proxy.response_headers(b, &[]);
+    // (a's 1 000 still count: 500 of the bucket's 1 000 are left, so 600 wait.)
+    assert_eq!(proxy.response_chunk(b, &[0; 600], true), Action::HoldBody);
+}
