@@ -53,6 +53,8 @@ pub struct Stream<H: Host> {
     awaiting_body: bool,
     request_body: Vec<u8>,
     request_body_bytes: usize,
+    /// The host handed over fewer body bytes than it said came: the body cannot be read.
+    body_short: bool,
     ended: bool,
 }
 
@@ -76,6 +78,7 @@ impl<H: Host> Stream<H> {
             awaiting_body: false,
             request_body: Vec::new(),
             request_body_bytes: 0,
+            body_short: false,
             ended: false,
         }
     }
@@ -98,6 +101,13 @@ impl<H: Host> Stream<H> {
                 .borrow()
                 .reads_body(&Request::new(&view, trusted_hops))
             {
+                // nginx calls no body callback for an empty chunked body: without a length, the
+                // request is decided now, as one whose body cannot be read (the worst case).
+                if !plugin.caps.request_end_known && !length_given(&plugin) {
+                    plugin.add(ProcessStat::BodiesUnread, 1);
+                    let body = RequestBody::read(&[], 0, true);
+                    return self.decide(plugin, callers, Some(&body));
+                }
                 self.awaiting_body = true;
                 // Envoy would forward the headers unless paused; nginx reads the body before
                 // its content handler forwards anything, and a pause here would never end.
@@ -156,14 +166,18 @@ impl<H: Host> Stream<H> {
             if let Some(chunk) = plugin.host.request_body(take) {
                 self.request_body.extend_from_slice(&chunk);
             }
-            plugin.release_body_bytes(take.saturating_sub(self.request_body.len() - before));
+            let got = self.request_body.len() - before;
+            // Fewer bytes than the host said came: nginx spooled the body to a file
+            // (`client_body_buffer_size`), where the filter cannot read it.
+            self.body_short |= got < take;
+            plugin.release_body_bytes(take.saturating_sub(got));
         }
         if !end && self.request_body_bytes < max {
             return hold_body(&plugin);
         }
         self.awaiting_body = false;
         plugin.body_done(self.id);
-        let cut = !end || self.request_body_bytes > max;
+        let cut = !end || self.request_body_bytes > max || self.body_short;
         if cut {
             plugin.add(ProcessStat::BodiesUnread, 1);
         }
@@ -691,9 +705,13 @@ fn body_follows<H: Host>(plugin: &Plugin<H>, end_of_stream: bool) -> bool {
     if plugin.caps.request_end_known {
         return !end_of_stream;
     }
+    length_given(plugin) || plugin.host.request_header("transfer-encoding").is_some()
+}
+
+/// The request states a body of at least one byte (`content-length`).
+fn length_given<H: Host>(plugin: &Plugin<H>) -> bool {
     let length = plugin.host.request_header("content-length");
     length.is_some_and(|l| whole_number(&l).is_some_and(|n| n > 0))
-        || plugin.host.request_header("transfer-encoding").is_some()
 }
 
 /// Keep a request's body back: under flow control where the host has it (Envoy: a body larger

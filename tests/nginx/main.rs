@@ -763,6 +763,48 @@ fn reservations_and_keys_from_the_request_body_in_nginx() {
     assert!(nginx.workers_healthy(), "{}", nginx.log());
 }
 
+/// Issue 34, item 5: ngx_wasm_module calls no body callback for an empty chunked body, and hands
+/// over nothing of a body it spooled to a file (past `client_body_buffer_size`, 16 KiB by
+/// default). Both are decided as bodies that cannot be read: a chunked request on its headers
+/// (its per-IP rule applies: before, no rule did), a spooled one as the "unreadable" model
+/// (before: read as having no model, so the per-model rule skipped it).
+#[test]
+fn chunked_and_spooled_bodies_are_decided_as_unreadable_in_nginx() {
+    nginx_or_skip!();
+    let nginx = settling_nginx(&json!({"rules": [
+        {"name": "per-ip", "match": {"path": "/v1/chat"}, "key": ["client_ip"],
+         "limit": {"requests": 3, "per": "1h"}},
+        {"name": "llm", "match": {"path": "/v1/chat"}, "key": ["header:x-api-key"],
+         "limit": {"requests": 100000, "per": "1m"},
+         "cost": {"body": ["max_tokens"], "max": 1000}, "settle": {"usage": "total"}},
+        {"name": "per-model", "match": {"path": "/login"}, "key": ["body:model"],
+         "limit": {"requests": 2, "per": "1h"}}
+    ]}));
+    let mut chunked = raw(
+        b"/v1/chat",
+        &[b"x-api-key: k", b"transfer-encoding: chunked"],
+    );
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let statuses: Vec<Option<u16>> = (0..5).map(|_| raw_status(nginx.port, &chunked)).collect();
+    assert_eq!(
+        statuses,
+        [Some(200), Some(200), Some(200), Some(429), Some(429)],
+        "the per-IP rule applies to empty chunked bodies"
+    );
+    let client = Client::new();
+    let login = nginx.url("/login");
+    let spooled = |m: &str| {
+        let body = format!(r#"{{"model":"{m}","pad":"{}"}}"#, "x".repeat(40_000));
+        client.post(&login, &[], body.as_bytes()).status
+    };
+    assert_eq!(
+        [spooled("a"), spooled("b"), spooled("c")],
+        [401, 401, 429],
+        "spooled bodies share the unreadable model's 2 an hour"
+    );
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
 #[test]
 fn a_byte_limit_is_refused_in_nginx_naming_it() {
     nginx_or_skip!();

@@ -339,6 +339,14 @@ impl Proxy {
         self.contexts.request_body(id, chunk.len(), end)
     }
 
+    /// Request `id`'s whole body of `size` bytes, which the host says came but cannot hand over
+    /// (nginx spooled it to a file).
+    pub fn request_body_spooled(&self, id: u32, size: usize) -> Action {
+        self.host.0.request_body.borrow_mut().clear();
+        self.host.0.current.set(id);
+        self.contexts.request_body(id, size, true)
+    }
+
     /// Request `id`'s trailers (its body ended with them).
     pub fn request_trailers(&self, id: u32) -> Action {
         self.host.0.current.set(id);

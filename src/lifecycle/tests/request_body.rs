@@ -391,3 +391,35 @@ fn bodies_past_the_workers_room_are_decided_at_once_unread_and_the_room_comes_ba
     proxy.tick();
     assert_eq!(proxy.metric("tollgate.bodies.kept_bytes"), 0);
 }
+
+/// nginx calls no body callback for an empty chunked body, and hands over nothing of a body it
+/// spooled to a file: both are decided as bodies that cannot be read — the most, and the
+/// "unreadable" model — never left undecided, nor read as absent.
+#[test]
+fn in_nginx_a_chunked_request_and_a_spooled_body_are_decided_as_unreadable() {
+    let config = r#"{"rules":[
+        {"name":"per-ip","key":["client_ip"],"limit":{"requests":100,"per":"1m"}},
+        {"name":"per-model","key":["body:model"],"limit":{"requests":1,"per":"1h"}},
+        {"name":"llm","limit":{"requests":100000,"per":"1m"},
+         "cost":{"body":["max_tokens"],"max":8000},"settle":{"usage":"total"}}]}"#;
+    let mut proxy = Proxy::new(HostCaps::NGINX, config);
+    let (chunked, action) = proxy.request_headers(&[("transfer-encoding", "chunked")], false);
+    assert_eq!(action, Action::Continue, "decided on its headers: admitted");
+    assert!(proxy.local_response(chunked).is_none());
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.rule.per-ip.allowed"), 1);
+    assert_eq!(proxy.metric("tollgate.rule.llm.reserved"), 8_000);
+    // Its body, if one comes after all, changes nothing.
+    assert_eq!(proxy.request_body(chunked, b"{}", true), Action::Continue);
+    // A spooled body, stated by its length: the "unreadable" model's one request an hour is
+    // taken already, by the chunked one.
+    let (spooled, action) = proxy.request_headers(&[("content-length", "20000")], false);
+    assert_eq!(action, Action::Continue);
+    proxy.request_body_spooled(spooled, 20_000);
+    assert!(
+        proxy.local_response(spooled).is_some(),
+        "refused: the unreadable model's limit"
+    );
+    proxy.tick();
+    assert_eq!(proxy.metric("tollgate.bodies.unread"), 2);
+}
