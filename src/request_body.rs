@@ -179,6 +179,29 @@ mod tests {
     }
 
     proptest! {
+        /// A field over the whole u64 and f64 space reads as the whole number it writes:
+        /// itself, the largest past 64 bits, none if negative or fractional; a number past a
+        /// double's range makes the body unreadable (the most).
+        #[test]
+        fn any_field_number_reads_as_its_whole_number(n in any::<u64>(), f in any::<f64>()) {
+            let fields = [path("max_tokens")];
+            let b = body(&format!(r#"{{"max_tokens":{n}}}"#));
+            prop_assert_eq!(b.number(&fields[0]), Some(n));
+            prop_assert_eq!(b.cost(&fields, None, (0, 0, u64::MAX)), n);
+            if f.is_finite() {
+                let text = format!("{f:e}");
+                let b = body(&format!(r#"{{"max_tokens":{text}}}"#));
+                // (As the JSON reader rounds the text: it may be a neighbour of `f`.)
+                let f: f64 = serde_json::from_str(&text).unwrap();
+                let want = (f >= 0.0 && f.fract() == 0.0)
+                    .then_some(if f >= u64::MAX as f64 { u64::MAX } else { f as u64 });
+                prop_assert_eq!(b.number(&fields[0]), want);
+                prop_assert!(!b.unreadable());
+            }
+            let past = body(r#"{"max_tokens":1e400}"#);
+            prop_assert_eq!(past.cost(&fields, None, (5, 1, 7)), 7);
+        }
+
         #[test]
         fn any_bytes_give_a_cost_within_bounds(
             bytes in proptest::collection::vec(any::<u8>(), 0..300),

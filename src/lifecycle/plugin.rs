@@ -237,8 +237,8 @@ impl<H: Host> Plugin<H> {
                 "a rule reads the request body, but Envoy delivered none to a request paused \
                  for it for {} s: set \"allow_on_headers_stop_iteration\": true in the wasm \
                  filter's config (Envoy 1.35 or later); until then such requests are decided \
-                 without their body (a cost from the body is its max, body: key parts are \
-                 absent) after that wait",
+                 without their body (a cost from the body is its max, body: key parts the \
+                 \"unreadable\" value) after that wait",
                 BODY_WAIT_NS.min(timeout) as f64 / 1e9
             );
         }
