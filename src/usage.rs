@@ -43,10 +43,16 @@ impl Usage {
             .iter()
             .flatten()
             .any(|c| c.finish_reason.is_some());
-        let last = doc.usage.is_some()
+        // A top-level usage beside content still coming is a running count.
+        let content_goes_on = doc
+            .choices
+            .as_ref()
+            .is_some_and(|c| !c.is_empty() && c.iter().all(|c| c.finish_reason.is_none()));
+        let last = (doc.usage.is_some() && !content_goes_on)
             || nested[0].is_some()
             || (doc.usage_metadata.is_some() && finished);
-        let any = last || nested[1].is_some() || doc.usage_metadata.is_some();
+        let any =
+            last || doc.usage.is_some() || nested[1].is_some() || doc.usage_metadata.is_some();
         if any && (last || !in_stream) {
             self.complete = true;
         }
@@ -85,6 +91,15 @@ struct Document {
     usage_metadata: Option<GeminiCounts>,
     /// Gemini's last chunk has a candidate with a `finishReason`.
     candidates: Option<Vec<Candidate>>,
+    /// OpenAI's chat chunks: the usage chunk has none (`[]`), or — in some compatible APIs —
+    /// the choice that finishes; a chunk of content with a running usage (vLLM's
+    /// `continuous_usage_stats`) is not the last count.
+    choices: Option<Vec<Choice>>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    finish_reason: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Deserialize)]
@@ -234,8 +249,14 @@ impl UsageReader {
     /// One JSON document: a body, or one event's data.
     fn document(&mut self, data: &[u8]) {
         if self.wants_usage {
-            if let Ok(doc) = serde_json::from_slice::<Document>(data) {
-                self.usage.read(&doc, self.stream);
+            match serde_json::from_slice::<Document>(data) {
+                Ok(doc) => self.usage.read(&doc, self.stream),
+                // Or a JSON array of chunks (Gemini's stream without `alt=sse`).
+                Err(_) => {
+                    for doc in serde_json::from_slice::<Vec<Document>>(data).unwrap_or_default() {
+                        self.usage.read(&doc, true);
+                    }
+                }
             }
         }
         if self.fields.is_empty() {
@@ -412,6 +433,55 @@ mod tests {
             (usage.input, usage.output, usage.complete),
             (Some(25), Some(1), false)
         );
+    }
+
+    /// Running counts are not the last: vLLM's `continuous_usage_stats` puts a usage in every
+    /// chunk of content (a first one of zeros, even); only the chunk without content (or with the
+    /// choice that finishes) is the last count. Gemini's stream without `alt=sse` is one JSON
+    /// array of chunks.
+    #[test]
+    fn running_counts_repeated_names_and_arrays_of_chunks() {
+        let chunk = |content: &str, p: u64, c: u64| {
+            format!(
+                "data: {{\"choices\":{content},\"usage\":{{\"prompt_tokens\":{p},\"completion_tokens\":{c},\"total_tokens\":{}}}}}\n\n",
+                p + c
+            )
+        };
+        let delta = r#"[{"delta":{"content":"hi"},"finish_reason":null}]"#;
+        let running = chunk(delta, 0, 0) + &chunk(delta, 10, 3) + &chunk(delta, 10, 4);
+        let u = read_in(SSE, &running, &[]);
+        assert_eq!(
+            (u.total(), u.complete),
+            (Some(14), false),
+            "running counts only"
+        );
+        let finishing = r#"[{"delta":{},"finish_reason":"stop"}]"#;
+        let u = read_in(SSE, &(running.clone() + &chunk(finishing, 10, 5)), &[]);
+        assert_eq!(
+            (u.total(), u.complete),
+            (Some(15), true),
+            "the choice that finishes"
+        );
+        let u = read_in(SSE, &(running + &chunk("[]", 10, 6)), &[]);
+        assert_eq!((u.total(), u.complete), (Some(16), true), "the usage chunk");
+        // A whole JSON body's usage is its last count, choices or not.
+        let body = r#"{"choices":[{"message":{"content":"ok"}}],"usage":{"total_tokens":1100}}"#;
+        assert!(read_in(JSON, body, &[]).complete);
+        // (A usage object naming a count twice is not read: the reservation stands.)
+        let dup = r#"{"usage":{"total_tokens":5,"total_tokens":900}}"#;
+        assert!(!read_in(JSON, dup, &[]).is_known());
+        let array = format!(
+            "[{},{}]",
+            r#"{"candidates":[{"content":{}}],"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":2}}"#,
+            r#"{"candidates":[{"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":40,"totalTokenCount":48}}"#
+        );
+        let u = read_in(JSON, &array, &[]);
+        assert_eq!((u.total(), u.complete), (Some(48), true));
+        let unfinished = format!(
+            "[{}]",
+            r#"{"candidates":[{"content":{}}],"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":2}}"#
+        );
+        assert!(!read_in(JSON, &unfinished, &[]).complete);
     }
 
     #[test]
