@@ -12,6 +12,17 @@ fn answer(path: &str, status: u16, body: &str, content_type: &str) -> Value {
                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]})
 }
 
+/// An Envoy whose `/v1/chat` answers a JSON usage of 1 000, with `plugin`, reading request bodies
+/// (`allow_on_headers_stop_iteration`).
+fn chat_envoy(plugin: &Value) -> Envoy {
+    let opts = Options {
+        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
+        body_readable: true,
+        ..Options::default()
+    };
+    Envoy::start_with(plugin, &opts)
+}
+
 #[test]
 fn the_sixth_failed_login_is_refused_before_the_upstream_and_successes_cost_nothing() {
     let mut right = answer("/login", 200, "welcome\n", "text/plain");
@@ -493,19 +504,11 @@ fn a_reservation_from_the_request_body_refuses_what_does_not_fit_and_settles_the
 
 #[test]
 fn keys_from_a_body_field_and_a_body_larger_than_the_buffer_goes_through() {
-    let opts = Options {
-        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
-        body_readable: true,
-        ..Options::default()
-    };
-    let envoy = Envoy::start_with(
-        &json!({"rules": [
+    let envoy = chat_envoy(&json!({"rules": [
             {"name": "per-model", "key": ["body:model"], "limit": {"requests": 2, "per": "1h"}},
             {"name": "budget", "limit": {"requests": 1000000, "per": "1h"},
              "cost": {"body": ["max_tokens"], "default": 50, "max": 7000},
-             "settle": {"usage": "total"}}]}),
-        &opts,
-    );
+             "settle": {"usage": "total"}}]}));
     let client = Client::new();
     let url = envoy.url("/v1/chat");
     let post = |body: &str| client.post(&url, &[], body.as_bytes()).status;
@@ -698,16 +701,10 @@ fn usage_settles_in_every_format_json_and_streamed_and_from_a_response_header() 
 
 #[test]
 fn a_body_larger_than_envoy_holds_is_decided_when_it_stops_coming() {
-    let opts = Options {
-        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
-        body_readable: true,
-        ..Options::default()
-    };
-    let envoy = Envoy::start_with(
+    let envoy = chat_envoy(
         &json!({"rules": [{"name": "per-model", "key": ["body:model"],
             "limit": {"requests": 1, "per": "1h"}, "missing_key": "limit"}],
             "max_request_body_bytes": 4 << 20}),
-        &opts,
     );
     let client = Client::new();
     // 3 MiB with the model at its end: more than Envoy's 1 MiB buffer limit holds, so the client
@@ -840,16 +837,10 @@ fn drip(
 /// byte came, 12 s here, and never with a longer body).
 #[test]
 fn a_dripped_body_is_decided_at_its_deadline() {
-    let opts = Options {
-        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
-        body_readable: true,
-        ..Options::default()
-    };
-    let envoy = Envoy::start_with(
+    let envoy = chat_envoy(
         &json!({"rules": [{"name": "llm", "key": ["header:x-api-key"],
             "limit": {"requests": 100000, "per": "1m"},
             "cost": {"body": ["max_tokens"], "max": 8000}}]}),
-        &opts,
     );
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (status, secs) = drip(
@@ -872,16 +863,10 @@ fn a_dripped_body_is_decided_at_its_deadline() {
 /// back down (before: every body kept to its end, Envoy's RSS 110 → 403 MB for 500 uploads).
 #[test]
 fn a_flood_of_slow_uploads_keeps_a_bounded_memory() {
-    let opts = Options {
-        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
-        body_readable: true,
-        ..Options::default()
-    };
-    let envoy = Envoy::start_with(
+    let envoy = chat_envoy(
         &json!({"rules": [{"name": "llm", "key": ["header:x-api-key"],
             "limit": {"requests": 10000000, "per": "1m"},
             "cost": {"body": ["max_tokens"], "max": 8000}}]}),
-        &opts,
     );
     let before = envoy.rss_kib();
     let stop = std::sync::atomic::AtomicBool::new(false);
@@ -933,18 +918,10 @@ fn a_flood_of_slow_uploads_keeps_a_bounded_memory() {
 /// on a rule of 3 an hour, with no RateLimit header).
 #[test]
 fn bodies_only_a_lenient_upstream_reads_reserve_the_most_and_are_limited() {
-    let opts = Options {
-        routes: vec![answer("/v1/chat", 200, USAGE_1000, "application/json")],
-        body_readable: true,
-        ..Options::default()
-    };
-    let envoy = Envoy::start_with(
-        &json!({"rules": [
+    let envoy = chat_envoy(&json!({"rules": [
             {"name": "budget", "key": ["header:x-api-key"], "limit": {"requests": 10000000, "per": "1d"},
              "cost": {"body": ["max_tokens"], "input_bytes_per_token": 4, "max": 50000}},
-            {"name": "per-model", "key": ["body:model"], "limit": {"requests": 3, "per": "1h"}}]}),
-        &opts,
-    );
+            {"name": "per-model", "key": ["body:model"], "limit": {"requests": 3, "per": "1h"}}]}));
     let client = Client::new();
     let bodies: [&[u8]; 6] = [
         br#"{"model":"gpt","max_tokens":NaN}"#,
