@@ -684,6 +684,11 @@ def report(saved, args):
         lines += llm_lines(saved["llm"])
     if "bandwidth" in saved:
         lines += bandwidth_lines(saved["bandwidth"])
+    import nginx_cost  # noqa: E402  (its section, kept when the report is rewritten)
+    if "nginx_wasm" in saved:
+        lines += nginx_cost.nginx_wasm_lines(saved["nginx_wasm"])
+    else:
+        lines += kept_section(REPO / "docs/benchmarks.md", nginx_cost.HEADING)
     lines += [
         "## Noise",
         "",
@@ -741,6 +746,18 @@ def report(saved, args):
         llm_chart(saved["llm"])
     if "bandwidth" in saved:
         bandwidth_chart(saved["bandwidth"])
+
+
+def kept_section(path, heading):
+    """The lines of the section under `heading` of a Markdown file as it stands (none if absent):
+    a section another script wrote, kept when the report is rewritten without its results."""
+    text = path.read_text() if path.exists() else ""
+    start = text.find(heading + "\n")
+    if start < 0:
+        return []
+    after = re.search(r"\n## ", text[start + len(heading):])
+    end = start + len(heading) + after.start() + 1 if after else len(text)
+    return text[start:end].rstrip("\n").split("\n") + [""]
 
 
 def splice_section(path, heading, lines):
