@@ -398,3 +398,34 @@ def setups(quota_port, quota_redis_port):
             ("tollgate global, strict (memory)", path, tg(tollgate_plugin(limit, scope="global", mode="strict"), [quota_cluster(quota_port)]), None),
         ]
     return [s for s in out if s]
+
+
+# ---------------------------------------------------------------- the report's sections
+
+def kept_section(path, heading):
+    """The lines of the section under `heading` of a Markdown file as it stands (none if absent):
+    a section another script wrote, kept when the report is rewritten without its results."""
+    text = path.read_text() if path.exists() else ""
+    start = text.find(heading + "\n")
+    if start < 0:
+        return []
+    after = re.search(r"\n## ", text[start + len(heading):])
+    end = start + len(heading) + after.start() + 1 if after else len(text)
+    return text[start:end].rstrip("\n").split("\n") + [""]
+
+
+def splice_section(path, heading, lines):
+    """Replace the section under `heading` (up to the next heading of its level or above) of a
+    Markdown file with `lines`, or put it before `## Noise` (else at the end)."""
+    text = path.read_text()
+    block = "\n".join(lines).rstrip("\n") + "\n\n"
+    start = text.find(heading + "\n")
+    if start >= 0:
+        level = len(heading) - len(heading.lstrip("#"))
+        after = re.search(r"\n#{1,%d} " % level, text[start + len(heading):])
+        end = start + len(heading) + after.start() if after else -1
+        text = text[:start] + block + (text[end + 1:] if end >= 0 else "")
+    else:
+        at = text.find("\n## Noise\n")
+        text = text[:at + 1] + block + text[at + 1:] if at >= 0 else text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)

@@ -105,8 +105,7 @@ def main():
     path.write_text(json.dumps(saved, indent=1))
     lines = nginx_wasm_lines(result)
     print("\n".join(lines))
-    import run  # noqa: E402  (the report's helpers)
-    run.splice_section(REPO / "docs/benchmarks.md", HEADING, lines)
+    harness.splice_section(REPO / "docs/benchmarks.md", HEADING, lines)
 
 
 HEADING = "## nginx with ngx_wasm_module: what the filter adds"
