@@ -367,10 +367,10 @@ fn a_client_that_cuts_a_stream_at_any_event_pays_at_least_what_it_got() {
             let this = now - settled;
             settled = now;
             // What the client saw of the last usage event decides nothing: the filter may have
-            // passed one more event than the client read before its reset.
+            // passed an event or two more than the client read before its reset (a slow client).
             let whole = got.contains("0\r\n\r\n");
             assert!(
-                this == 2_500 || (this == 2_100 && events >= 4),
+                this == 2_500 || (this == 2_100 && events >= 3),
                 "{format}, cut after {events} events: settled {this}"
             );
             if whole {
