@@ -219,11 +219,20 @@ class EnvoyServer:
 
 
 class NginxServer:
-    def __init__(self, limit):
+    """nginx (one worker, pinned) serving a static file: with `limit_req` per IP (`limit`
+    "allowed" or "rejected"), or — with `binary` an nginx built with ngx_wasm_module — with
+    `module` as a proxy-wasm filter configured by `plugin`."""
+
+    def __init__(self, limit, binary="nginx", module=None, plugin=None):
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-nginx-"))
         zone = ""
         apply = ""
+        wasm = ""
+        if module:
+            wasm = f"wasm {{ module filter {module}; shm_kv * 16m eviction=none; }}"
+            config = json.dumps(plugin or {}).replace("\\", "\\\\").replace("'", "\\'")
+            apply = f"proxy_wasm filter '{config}';"
         if limit == "allowed":
             zone = "limit_req_zone $binary_remote_addr zone=perip:10m rate=1000000r/s;"
             apply = "limit_req zone=perip burst=100000 nodelay; limit_req_status 429;"
@@ -236,6 +245,7 @@ daemon off;
 pid {self.dir}/nginx.pid;
 error_log {self.dir}/error.log error;
 events {{ worker_connections 1024; }}
+{wasm}
 http {{
   access_log off;
   client_body_temp_path {self.dir};
@@ -254,7 +264,7 @@ http {{
 }}
 """)
         (self.dir / "ok").write_text("ok\n")
-        self.proc = Proc(PROXY_CPU + ["nginx", "-c", str(self.dir / "nginx.conf"), "-p", str(self.dir)])
+        self.proc = Proc(PROXY_CPU + [binary, "-c", str(self.dir / "nginx.conf"), "-p", str(self.dir)])
         self.url = f"http://127.0.0.1:{self.port}/"
         wait_port(self.port)
         self.pids = [int(p) for p in subprocess.check_output(

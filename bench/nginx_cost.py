@@ -13,9 +13,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,52 +24,6 @@ NOOP = REPO / "bench/noop/target/wasm32-wasip1/release/tollgate_bench_noop.wasm"
 TOLLGATE = REPO / "dist/tollgate.wasm"
 NEVER = {"rules": [{"name": "r", "match": {"path": "/never"},
                     "limit": {"requests": harness.HUGE, "per": "1m"}}]}
-
-
-class NginxWasmServer:
-    """nginx (one worker, pinned) serving a static file, with `module` as a proxy-wasm filter on
-    it (none: the same binary without a filter)."""
-
-    def __init__(self, nginx, module=None, plugin=None):
-        self.port = harness.free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-nginx-wasm-"))
-        wasm = filt = ""
-        if module:
-            wasm = f"wasm {{ module filter {module}; shm_kv * 16m eviction=none; }}"
-            config = json.dumps(plugin or {}).replace("\\", "\\\\").replace("'", "\\'")
-            filt = f"proxy_wasm filter '{config}';"
-        (self.dir / "nginx.conf").write_text(f"""
-worker_processes 1;
-daemon off;
-pid {self.dir}/nginx.pid;
-error_log {self.dir}/error.log error;
-events {{ worker_connections 1024; }}
-{wasm}
-http {{
-  access_log off;
-  client_body_temp_path {self.dir};
-  proxy_temp_path {self.dir};
-  fastcgi_temp_path {self.dir};
-  uwsgi_temp_path {self.dir};
-  scgi_temp_path {self.dir};
-  server {{
-    listen 127.0.0.1:{self.port};
-    root {self.dir};
-    default_type text/plain;
-    location / {{ {filt} try_files /ok =404; }}
-  }}
-}}
-""")
-        (self.dir / "ok").write_text("ok\n")
-        self.proc = harness.Proc(harness.PROXY_CPU + [nginx, "-c", str(self.dir / "nginx.conf"),
-                                                      "-p", str(self.dir)])
-        self.url = f"http://127.0.0.1:{self.port}/"
-        harness.wait_port(self.port)
-        self.pids = [int(p) for p in subprocess.check_output(
-            ["pgrep", "-g", str(self.proc.p.pid)]).split()]
-
-    def stop(self):
-        self.proc.stop()
 
 
 def main():
@@ -92,7 +44,7 @@ def main():
     for r in range(args.rounds):
         order = setups if r % 2 == 0 else list(reversed(setups))
         for name, module, plugin in order:
-            server = NginxWasmServer(nginx, module, plugin)
+            server = harness.NginxServer(None, nginx, module, plugin)
             try:
                 rounds[name].append(harness.measure(server, args.seconds)["cpu_us"])
             finally:

@@ -140,25 +140,17 @@ impl Engine {
                     seen.headers.get(n).copied().flatten().unwrap_or(r.reserved)
                 }
                 (Some(_), SettleFrom::BodyBytes) => seen.body_bytes,
-                // Before the provider's last count, what a stream reported is its start or a
-                // running count, below what it delivered: the reservation stands unless more
-                // was reported (a client that cuts the stream pays at least that).
-                (Some(_), SettleFrom::Usage(cost)) => match cost.of(&seen.usage) {
-                    Some(n) if seen.usage.complete => n,
-                    n => n.map_or(r.reserved, |n| n.max(r.reserved)),
-                },
-                // The same for a stream's last field cut short.
-                (Some(_), SettleFrom::BodyField(path)) => {
-                    match seen
-                        .fields
+                (Some(_), SettleFrom::Usage(cost)) => {
+                    at_least_reserved_unless(seen.usage.complete, cost.of(&seen.usage), r.reserved)
+                }
+                (Some(_), SettleFrom::BodyField(path)) => at_least_reserved_unless(
+                    seen.body_ended,
+                    seen.fields
                         .iter()
                         .find(|(p, _)| p == path)
-                        .and_then(|(_, n)| *n)
-                    {
-                        Some(n) if seen.body_ended => n,
-                        n => n.map_or(r.reserved, |n| n.max(r.reserved)),
-                    }
-                }
+                        .and_then(|(_, n)| *n),
+                    r.reserved,
+                ),
             };
             let Some(quota) = self.quota_of(r.which) else {
                 continue;
@@ -209,5 +201,16 @@ impl Engine {
                 );
             }
         }
+    }
+}
+
+/// What a response that `reported` a cost settles: that cost once the response told its last
+/// (`whole`); before, what a stream reported is its start or a running count, below what it
+/// delivered, so the reservation stands unless more was reported (a client that cuts the stream
+/// pays at least that). Nothing reported: the reservation.
+fn at_least_reserved_unless(whole: bool, reported: Option<u64>, reserved: u64) -> u64 {
+    match reported {
+        Some(n) if whole => n,
+        n => n.map_or(reserved, |n| n.max(reserved)),
     }
 }

@@ -104,9 +104,7 @@ impl<H: Host> Stream<H> {
                 // nginx calls no body callback for an empty chunked body: without a length, the
                 // request is decided now, as one whose body cannot be read (the worst case).
                 if !plugin.caps.request_end_known && !length_given(&plugin) {
-                    plugin.add(ProcessStat::BodiesUnread, 1);
-                    let body = RequestBody::read(&[], 0, true);
-                    return self.decide(plugin, callers, Some(&body));
+                    return self.decide_as_unread(&plugin, callers);
                 }
                 self.awaiting_body = true;
                 // Envoy would forward the headers unless paused; nginx reads the body before
@@ -250,11 +248,17 @@ impl<H: Host> Stream<H> {
             return None;
         }
         plugin.body_done(self.id);
-        plugin.add(ProcessStat::BodiesUnread, 1);
         drop(self.let_go_of_body(plugin));
+        Some(self.decide_as_unread(plugin, callers))
+    }
+
+    /// Decide the request as one whose body cannot be read (the worst case: a cost from the body
+    /// is its `max`, `body:` parts are "unreadable").
+    fn decide_as_unread(&mut self, plugin: &Rc<Plugin<H>>, callers: &Callers) -> Action {
+        plugin.add(ProcessStat::BodiesUnread, 1);
         let total = u64::try_from(self.request_body_bytes).unwrap_or(u64::MAX);
         let body = RequestBody::read(&[], total, true);
-        Some(self.decide(plugin.clone(), callers, Some(&body)))
+        self.decide(plugin.clone(), callers, Some(&body))
     }
 
     /// Still paused by its decision: refused, waiting for quota or held.

@@ -30,6 +30,17 @@ fn envoy(quota: &Quota, plugin: &Value) -> Envoy {
     )
 }
 
+/// Two Envoys with the demo's global rule (`search`, one-token leases, `instances_hint` 2) at
+/// `per_minute` and `burst`.
+fn demo_global_envoys(quota: &Quota, per_minute: u64, burst: u64) -> [Envoy; 2] {
+    let plugin = json!({
+        "rules": [{"name": "search", "scope": "global",
+                   "limit": {"requests": per_minute, "per": "1m"}, "burst": burst}],
+        "quota_service": {"upstream": "quota", "instances_hint": 2, "lease_size": 1}
+    });
+    [envoy(quota, &plugin), envoy(quota, &plugin)]
+}
+
 /// One request on a connection of its own.
 fn fresh(url: &str, user: &str) -> u16 {
     Client::new().get(url, &[("x-user", user)]).status
@@ -219,12 +230,7 @@ fn after_its_burst_a_global_rule_keeps_to_its_rate_across_two_envoys() {
     // leases, two Envoys. Each Envoy's share of the rate is half a token per second, renewed
     // every eighth of a lease: what accrues between renewals must add up, not be lost.
     let quota = Quota::start(&[]);
-    let plugin = json!({
-        "rules": [{"name": "search", "scope": "global", "limit": {"requests": 60, "per": "1m"},
-                   "burst": 6}],
-        "quota_service": {"upstream": "quota", "instances_hint": 2, "lease_size": 1}
-    });
-    let envoys = [envoy(&quota, &plugin), envoy(&quota, &plugin)];
+    let envoys = demo_global_envoys(&quota, 60, 6);
     let started = Instant::now();
     let mut statuses = Vec::new();
     let mut i = 0;
@@ -258,12 +264,7 @@ fn a_global_rule_of_a_few_a_minute_keeps_to_its_rate() {
     // token per lease, never a whole one. Such rates are leased as tokens: the bucket refills,
     // and the proxies ask when the service says a token has come.
     let quota = Quota::start(&[]);
-    let plugin = json!({
-        "rules": [{"name": "search", "scope": "global", "limit": {"requests": 6, "per": "1m"},
-                   "burst": 1}],
-        "quota_service": {"upstream": "quota", "instances_hint": 2, "lease_size": 1}
-    });
-    let envoys = [envoy(&quota, &plugin), envoy(&quota, &plugin)];
+    let envoys = demo_global_envoys(&quota, 6, 1);
     let started = Instant::now();
     let mut statuses = Vec::new();
     let mut i = 0;
@@ -292,12 +293,7 @@ fn a_global_rule_of_a_few_a_minute_keeps_to_its_rate() {
 #[test]
 fn a_client_that_comes_back_when_told_is_admitted() {
     let quota = Quota::start(&[]);
-    let plugin = json!({
-        "rules": [{"name": "search", "scope": "global", "limit": {"requests": 6, "per": "1m"},
-                   "burst": 1}],
-        "quota_service": {"upstream": "quota", "instances_hint": 2, "lease_size": 1}
-    });
-    let envoys = [envoy(&quota, &plugin), envoy(&quota, &plugin)];
+    let envoys = demo_global_envoys(&quota, 6, 1);
     let ask = |e: &Envoy| {
         let reply = Client::new().get(&e.url("/"), &[("x-user", "anyone")]);
         let retry: Option<u64> = reply.header("retry-after").and_then(|v| v.parse().ok());
