@@ -422,3 +422,86 @@ fn a_rolling_restart_of_two_memory_replicas_loses_nothing_visible() {
     assert!(refused.is_empty(), "{refused:?}");
     assert!(calls > 0, "the standby served no call: nothing was checked");
 }
+
+/// Issue 34, item 1, one step further out: a global LLM budget of 10 000 tokens an hour over two
+/// Envoys, and a client that resets every Anthropic stream right after `message_start` (which
+/// says one output token). Each cut stream is charged its reservation (2 000), on both Envoys and
+/// across a restart of the memory quota service between them; so once the burst's 10 000 have
+/// been charged the key is refused everywhere. Before: each cut stream paid its input and one
+/// output token (101), and the key kept being admitted.
+#[test]
+fn cut_streams_pay_their_reservation_on_every_envoy_and_across_a_quota_restart() {
+    let mut quota = Quota::start(&[]);
+    let app = Upstream::start(&[]);
+    let (plugin, opts) = global_rule(
+        json!({"name": "llm", "scope": "global", "key": ["header:x-api-key"],
+               "limit": {"requests": 10000, "per": "1h"},
+               "cost": {"header": "x-max-tokens", "default": 2000, "max": 2000},
+               "settle": {"usage": "total"}}),
+        &quota,
+        json!({"instances_hint": 2, "lease_size": 2000}),
+    );
+    let opts = Options {
+        app_port: Some(app.port),
+        ..opts
+    };
+    let envoys = [
+        Envoy::start_with(&plugin, &opts),
+        Envoy::start_with(&plugin, &opts),
+    ];
+    let lines: [&[u8]; 7] = [
+        b"x-api-key: cheat",
+        b"x-stream: 1",
+        b"x-format: anthropic",
+        b"x-usage-input: 100",
+        b"x-usage-output: 1800",
+        b"x-events: 4",
+        b"x-event-ms: 50",
+    ];
+    let cut = |e: &Envoy| {
+        let got = crate::settle::read_events_then_cut(e.port, &lines, 1);
+        got.lines().next().unwrap_or_default().to_string()
+    };
+    let settled = || {
+        envoys
+            .iter()
+            .map(|e| e.counter("llm", "settled"))
+            .sum::<u64>()
+    };
+    let mut statuses = Vec::new();
+    for round in 0..2 {
+        for e in &envoys {
+            statuses.push(cut(e));
+            let want = 2_000 * statuses.len() as u64;
+            assert!(
+                testkit::eventually(Duration::from_secs(5), || settled() == want),
+                "round {round}: settled {} of {want}",
+                settled()
+            );
+        }
+        if round == 0 {
+            // The store forgets everything; the Envoys' evidence brings the bucket back.
+            quota.kill();
+            quota.restart();
+        }
+    }
+    assert!(
+        statuses.iter().all(|s| s.contains("200")),
+        "four cut streams admitted: {statuses:?}"
+    );
+    // 8 000 charged of a burst of 10 000: at most one more reservation fits (a loss of the
+    // store's state only ever makes the fleet stricter), then none on either Envoy.
+    let more: Vec<String> = (0..4).map(|i| cut(&envoys[i % 2])).collect();
+    let admitted = more.iter().filter(|s| s.contains("200")).count();
+    assert!(
+        admitted <= 1,
+        "{admitted} more admitted past 8 000 charged: {more:?}"
+    );
+    for (n, e) in envoys.iter().enumerate() {
+        let reply = Client::new().get(
+            &e.url("/app/llm/chat"),
+            &[("x-api-key", "cheat"), ("x-stream", "1")],
+        );
+        assert_eq!(reply.status, 429, "Envoy {n} admitted past the budget");
+    }
+}

@@ -299,7 +299,7 @@ fn a_stream_cut_short_settles_what_it_reported_else_its_reservation() {
 
 /// Read a streamed answer to `lines` from `port` until `events` events have come whole, then
 /// reset the connection (all of it if `events` is more than it has). Returns what came.
-fn read_events_then_cut(port: u16, lines: &[&[u8]], events: usize) -> String {
+pub(crate) fn read_events_then_cut(port: u16, lines: &[&[u8]], events: usize) -> String {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream
