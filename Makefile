@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup setup-rust build probe quota check schema test test-nginx test-compose lint dist bench demo demo-keep clean fuzz
+.PHONY: setup setup-rust build probe quota check schema test test-nginx test-compose lint dist bench bench-modules bench-instructions demo demo-keep clean fuzz
 
 setup:
 	@scripts/setup.sh
@@ -105,12 +105,26 @@ bench: dist
 		[ "$$(id -u)" -eq 0 ] || apt_get="sudo apt-get"; $$apt_get install -y -qq $$pkg >/dev/null; }; done
 	.venv/bin/pip install --quiet --disable-pip-version-check matplotlib grpcio
 	cargo build --release -p tollgate-quota -p tollgate-testbed
-	cd bench/noop && cargo build --release --target wasm32-wasip1
-	cd bench/rawnoop && cargo build --release --target wasm32-wasip1 \
-		&& cargo build --release --target wasm32-wasip1 --features every-callback --target-dir target/every-callback
+	$(MAKE) bench-modules
 	cd bench/probe && cargo build --release --target wasm32-wasip1
 	$(MAKE) probe
 	.venv/bin/python bench/run.py
+
+# The do-nothing modules the benchmarks compare tollgate with, and the raw-ABI floors (a module
+# that makes the host calls a setup needs and nothing else).
+bench-modules:
+	cd bench/noop && cargo build --release --target wasm32-wasip1
+	cd bench/rawnoop && cargo build --release --target wasm32-wasip1 \
+		&& for f in every-callback reads-path per-ip-calls; do \
+			cargo build --release --target wasm32-wasip1 --features $$f --target-dir target/$$f || exit 1; done
+
+# Instructions per request under valgrind's callgrind (deterministic, unlike CPU time on a shared
+# VM): the floors set by the host and what each feature adds. About 8 minutes; writes its section
+# of docs/benchmarks.md.
+bench-instructions: dist bench-modules
+	@command -v valgrind >/dev/null || { apt_get=apt-get; [ "$$(id -u)" -eq 0 ] || apt_get="sudo apt-get"; \
+		$$apt_get install -y -qq valgrind >/dev/null; }
+	.venv/bin/python bench/instructions.py
 
 # The same, left running for your own requests until Ctrl-C.
 demo-keep: build

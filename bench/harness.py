@@ -439,3 +439,40 @@ def splice_section(path, heading, lines):
         at = text.find("\n## Noise\n")
         text = text[:at + 1] + block + text[at + 1:] if at >= 0 else text.rstrip("\n") + "\n\n" + block
     path.write_text(text)
+
+
+# ---------------------------------------------------------------- headline figures
+
+HEADLINES_MARK = "<!-- headlines: "
+GROWTH_FLAG = 0.05  # a growth above this is flagged
+
+
+def recorded_headlines(path):
+    """The headline figures docs/benchmarks.md recorded (its `headlines` comment), if any."""
+    if not path.exists():
+        return {}
+    for line in path.read_text().splitlines():
+        if line.startswith(HEADLINES_MARK):
+            try:
+                return json.loads(line[len(HEADLINES_MARK):].removesuffix("-->").strip())
+            except json.JSONDecodeError:
+                return {}
+    return {}
+
+
+def compare_headlines(recorded, now):
+    """Print each headline figure next to the recorded one; flag a growth above 5%. Returns the
+    names of the figures that grew so."""
+    grown = []
+    print("\nheadline figures (recorded in docs/benchmarks.md → this run):")
+    for name, value in now.items():
+        before = recorded.get(name)
+        if before is None:
+            print(f"  {name}: {value:.2f} (none recorded)")
+            continue
+        growth = (value - before) / abs(before) if before else 0.0
+        flag = "  <-- grew more than 5%" if growth > GROWTH_FLAG else ""
+        print(f"  {name}: {before:.2f} → {value:.2f} ({growth:+.1%}){flag}")
+        if flag:
+            grown.append(name)
+    return grown

@@ -16,7 +16,7 @@ import sys
 import time
 
 import sections
-from harness import (kept_section, splice_section, LOAD_THREADS, QUOTA, REPO, Proc, free_port, measure, setups, wait_http,
+from harness import (kept_section, splice_section, compare_headlines, recorded_headlines, HEADLINES_MARK, LOAD_THREADS, QUOTA, REPO, Proc, free_port, measure, setups, wait_http,
                      wait_port)
 
 
@@ -141,9 +141,6 @@ def inside(p):
 
 # ---------------------------------------------------------------- headline figures, old and new
 
-HEADLINES_MARK = "<!-- headlines: "
-GROWTH_FLAG = 0.05
-
 
 def headlines(saved):
     """The headline figures of a run's results (those its sections have), smaller is better."""
@@ -174,44 +171,15 @@ def headlines(saved):
             out[name] = round(f(), 3)
         except (KeyError, ZeroDivisionError, statistics.StatisticsError):
             pass
+    if "instructions" in saved:
+        import instructions  # noqa: E402
+        out.update(instructions.headlines(saved["instructions"]))
     prof = {p["config"]: p for p in saved.get("profile") or []}
     for config, name in (("token bucket per client IP", "inside tollgate's callbacks per client IP, µs"),
                          ("no rate-limit headers", "inside tollgate's callbacks, no headers, µs")):
         if config in prof:
             out[name] = round(inside(prof[config]), 3)
     return out
-
-
-def recorded_headlines(path):
-    """The headline figures docs/benchmarks.md recorded (its `headlines` comment), if any."""
-    if not path.exists():
-        return {}
-    for line in path.read_text().splitlines():
-        if line.startswith(HEADLINES_MARK):
-            try:
-                return json.loads(line[len(HEADLINES_MARK):].removesuffix("-->").strip())
-            except json.JSONDecodeError:
-                return {}
-    return {}
-
-
-def compare_headlines(recorded, now):
-    """Print each headline figure next to the recorded one; flag a growth above 5%. Returns the
-    names of the figures that grew so."""
-    grown = []
-    print("\nheadline figures (recorded in docs/benchmarks.md → this run):")
-    for name, value in now.items():
-        before = recorded.get(name)
-        if before is None:
-            print(f"  {name}: {value:.2f} (none recorded)")
-            continue
-        growth = (value - before) / abs(before) if before else 0.0
-        flag = "  <-- grew more than 5%" if growth > GROWTH_FLAG else ""
-        print(f"  {name}: {before:.2f} → {value:.2f} ({growth:+.1%}){flag}")
-        if flag:
-            grown.append(name)
-    return grown
-
 
 
 def report(saved, args):
@@ -307,6 +275,11 @@ def report(saved, args):
         f"| tollgate per client IP, draft headers on, costs no more CPU per request than the SDK's do-nothing "
         f"filter | **{floor_ratio:.2f}×** the do-nothing filter's CPU per request ({floor_ratio_bare:.2f}× without "
         f"headers) | {'yes' if floor_ratio <= 1.0 else 'no'} |",
+    ]
+    if "instructions" in saved:
+        import instructions  # noqa: E402
+        lines += instructions.target_rows(saved["instructions"], ratio(NEVER, NOOP), floor_ratio)
+    lines += [
         f"| the decision proper (tollgate minus the raw-ABI do-nothing module) ≤ Envoy local_ratelimit's added "
         f"cost per client IP | {proper:.1f} µs ({proper_bare:.1f} µs without headers) vs native {native:.1f} µs | "
         f"{'yes' if proper_bare <= native else 'no'} |",
@@ -689,6 +662,11 @@ def report(saved, args):
         lines += nginx_cost.nginx_wasm_lines(saved["nginx_wasm"])
     else:
         lines += kept_section(REPO / "docs/benchmarks.md", nginx_cost.HEADING)
+    import instructions  # noqa: E402  (likewise: `make bench-instructions` writes it)
+    if "instructions" in saved:
+        lines += instructions.section_lines(saved["instructions"])
+    else:
+        lines += kept_section(REPO / "docs/benchmarks.md", instructions.HEADING)
     lines += [
         "## Noise",
         "",

@@ -60,6 +60,8 @@ struct State {
     answer: RefCell<Option<(Headers, Vec<u8>)>>,
     metric_names: RefCell<Vec<String>>,
     metrics: RefCell<HashMap<String, i64>>,
+    /// Every host call the filter made, by name (a header's name with it), in order.
+    host_calls: RefCell<Vec<String>>,
 }
 
 #[derive(Clone)]
@@ -73,6 +75,10 @@ fn find(headers: Option<&Headers>, name: &str) -> Option<Vec<u8>> {
 }
 
 impl MockHost {
+    fn note(&self, call: &str) {
+        self.0.host_calls.borrow_mut().push(call.to_string());
+    }
+
     fn caps_or_envoy(&self) -> HostCaps {
         self.0.caps.unwrap_or(HostCaps::ENVOY)
     }
@@ -90,10 +96,12 @@ impl MockHost {
 
 impl CasStore for MockHost {
     fn read(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        self.note("get_shared_data");
         Ok(self.0.shared.borrow().get(key).cloned())
     }
 
     fn write(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        self.note("set_shared_data");
         let mut shared = self.0.shared.borrow_mut();
         let current = shared.get(key).map(|(_, c)| *c);
         // Envoy writes over an existing key when no CAS is given; nginx refuses.
@@ -115,6 +123,7 @@ impl Host for MockHost {
         self.caps_or_envoy()
     }
     fn now_ns(&self) -> Option<u64> {
+        self.note("get_current_time");
         Some(self.0.now.get())
     }
     fn plugin_configuration(&self) -> Result<Vec<u8>, Status> {
@@ -125,40 +134,48 @@ impl Host for MockHost {
         Ok(())
     }
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.note(&format!("get_request_header {name}"));
         find(
             self.0.request_headers.borrow().get(&self.0.current.get()),
             name,
         )
     }
     fn source_address(&self) -> Option<Vec<u8>> {
+        self.note("get_property source.address");
         Some(b"10.0.0.1:4000".to_vec())
     }
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.note(&format!("get_response_header {name}"));
         find(
             self.0.response_headers.borrow().get(&self.0.current.get()),
             name,
         )
     }
     fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
+        self.note("get_property");
         // The metadata a filter before tollgate set: `x-mock-metadata-<last segment>` headers.
         let last = path.rsplit(|&b| b == 0).next()?;
         let name = format!("x-mock-metadata-{}", String::from_utf8_lossy(last));
         self.request_header(&name)
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        self.note("get_request_body");
         let body = self.0.request_body.borrow();
         Some(body[..size.min(body.len())].to_vec())
     }
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        self.note("get_response_body");
         let chunk = self.0.body_chunk.borrow();
         Some(chunk[..size.min(chunk.len())].to_vec())
     }
     fn continue_response(&self) -> Result<(), Status> {
+        self.note("continue_response");
         let context = self.live_current()?;
         self.0.continued_responses.borrow_mut().push(context);
         Ok(())
     }
     fn add_response_header(&self, name: &str, value: &str) -> Result<(), Status> {
+        self.note(&format!("add_response_header {name}"));
         self.0
             .response_headers
             .borrow_mut()
@@ -168,6 +185,7 @@ impl Host for MockHost {
         Ok(())
     }
     fn send_local_response(&self, status: u32, headers: &[u8], _body: &[u8]) -> Result<(), Status> {
+        self.note("send_local_response");
         let context = self.live_current()?;
         let headers = header_map::deserialize(headers)
             .unwrap_or_default()
@@ -182,11 +200,13 @@ impl Host for MockHost {
         Ok(())
     }
     fn continue_request(&self) -> Result<(), Status> {
+        self.note("continue_request");
         let context = self.live_current()?;
         self.0.continued.borrow_mut().push(context);
         Ok(())
     }
     fn set_effective_context(&self, context_id: u32) -> Result<(), Status> {
+        self.note("set_effective_context");
         if context_id != ROOT && !self.0.live.borrow().contains(&context_id) {
             return Err(Status::BAD_ARGUMENT);
         }
@@ -230,11 +250,13 @@ impl Host for MockHost {
         Ok(u32::try_from(names.len() - 1).unwrap_or(u32::MAX))
     }
     fn increment_metric(&self, id: u32, by: i64) -> Result<(), Status> {
+        self.note("increment_metric");
         let name = self.metric_name(id)?;
         *self.0.metrics.borrow_mut().entry(name).or_default() += by;
         Ok(())
     }
     fn record_metric(&self, id: u32, value: u64) -> Result<(), Status> {
+        self.note("record_metric");
         let name = self.metric_name(id)?;
         self.0
             .metrics
@@ -288,6 +310,11 @@ impl Proxy {
 
     fn caps(&self) -> HostCaps {
         self.host.caps_or_envoy()
+    }
+
+    /// The host calls made since the last time this was asked.
+    pub fn take_host_calls(&self) -> Vec<String> {
+        std::mem::take(&mut *self.host.0.host_calls.borrow_mut())
     }
 
     pub fn advance_ms(&self, ms: u64) {

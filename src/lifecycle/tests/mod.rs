@@ -1,6 +1,7 @@
 //! Requests from headers to log through the whole lifecycle, on a mock host of each kind: holds
 //! released from the tick, lease waits answered and failed, seats given back on abort.
 
+mod host_calls;
 mod mock;
 mod pace;
 mod request_body;
