@@ -220,6 +220,22 @@ def target_rows(result, cpu_never, cpu_per_ip):
     return rows
 
 
+RESULT_MARK = "<!-- instructions: "
+
+
+def recorded(doc):
+    """The results this section of `doc` was written from (kept in it as a comment), if any: a
+    report rewritten without a new count keeps its figures and target rows."""
+    text = doc.read_text() if doc.exists() else ""
+    for line in text.splitlines():
+        if line.startswith(RESULT_MARK):
+            try:
+                return json.loads(line[len(RESULT_MARK):].removesuffix("-->").strip())
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
 def section_lines(result):
     floors, features = result["floors"], result["features"]
     noop = floors["Envoy + SDK do-nothing filter"]["per_request"]
@@ -286,6 +302,8 @@ def section_lines(result):
         "body makes Envoy hold the request until its body has come and hand it over once, which here "
         "costs Envoy less than answering before the body is read (the row without the rule): the "
         "difference is Envoy's, not the feature's.",
+        "",
+        RESULT_MARK + json.dumps(result, ensure_ascii=False) + " -->",
         "",
     ]
     return lines
