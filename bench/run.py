@@ -572,6 +572,14 @@ def report(saved, args):
         "The 1000-item columns: 20 calls of 1 000 new keys each (one script per call on one Redis, one per "
         "slot group on the cluster), within the default storage timeout of 50 ms.",
         "",
+    ]
+    # `bench/quota_items.py` writes this subsection; kept when the report is rewritten.
+    import quota_items  # noqa: E402
+    if "quota_items" in saved:
+        lines += quota_items.lines(saved["quota_items"])
+    else:
+        lines += kept_section(REPO / "docs/benchmarks.md", quota_items.HEADING)
+    lines += [
         "## Global limits under and over the limit",
         "",
         "3 Envoys (one worker each, not pinned: they share both cores with the 3 `wrk -c4` and the quota "

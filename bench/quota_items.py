@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Quota service throughput per item: `tollgate-quota` pinned to core 0 (Redis there too in the
+Redis case), wrk on core 1 posting lease calls of 1, 10, 100 and 1 000 items over 100 000 keys;
+CPU of the service (and of Redis) per item, items per second and each call size's p99.
+
+    bench/quota_items.py [--seconds 5] [--stores memory,redis] [--sizes 1,10,100,1000]
+
+CPU per item is the figure to read: on 2 cores wrk shares the machine, so items per second are
+what one service core served while the other ran the load.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+REPO = harness.REPO
+KEYS = 100_000
+HEADING = "### Lease items per second and CPU per item"
+
+# Each call: `items` items of consecutive keys, from a counter that walks all KEYS.
+LUA = """
+counter = 0
+local items = %d
+local head = '{"rule":"bench","limit_id":"00000000000000aa","requests":1000000000,"per_ms":1000,' ..
+  '"burst":1000000000,"wanted":100,"used":100,"key":"'
+request = function()
+  local parts = {}
+  for i = 1, items do
+    counter = (counter + 1) %% %d
+    parts[i] = head .. string.format("%%032x", counter) .. '"}'
+  end
+  local body = '{"instance":"bench","items":[' .. table.concat(parts, ",") .. ']}'
+  return wrk.format("POST", "/v1/lease", {["content-type"] = "application/json"}, body)
+end
+"""
+
+
+def measure(store, items, seconds, keys=KEYS):
+    redis = None
+    extra, store_pids = [], []
+    if store == "redis":
+        redis_port = harness.free_port()
+        redis = harness.Proc(harness.PROXY_CPU + ["redis-server", "--port", str(redis_port), "--bind",
+                                                  "127.0.0.1", "--save", "", "--appendonly", "no"])
+        harness.wait_port(redis_port)
+        extra, store_pids = ["--redis", f"redis://127.0.0.1:{redis_port}"], [redis.p.pid]
+    port = harness.free_port()
+    service = harness.Proc(harness.PROXY_CPU + [str(harness.QUOTA), "--listen", f"127.0.0.1:{port}",
+                                                "--cold-start", "full"] + extra,
+                           env={**os.environ, "RUST_LOG": "error"})
+    try:
+        harness.wait_http(f"http://127.0.0.1:{port}/healthz")
+        url = f"http://127.0.0.1:{port}/v1/lease"
+        lua = LUA % (items, keys)
+        connections = 32 if items <= 10 else 8
+        harness.wrk(url, 1, connections=connections, lua=lua)
+        service_pid = [service.p.pid]
+        before = harness.cpu_ticks(service_pid), harness.cpu_ticks(store_pids) if store_pids else 0
+        r = harness.parse_wrk(harness.wrk(url, seconds, connections=connections, lua=lua))
+        total = r["requests"] * items
+        us = lambda pids, b: (harness.cpu_ticks(pids) - b) / harness.CLK_TCK * 1e6 / max(total, 1)
+        row = {"store": store, "items": items, "calls_per_s": r["rps"], "items_per_s": r["rps"] * items,
+               "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "errors": r["rejected"],
+               "service_us": us(service_pid, before[0]),
+               "store_us": us(store_pids, before[1]) if store_pids else 0.0}
+    finally:
+        service.stop()
+        if redis:
+            redis.stop()
+    print(f"{store} {items}-item calls: {row['items_per_s']:.0f} items/s, service {row['service_us']:.2f} µs "
+          f"CPU/item, store {row['store_us']:.2f}, p99 {row['p99_ms']:.2f} ms, errors {row['errors']}", flush=True)
+    return row
+
+
+def lines(rows):
+    out = [
+        HEADING,
+        "",
+        "`bench/quota_items.py`: `tollgate-quota` pinned to core 0 (Redis there too), wrk on core 1 posting "
+        f"lease calls of 1, 10, 100 and 1 000 items over {KEYS:,} keys; CPU per item of the service and of "
+        "Redis (the figure to read: items per second are one service core's while the other runs the load).",
+        "",
+        "| store | items per call | items/s | service CPU µs/item | items/s per service core | Redis CPU µs/item "
+        "| items/s per Redis core | p50 ms | p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_core = 1e6 / r["service_us"] if r["service_us"] else float("nan")
+        redis = (f"{r['store_us']:.2f} | {1e6 / r['store_us']:,.0f}" if r["store"] == "redis" and r["store_us"]
+                 else " | ")
+        out.append(f"| {r['store']} | {r['items']} | {r['items_per_s']:,.0f} | {r['service_us']:.2f} | "
+                   f"{per_core:,.0f} | {redis} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
+    out += [
+        "",
+        "Reading (profiled with `perf record -e cpu-clock` on the service and Redis's `INFO commandstats`): "
+        "most of a small call's cost is per call, not per item, and more than half of a one-item call's is "
+        "the kernel's TCP work for one HTTP/1.1 request and answer; the filter sends each worker's items "
+        "together, once per tick, so calls of one item are the exception. On Redis, the lease script runs "
+        "about 17 µs per item, of which its Redis commands (`HGETALL`, `HSET`, `PEXPIRE`) take about "
+        "2.4 µs: the rest is the script's own Lua (the bucket's arithmetic, the holders' fair shares, "
+        "reading and writing their fields as text). Calls of 1 000 items queue behind one another on "
+        "the single Redis core past the 50 ms storage timeout at this load (the errors column: calls "
+        "answered with an error, whose proxies fall back as configured).",
+        "",
+    ]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--stores", default="memory,redis")
+    ap.add_argument("--sizes", default="1,10,100,1000")
+    ap.add_argument("--keys", type=int, default=KEYS)
+    args = ap.parse_args()
+    rows = [measure(store, int(n), args.seconds, args.keys)
+            for store in args.stores.split(",") for n in args.sizes.split(",")]
+    path = REPO / "bench/results.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    saved["quota_items"] = rows
+    path.write_text(json.dumps(saved, indent=1))
+    print("\n".join(lines(rows)))
+    harness.splice_section(REPO / "docs/benchmarks.md", HEADING, lines(rows))
+
+
+if __name__ == "__main__":
+    main()
