@@ -3,7 +3,7 @@ WASM := dist/tollgate.wasm
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
 
-.PHONY: setup setup-rust build probe quota check schema test test-nginx test-compose lint dist bench bench-modules bench-instructions demo demo-keep clean fuzz
+.PHONY: setup setup-rust build probe quota check schema test test-nginx test-compose lint dist bench bench-modules bench-instructions bench-scale demo demo-keep clean fuzz
 
 setup:
 	@scripts/setup.sh
@@ -134,3 +134,10 @@ demo-keep: build
 clean:
 	cargo clean
 	rm -rf dist .venv
+
+# The fleet simulator's table (not part of `make test`, which runs a small version): 10, 100 and
+# 1 000 simulated proxies over the real lease code; writes docs/scale.md and docs/scale.png.
+bench-scale:
+	cargo build --release -p tollgate-fleet
+	.venv/bin/pip install --quiet --disable-pip-version-check matplotlib
+	.venv/bin/python bench/scale.py

@@ -6,13 +6,22 @@
 /// Each demand's allocation, in the same order. Never more than the demand; the sum never exceeds
 /// `capacity`; whole tokens, with remainders going to the earliest unsatisfied demands.
 pub fn max_min_fair(capacity: u64, demands: &[u64]) -> Vec<u64> {
+    max_min_fair_from(capacity, demands, 0)
+}
+
+/// [`max_min_fair`] with the remainders handed out from demand `first` on (then from the start):
+/// a service gives them to the caller asking now. With fewer tokens than claimants, a fixed
+/// order would give them to the same few for ever (the first by name), and every other caller
+/// nothing, however little the others asked for meanwhile.
+pub fn max_min_fair_from(capacity: u64, demands: &[u64], first: usize) -> Vec<u64> {
     let mut alloc = vec![0u64; demands.len()];
     let mut left = capacity;
     let mut open: Vec<usize> = (0..demands.len()).filter(|&i| demands[i] > 0).collect();
     while left > 0 && !open.is_empty() {
         let share = left / open.len() as u64;
         if share == 0 {
-            // Fewer tokens than claimants: one each, in order.
+            // Fewer tokens than claimants: one each, in order from `first`.
+            rotate_to(&mut open, first);
             for &i in open.iter().take(left as usize) {
                 alloc[i] += 1;
             }
@@ -30,7 +39,8 @@ pub fn max_min_fair(capacity: u64, demands: &[u64]) -> Vec<u64> {
         }
         if still_open.len() == open.len() {
             // Everyone took a full share and wants more: the equal split is final, but for
-            // the remainder, handed out one by one.
+            // the remainder, handed out one by one from `first`.
+            rotate_to(&mut still_open, first);
             for &i in still_open.iter().take(left as usize) {
                 alloc[i] += 1;
             }
@@ -39,6 +49,12 @@ pub fn max_min_fair(capacity: u64, demands: &[u64]) -> Vec<u64> {
         open = still_open;
     }
     alloc
+}
+
+/// Rotate sorted indices so that the first at or after `first` leads.
+fn rotate_to(indices: &mut [usize], first: usize) {
+    let k = indices.partition_point(|&i| i < first);
+    indices.rotate_left(k);
 }
 
 #[cfg(test)]
@@ -56,6 +72,10 @@ mod tests {
         assert_eq!(max_min_fair(0, &[5]), [0]);
         assert_eq!(max_min_fair(10, &[]), Vec::<u64>::new());
         assert_eq!(max_min_fair(10, &[0, 7]), [0, 7]);
+        // Remainders from the caller on.
+        assert_eq!(max_min_fair_from(2, &[5, 5, 5], 2), [1, 0, 1]);
+        assert_eq!(max_min_fair_from(100, &[100, 100, 100], 1), [33, 34, 33]);
+        assert_eq!(max_min_fair_from(1, &[1, 0, 1, 1], 1), [0, 0, 1, 0]);
     }
 
     proptest! {

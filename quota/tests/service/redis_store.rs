@@ -226,6 +226,57 @@ async fn parity(redis: &Redis, cold: ColdStart, key: &str, steps: &[Step]) {
     }
 }
 
+#[test]
+fn the_scripts_fair_split_is_the_cores_with_remainders_to_the_caller_first() {
+    // fair.lua's max_min_fair against tollgate-core's max_min_fair_from, on splits with and
+    // without remainders: each caller's allocation alike (the remainders from the caller on).
+    let redis = Redis::start();
+    let script = format!(
+        "{}\nlocal d = {{}}\nfor i = 3, #ARGV do d[i - 2] = tonumber(ARGV[i]) end\n\
+         return max_min_fair(tonumber(ARGV[1]), d, #d, tonumber(ARGV[2]))",
+        include_str!("../../src/store/redis/fair.lua")
+    );
+    let cases: &[(u64, &[u64])] = &[
+        (2, &[5, 5, 5]),
+        (100, &[100, 100, 100]),
+        (120, &[100, 100, 100, 100, 100, 100, 100]),
+        (3, &[1, 1, 1, 1, 1, 1, 1, 1]),
+        (10, &[0, 4, 1, 9, 9, 0, 9]),
+        (7, &[1, 0, 1, 1, 0, 1, 1, 1, 1, 1]),
+    ];
+    let mut remainders_moved = false;
+    for &(capacity, demands) in cases {
+        for at in 0..demands.len() {
+            let rust =
+                tollgate_core::global::fair_share::max_min_fair_from(capacity, demands, at)[at];
+            let mut args = vec![
+                "-p".to_string(),
+                redis.port.to_string(),
+                "EVAL".into(),
+                script.clone(),
+                "0".into(),
+                capacity.to_string(),
+                (at + 1).to_string(),
+            ];
+            args.extend(demands.iter().map(u64::to_string));
+            let out = Command::new("redis-cli").args(&args).output().unwrap();
+            let lua: u64 = String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .trim_start_matches("(integer) ")
+                .parse()
+                .unwrap_or_else(|_| panic!("{:?}", String::from_utf8_lossy(&out.stdout)));
+            assert_eq!(
+                lua, rust,
+                "capacity {capacity}, demands {demands:?}, caller {at}"
+            );
+            let in_order = tollgate_core::global::fair_share::max_min_fair(capacity, demands)[at];
+            remainders_moved |= in_order != rust;
+        }
+    }
+    // (The cases reach the remainders: some caller gets other than in name order.)
+    assert!(remainders_moved);
+}
+
 #[tokio::test]
 async fn redis_charges_debts_takes_tokens_back_and_restores_shares_as_memory_does() {
     let redis = Redis::start();

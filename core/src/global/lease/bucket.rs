@@ -2,7 +2,7 @@
 //! rate among the instances that hold it, reservations, give-backs, cold starts and clock steps.
 
 use super::api::{newcomers_reserve, LeaseGrant, LeaseItem, MAX_DEBT};
-use crate::global::fair_share::max_min_fair;
+use crate::global::fair_share::max_min_fair_from;
 
 /// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in
 /// milli-tokens per second × ms).
@@ -339,7 +339,7 @@ impl GlobalBucket {
                 .map(|h| if live(h) { f(h) } else { 0 })
                 .collect()
         };
-        let fair_tokens = max_min_fair(item.burst, &of_live(|h| h.wanted))[at];
+        let fair_tokens = max_min_fair_from(item.burst, &of_live(|h| h.wanted), at)[at];
         // The reserve for newcomers: while the bucket holds less than it, shares are cut so that
         // part of the refill flows in to fill it (not while it holds the rate for the holders
         // of before a loss: their renewals come first).
@@ -355,7 +355,7 @@ impl GlobalBucket {
         } else {
             rate_mtps - rate_mtps / 4
         };
-        let fair_rate = max_min_fair(pool, &of_live(|h| h.demand))[at];
+        let fair_rate = max_min_fair_from(pool, &of_live(|h| h.demand), at)[at];
         let reserved = self.reserved_at(now_ms);
         // After a loss, an instance with evidence of the bucket renews: it was one of the
         // holders the rate is held for (a token lease drawing on the refill has no share to

@@ -1,7 +1,7 @@
 //! The service's side: the holdings of one key, and the step that serves an instance's ask.
 
 use super::PermitAsk;
-use crate::global::fair_share::max_min_fair;
+use crate::global::fair_share::max_min_fair_from;
 
 /// One instance's holding at one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,7 +124,7 @@ impl Holdings {
         .min(available);
         self.entries[at].wanted = ask.wanted.max(keep);
         let demands: Vec<u64> = self.entries.iter().map(|h| h.wanted).collect();
-        let share = max_min_fair(ask.limit, &demands)[at];
+        let share = max_min_fair_from(ask.limit, &demands, at)[at];
         let held = if settled {
             keep.max(ask.wanted.min(share).min(available))
         } else if known {

@@ -18,8 +18,9 @@ local function hdel_all(key, fields)
   end
 end
 
--- Max-min fair division (core/src/global/fair_share.rs) of `capacity` among the first `n` demands:
--- the allocation of demand `at`. Remainders go to the earliest unsatisfied.
+-- Max-min fair division (core/src/global/fair_share.rs, max_min_fair_from) of `capacity` among the
+-- first `n` demands: the allocation of demand `at`. Remainders go to the unsatisfied in order from
+-- `at` on (then from the start): to the caller asking now first.
 local function max_min_fair(capacity, d, n, at)
   local total = 0
   for i = 1, n do total = total + d[i] end
@@ -29,11 +30,20 @@ local function max_min_fair(capacity, d, n, at)
     alloc[i] = 0
     if d[i] > 0 then open[#open + 1] = i end
   end
+  -- One token each to the first `left` of `list` (sorted), counted from the first at or after `at`.
+  local function remainders(list, left)
+    local k = 1
+    while k <= #list and list[k] < at do k = k + 1 end
+    for j = 0, min(left, #list) - 1 do
+      local i = list[(k - 1 + j) % #list + 1]
+      alloc[i] = alloc[i] + 1
+    end
+  end
   local left = capacity
   while left > 0 and #open > 0 do
     local share = floor(left / #open)
     if share == 0 then
-      for j = 1, min(left, #open) do alloc[open[j]] = alloc[open[j]] + 1 end
+      remainders(open, left)
       break
     end
     local still = {}
@@ -44,7 +54,7 @@ local function max_min_fair(capacity, d, n, at)
       if alloc[i] < d[i] then still[#still + 1] = i end
     end
     if #still == #open then
-      for j = 1, min(left, #still) do alloc[still[j]] = alloc[still[j]] + 1 end
+      remainders(still, left)
       break
     end
     open = still
