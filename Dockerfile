@@ -9,6 +9,7 @@ COPY src src
 COPY cli cli
 COPY testbed testbed
 COPY testkit testkit
+COPY fleet fleet
 RUN cargo build --release --locked -p tollgate-quota
 
 FROM gcr.io/distroless/cc-debian12:nonroot

@@ -62,7 +62,7 @@ def write(rows, seconds):
         "`make bench-scale` (`bench/scale.py`, the `tollgate-fleet` simulator in `fleet/`): N proxies of 2 "
         "workers each decide every request with the filter's own lease code (`LeaseAllowance`, one per "
         "proxy and key, claims sent on the workers' ticks every 5 ms, 200 ms timeout, 500 ms retry, the "
-        "default lease size `burst / (4 × N)`), against the service's own buckets and fair shares "
+        "default lease size with `instances_hint` set to the fleet's size, `burst / (4 × N)`), against the service's own buckets and fair shares "
         "(`GlobalBucket`, as the memory store keeps them, 10 s lease TTL), over a 2 ms round trip, in "
         f"virtual time ({seconds} s a run, seeded: every run gives the same figures). The fleet sends "
         "20 000 requests a second in all, a Poisson stream at each proxy.",

@@ -305,25 +305,12 @@ struct Admitted {
 }
 
 fn item(s: &Scenario, key: u32, ask: &Ask) -> LeaseItem {
-    LeaseItem {
-        rule: "r".into(),
-        limit_id: "l".into(),
-        key: format!("k{key}"),
-        requests: s.requests,
-        per_ms: s.per_ms,
-        burst: s.burst,
-        wanted: ask.wanted,
-        used: ask.used,
-        demand: ask.demand_mtps as f64 / 1_000.0,
-        known_ms: ask.known_ms,
-        known_remaining: ask.known_remaining,
-        known_debt: ask.known_debt,
-        owed: ask.owed,
-        held: ask.held,
-        share: ask.share_mtps as f64 / 1_000.0,
-        share_ms: ask.share_ms,
-        returned: ask.returned,
-    }
+    ask.item(
+        "r".into(),
+        "l".into(),
+        format!("k{key}"),
+        (s.requests, s.per_ms, s.burst),
+    )
 }
 
 impl Service {

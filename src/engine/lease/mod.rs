@@ -145,11 +145,11 @@ impl Engine {
             let items = std::mem::take(&mut self.give_backs)
                 .into_iter()
                 .filter_map(|((rule, key), tokens)| {
-                    let item = self.lease_item(rule, key, &Ask::default())?;
-                    Some(LeaseItem {
+                    let ask = Ask {
                         returned: tokens,
-                        ..item
-                    })
+                        ..Ask::default()
+                    };
+                    self.lease_item(rule, key, &ask)
                 })
                 .collect();
             calls.push(Call::GiveBack(LeaseRequest {
@@ -206,25 +206,12 @@ impl Engine {
     ) -> Option<LeaseItem> {
         let rule = self.config.rules.get(rule)?;
         let global = rule.global()?;
-        Some(LeaseItem {
-            rule: rule.name.clone(),
-            limit_id: global.limit_id.clone(),
-            key: format!("{:032x}", self.service_key(key)),
-            requests: global.requests,
-            per_ms: global.per_ms,
-            burst: global.burst,
-            wanted: ask.wanted,
-            used: ask.used,
-            demand: ask.demand_mtps as f64 / 1_000.0,
-            known_ms: ask.known_ms,
-            known_remaining: ask.known_remaining,
-            known_debt: ask.known_debt,
-            owed: ask.owed,
-            held: ask.held,
-            share: ask.share_mtps as f64 / 1_000.0,
-            share_ms: ask.share_ms,
-            returned: ask.returned,
-        })
+        Some(ask.item(
+            rule.name.clone(),
+            global.limit_id.clone(),
+            format!("{:032x}", self.service_key(key)),
+            (global.requests, global.per_ms, global.burst),
+        ))
     }
 
     /// The name of a client key at the quota service: its hash, keyed by the deployment's

@@ -20,6 +20,7 @@
 //! debt), which the service charges to the global bucket; and the tokens it holds, which the
 //! service takes back while that bucket is in debt.
 
+use crate::global::lease::LeaseItem;
 use crate::state::{
     read_u32, saturating_u32, write_u32, Decision, State, CLOCK_SKEW_MS, STATE_BYTES,
 };
@@ -106,6 +107,38 @@ pub struct Ask {
     /// does not know.
     pub share_mtps: u64,
     pub share_ms: u64,
+}
+
+impl Ask {
+    /// The lease call's item that carries this ask for `key` of the limit `limit_id` of `rule`:
+    /// `requests` per `per_ms`, `burst`.
+    pub fn item(
+        &self,
+        rule: String,
+        limit_id: String,
+        key: String,
+        (requests, per_ms, burst): (u64, u64, u64),
+    ) -> LeaseItem {
+        LeaseItem {
+            rule,
+            limit_id,
+            key,
+            requests,
+            per_ms,
+            burst,
+            wanted: self.wanted,
+            used: self.used,
+            demand: self.demand_mtps as f64 / 1_000.0,
+            known_ms: self.known_ms,
+            known_remaining: self.known_remaining,
+            known_debt: self.known_debt,
+            owed: self.owed,
+            held: self.held,
+            share: self.share_mtps as f64 / 1_000.0,
+            share_ms: self.share_ms,
+            returned: self.returned,
+        }
+    }
 }
 
 /// The service's answer for one key.
