@@ -58,6 +58,8 @@ pub struct Scenario {
     pub shift_ms: u64,
     pub events: Vec<Event>,
     pub ttl_ms: u64,
+    /// `quota_service.lease_size` (none: its default with `instances_hint` = `proxies`).
+    pub lease_size: Option<u64>,
     pub tick_ms: u64,
     pub timeout_ms: u64,
     pub retry_ms: u64,
@@ -90,6 +92,7 @@ impl Scenario {
             shift_ms: 0,
             events: Vec::new(),
             ttl_ms: 10_000,
+            lease_size: None,
             tick_ms: 5,
             timeout_ms: 200,
             retry_ms: 500,
@@ -101,7 +104,9 @@ impl Scenario {
 
     fn allowance(&self) -> LeaseAllowance {
         // `quota_service.lease_size` by default: burst / (4 × instances_hint), 1 to 1 000.
-        let lease_size = (self.burst / (4 * self.proxies as u64)).clamp(1, 1_000);
+        let lease_size = self
+            .lease_size
+            .unwrap_or((self.burst / (4 * self.proxies as u64)).clamp(1, 1_000));
         LeaseAllowance {
             lease_size,
             low_water: lease_size.div_ceil(2),

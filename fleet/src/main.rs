@@ -40,6 +40,12 @@ struct Args {
     partition: Option<f64>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// The service's lease TTL (`--lease-ttl-ms`).
+    #[arg(long, default_value_t = 10_000)]
+    ttl_ms: u64,
+    /// `quota_service.lease_size` (default: burst / (4 × proxies), 1 to 1 000).
+    #[arg(long)]
+    lease_size: Option<u64>,
 }
 
 fn main() {
@@ -63,6 +69,8 @@ fn main() {
     s.seconds = a.seconds;
     s.shift_ms = a.shift_ms;
     s.seed = a.seed;
+    s.ttl_ms = a.ttl_ms;
+    s.lease_size = a.lease_size;
     let half = a.seconds * 500;
     if let Some(share) = a.crash {
         s.events.push(Event::Crash { at_ms: half, share });
