@@ -25,6 +25,8 @@ WORKLOADS = [
     ("hot key", "one key for every request, 10 000/s (burst 10 000): 2× over", HOT),
     ("shift", "the hot key; every 5 s half the proxies send 4× what the other half does, and the halves swap",
      HOT + ["--shift-ms", "5000"]),
+    ("bursts", "the hot key; every 5 s the fleet sends 4× its rate for half a second",
+     HOT + ["--bursts-ms", "5000"]),
     ("crash", "the hot key; 10% of the proxies restart halfway", HOT + ["--crash", "0.1"]),
     ("store loss", "the hot key; the service loses every bucket halfway", HOT + ["--store-loss"]),
     ("partition", "the hot key; 10% of the proxies cannot reach the service for the middle fifth",

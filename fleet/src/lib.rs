@@ -56,6 +56,9 @@ pub struct Scenario {
     /// Demand moves between proxies every this many ms (0: never): half the fleet sends four
     /// times what the other half does, and the halves swap.
     pub shift_ms: u64,
+    /// Every this many ms (0: never) the fleet sends `burst_factor` times its rate for 500 ms.
+    pub bursts_ms: u64,
+    pub burst_factor: f64,
     pub events: Vec<Event>,
     pub ttl_ms: u64,
     /// `quota_service.lease_size` (none: its default with `instances_hint` = `proxies`).
@@ -90,6 +93,8 @@ impl Scenario {
             fleet_rate,
             seconds: 20,
             shift_ms: 0,
+            bursts_ms: 0,
+            burst_factor: 4.0,
             events: Vec::new(),
             ttl_ms: 10_000,
             lease_size: None,
@@ -123,6 +128,20 @@ impl Scenario {
     }
 
     /// Proxy `p`'s weight at `now` (its part of the fleet's rate, relative).
+    /// True during a burst.
+    fn bursting(&self, now: u64) -> bool {
+        now.checked_rem(self.bursts_ms).is_some_and(|at| at < 500)
+    }
+
+    /// Requests per second over the fleet at `now`.
+    fn fleet_rate_at(&self, now: u64) -> f64 {
+        if self.bursting(now) {
+            self.fleet_rate * self.burst_factor
+        } else {
+            self.fleet_rate
+        }
+    }
+
     fn weight(&self, p: usize, now: u64) -> f64 {
         if self.shift_ms == 0 {
             return 1.0;
@@ -593,9 +612,10 @@ pub fn run(s: &Scenario) -> Report {
             }
         }
         // Demand now, and each key's water level (anew when demand shifts).
-        let phase = now.checked_div(s.shift_ms).unwrap_or(0);
+        let phase = now.checked_div(s.shift_ms).unwrap_or(0) * 2 + u64::from(s.bursting(now));
         let total_weight: f64 = (0..s.proxies).map(|p| s.weight(p, now)).sum();
-        let rate_of = |p: usize| s.fleet_rate * s.weight(p, now) / total_weight;
+        let fleet_rate = s.fleet_rate_at(now);
+        let rate_of = |p: usize| fleet_rate * s.weight(p, now) / total_weight;
         if phase != levels_phase {
             let rates: Vec<f64> = (0..s.proxies).map(rate_of).collect();
             t.levels = Levels::new(&rates);

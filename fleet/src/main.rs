@@ -29,6 +29,9 @@ struct Args {
     /// Move demand between proxies every this many ms (0: never).
     #[arg(long, default_value_t = 0)]
     shift_ms: u64,
+    /// Every this many ms the fleet sends 4× its rate for 500 ms (0: never).
+    #[arg(long, default_value_t = 0)]
+    bursts_ms: u64,
     /// Restart this share of the proxies halfway.
     #[arg(long)]
     crash: Option<f64>,
@@ -68,6 +71,7 @@ fn main() {
     s.workers = a.workers;
     s.seconds = a.seconds;
     s.shift_ms = a.shift_ms;
+    s.bursts_ms = a.bursts_ms;
     s.seed = a.seed;
     s.ttl_ms = a.ttl_ms;
     s.lease_size = a.lease_size;

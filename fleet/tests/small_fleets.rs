@@ -98,3 +98,13 @@ fn a_run_is_the_same_for_the_same_seed() {
         (b.admitted, b.refused, b.calls)
     );
 }
+
+#[test]
+fn bursts_of_four_times_the_rate_keep_the_bound() {
+    let mut s = hot(20);
+    s.bursts_ms = 2_000;
+    let r = check(&s, 0.02);
+    // The bursts came (more requests than the steady rate sends) and were limited.
+    assert!(r.requests > 2_000 * 6 * 5 / 4, "{r:?}");
+    assert!(r.refused > 0, "{r:?}");
+}
