@@ -419,7 +419,9 @@ def kept_section(path, heading):
     start = text.find(heading + "\n")
     if start < 0:
         return []
-    after = re.search(r"\n## ", text[start + len(heading):])
+    # Up to the next heading of its level or above (a subsection keeps its own sub-headings).
+    level = len(heading) - len(heading.lstrip("#"))
+    after = re.search(r"\n#{1,%d} " % level, text[start + len(heading):])
     end = start + len(heading) + after.start() + 1 if after else len(text)
     return text[start:end].rstrip("\n").split("\n") + [""]
 

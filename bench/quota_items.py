@@ -4,6 +4,7 @@ Redis case), wrk on core 1 posting lease calls of 1, 10, 100 and 1 000 items ove
 CPU of the service (and of Redis) per item, items per second and each call size's p99.
 
     bench/quota_items.py [--seconds 5] [--stores memory,redis] [--sizes 1,10,100,1000]
+    bench/quota_items.py --replicas      # 1 and 3 replicas over one Redis and over a Redis Cluster
 
 CPU per item is the figure to read: on 2 cores wrk shares the machine, so items per second are
 what one service core served while the other ran the load.
@@ -11,6 +12,7 @@ what one service core served while the other ran the load.
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,6 +78,101 @@ def measure(store, items, seconds, keys=KEYS):
     return row
 
 
+REPLICAS_HEADING = "### Replicas and Redis masters"
+
+
+def measure_replicas(replicas, cluster, seconds, items=10):
+    """`replicas` services over one Redis or over a 3-master cluster (3 replicas of its own), each
+    loaded by its own wrk (the load split evenly, as Envoy's round robin would): CPU per item of the
+    services together and of every Redis process together."""
+    import sections  # noqa: E402  (its RedisCluster)
+    store = sections.RedisCluster() if cluster else None
+    single = None
+    if not cluster:
+        port = harness.free_port()
+        single = harness.Proc(harness.PROXY_CPU + ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                                   "--save", "", "--appendonly", "no"])
+        harness.wait_port(port)
+    store_args = ["--redis-cluster", store.urls] if cluster else ["--redis", f"redis://127.0.0.1:{port}"]
+    store_pids = store.pids() if cluster else [single.p.pid]
+    services = []
+    try:
+        for _ in range(replicas):
+            sport = harness.free_port()
+            services.append((sport, harness.Proc(
+                harness.PROXY_CPU + [str(harness.QUOTA), "--listen", f"127.0.0.1:{sport}", "--cold-start", "full"]
+                + store_args, env={**os.environ, "RUST_LOG": "error"})))
+        for sport, _ in services:
+            harness.wait_http(f"http://127.0.0.1:{sport}/healthz")
+        lua = LUA % (items, KEYS)
+        connections = max(8 // replicas, 2)
+
+        def load(duration):
+            procs = []
+            for sport, _ in services:
+                args, script = harness.wrk_args(f"http://127.0.0.1:{sport}/v1/lease", duration, connections, lua=lua)
+                procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, text=True), script))
+            out = []
+            for proc, script in procs:
+                text, _ = proc.communicate(timeout=duration + 30)
+                if script:
+                    os.unlink(script.name)
+                out.append(harness.parse_wrk(text))
+            return out
+
+        load(1)
+        service_pids = [p.p.pid for _, p in services]
+        before = harness.cpu_ticks(service_pids), harness.cpu_ticks(store_pids)
+        results = load(seconds)
+        total = sum(r["requests"] for r in results) * items
+        us = lambda pids, b: (harness.cpu_ticks(pids) - b) / harness.CLK_TCK * 1e6 / max(total, 1)
+        row = {"replicas": replicas, "store": "Redis Cluster (3 masters, 3 replicas)" if cluster else "one Redis",
+               "items": items, "items_per_s": sum(r["rps"] for r in results) * items,
+               "p99_ms": max(r["p99_ms"] for r in results), "errors": sum(r["rejected"] for r in results),
+               "service_us": us(service_pids, before[0]), "store_us": us(store_pids, before[1])}
+    finally:
+        for _, p in services:
+            p.stop()
+        if store:
+            store.stop()
+        if single:
+            single.stop()
+    print(f"{replicas} replica(s) over {row['store']}: {row['items_per_s']:.0f} items/s, services "
+          f"{row['service_us']:.2f} µs/item, Redis {row['store_us']:.2f} µs/item, p99 {row['p99_ms']:.1f} ms, "
+          f"errors {row['errors']}", flush=True)
+    return row
+
+
+def replicas_lines(rows):
+    out = [
+        REPLICAS_HEADING,
+        "",
+        "`bench/quota_items.py --replicas`: 1 and 3 `tollgate-quota` replicas over one Redis and over a Redis "
+        "Cluster of 3 masters (each with a replica), lease calls of 10 items over "
+        f"{KEYS:,} keys, each replica loaded by its own wrk (the load split evenly, as Envoy's round robin "
+        "does); every service and Redis process pinned to core 0, the load on core 1. On 2 cores wall-clock "
+        "scaling cannot show: CPU per item is the figure, summed over the replicas and over every Redis "
+        "process.",
+        "",
+        "| replicas | store | items/s | services' CPU µs/item | Redis CPU µs/item | p99 ms | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(f"| {r['replicas']} | {r['store']} | {r['items_per_s']:,.0f} | {r['service_us']:.2f} | "
+                   f"{r['store_us']:.2f} | {r['p99_ms']:.1f} | {r['errors']} |")
+    out += [
+        "",
+        "Reading: replicas hold nothing of their own (every bucket is in Redis), so they add service "
+        "cores, but not for free: sharing one core here, three replicas spent more CPU per item than one "
+        "(each runs its own runtime and Redis connections, and each wakes up for fewer calls). A key "
+        "lives on one master, so masters add Redis cores for many keys, never for one hot key; the "
+        "cluster costs more Redis CPU per item than one Redis (a script run per master a call's keys "
+        "fall on, and the writes replicated to each master's replica, all counted here).",
+        "",
+    ]
+    return out
+
+
 def lines(rows):
     out = [
         HEADING,
@@ -116,7 +213,17 @@ def main():
     ap.add_argument("--stores", default="memory,redis")
     ap.add_argument("--sizes", default="1,10,100,1000")
     ap.add_argument("--keys", type=int, default=KEYS)
+    ap.add_argument("--replicas", action="store_true", help="1 and 3 replicas over one Redis and a cluster")
     args = ap.parse_args()
+    if args.replicas:
+        rows = [measure_replicas(n, cluster, args.seconds) for cluster in (False, True) for n in (1, 3)]
+        path = REPO / "bench/results.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved["quota_replicas"] = rows
+        path.write_text(json.dumps(saved, indent=1))
+        print("\n".join(replicas_lines(rows)))
+        harness.splice_section(REPO / "docs/benchmarks.md", REPLICAS_HEADING, replicas_lines(rows))
+        return
     rows = [measure(store, int(n), args.seconds, args.keys)
             for store in args.stores.split(",") for n in args.sizes.split(",")]
     path = REPO / "bench/results.json"

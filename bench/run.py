@@ -579,6 +579,10 @@ def report(saved, args):
         lines += quota_items.lines(saved["quota_items"])
     else:
         lines += kept_section(REPO / "docs/benchmarks.md", quota_items.HEADING)
+    if "quota_replicas" in saved:
+        lines += quota_items.replicas_lines(saved["quota_replicas"])
+    else:
+        lines += kept_section(REPO / "docs/benchmarks.md", quota_items.REPLICAS_HEADING)
     lines += [
         "## Global limits under and over the limit",
         "",
