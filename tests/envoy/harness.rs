@@ -31,6 +31,9 @@ pub struct Options {
     /// A standby quota service on this port: the cluster sends calls to it while `quota_port`
     /// fails its health check (Envoy's priority failover, checked every 100 ms).
     pub quota_standby: Option<u16>,
+    /// More quota service replicas beside `quota_port`, round robin, each health-checked every
+    /// 100 ms (as docs/quota-api.md's replicas).
+    pub quota_replicas: Vec<u16>,
     /// Another build of the module than `make test`'s (e.g. [`probe_wasm_path`]).
     pub module: Option<PathBuf>,
     /// A second listener ("second", [`Envoy::port2`]) whose tollgate filter has this
@@ -57,6 +60,7 @@ impl Default for Options {
             debug_log: false,
             quota_port: None,
             quota_standby: None,
+            quota_replicas: Vec::new(),
             module: None,
             second_plugin: None,
             app_port: None,
@@ -200,11 +204,20 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
             "connect_timeout": "0.25s",
             "load_assignment": {"cluster_name": "quota", "endpoints": [endpoint(port, 0)]}
         });
+        for &replica in &opts.quota_replicas {
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"endpoint": {"address":
+                    {"socket_address": {"address": "127.0.0.1", "port_value": replica}}}}));
+        }
         if let Some(standby) = opts.quota_standby {
             cluster["load_assignment"]["endpoints"]
                 .as_array_mut()
                 .unwrap()
                 .push(endpoint(standby, 1));
+        }
+        if opts.quota_standby.is_some() || !opts.quota_replicas.is_empty() {
             cluster["health_checks"] = json!([{
                 "timeout": "0.1s", "interval": "0.1s", "no_traffic_interval": "0.1s",
                 "unhealthy_threshold": 1, "healthy_threshold": 1,
