@@ -511,6 +511,8 @@ pub fn run(s: &Scenario) -> Report {
             + s.key_rate() / 1_000.0 * allowance.claim_ms as f64,
         losses: 0,
     };
+    // Each proxy's requests a second, and the phase of demand they are for.
+    let mut rates: Vec<f64> = Vec::new();
     let mut levels_phase = u64::MAX;
     let workers = s.workers.max(1) as usize;
     for now in 0..end_ms {
@@ -578,29 +580,11 @@ pub fn run(s: &Scenario) -> Report {
                 k.in_call = false;
                 let before = k.state;
                 k.state = match call.answers.as_ref().and_then(|a| a.get(n)) {
-                    Some(a) => {
-                        let retry_ms = if a.retry_ms > 0 {
-                            a.retry_ms
-                        } else {
-                            (s.per_ms / s.requests).clamp(1, a.reset_ms.max(1))
-                        };
-                        allowance.grant(
-                            &k.state,
-                            now,
-                            &Grant {
-                                tokens: a.granted,
-                                rate_mtps: (a.rate * 1_000.0) as u64,
-                                ttl_ms: a.ttl_ms,
-                                sent_ms: call.sent_ms,
-                                retry_ms,
-                                remaining: a.remaining,
-                                debt: a.debt,
-                                revoked: a.revoked,
-                                returned: a.returned,
-                                asked: *ask,
-                            },
-                        )
-                    }
+                    Some(a) => allowance.grant(
+                        &k.state,
+                        now,
+                        &Grant::answered(a, *ask, call.sent_ms, (s.requests, s.per_ms)),
+                    ),
                     None => allowance.fail(&k.state, now, s.retry_ms),
                 };
                 // A renewal the answer asks for goes out with the next tick of any worker.
@@ -613,17 +597,18 @@ pub fn run(s: &Scenario) -> Report {
         }
         // Demand now, and each key's water level (anew when demand shifts).
         let phase = now.checked_div(s.shift_ms).unwrap_or(0) * 2 + u64::from(s.bursting(now));
-        let total_weight: f64 = (0..s.proxies).map(|p| s.weight(p, now)).sum();
-        let fleet_rate = s.fleet_rate_at(now);
-        let rate_of = |p: usize| fleet_rate * s.weight(p, now) / total_weight;
         if phase != levels_phase {
-            let rates: Vec<f64> = (0..s.proxies).map(rate_of).collect();
+            let total_weight: f64 = (0..s.proxies).map(|p| s.weight(p, now)).sum();
+            let fleet_rate = s.fleet_rate_at(now);
+            rates = (0..s.proxies)
+                .map(|p| fleet_rate * s.weight(p, now) / total_weight)
+                .collect();
             t.levels = Levels::new(&rates);
             t.level_of.clear();
             levels_phase = phase;
         }
         for (n, p) in proxies.iter_mut().enumerate() {
-            let rate = rate_of(n);
+            let rate = rates[n];
             // Each worker's tick (at its own offset): waiting requests are decided again, and
             // the claims its requests made go out in one call.
             for w in 0..workers {

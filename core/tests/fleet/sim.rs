@@ -430,26 +430,11 @@ impl Fleet {
                 p.claimed = false;
                 let before = p.state;
                 p.state = match call.answer {
-                    Some(a) => {
-                        let retry_ms = if a.retry_ms > 0 {
-                            a.retry_ms
-                        } else {
-                            (s.per_ms / s.requests).clamp(1, a.reset_ms.max(1))
-                        };
-                        let g = Grant {
-                            tokens: a.granted,
-                            rate_mtps: (a.rate * 1_000.0) as u64,
-                            ttl_ms: a.ttl_ms,
-                            sent_ms: call.sent_ms,
-                            retry_ms,
-                            remaining: a.remaining,
-                            debt: a.debt,
-                            revoked: a.revoked,
-                            returned: a.returned,
-                            asked: call.ask,
-                        };
-                        allowance.grant(&p.state, now, &g)
-                    }
+                    Some(a) => allowance.grant(
+                        &p.state,
+                        now,
+                        &Grant::answered(&a, call.ask, call.sent_ms, (s.requests, s.per_ms)),
+                    ),
                     None => allowance.fail(&p.state, now, s.retry_ms),
                 };
                 p.claimed = allowance.claimed(&before, &p.state);

@@ -36,24 +36,12 @@ impl Engine {
             ) else {
                 continue;
             };
-            // Nothing granted and no hint: ask again once a token may have come back.
-            let retry_ms = if answer.retry_ms > 0 {
-                answer.retry_ms
-            } else {
-                (global.per_ms / global.requests).clamp(1, answer.reset_ms.max(1))
-            };
-            let grant = Grant {
-                tokens: answer.granted,
-                rate_mtps: mtps(answer.rate),
-                ttl_ms: answer.ttl_ms,
-                sent_ms: refill.sent_ms,
-                retry_ms,
-                remaining: answer.remaining,
-                debt: answer.debt,
-                revoked: answer.revoked,
-                returned: answer.returned,
-                asked: refill.ask,
-            };
+            let grant = Grant::answered(
+                answer,
+                refill.ask,
+                refill.sent_ms,
+                (global.requests, global.per_ms),
+            );
             self.stats
                 .add_process(ProcessStat::QuotaGranted, saturating_i64(answer.granted));
             let claimed = self.update_allowance(store, refill, |state| {
@@ -188,15 +176,6 @@ impl Engine {
             debug!("rule {}: refilled key no longer has a slot", rule.name);
         }
         written == Ok(Some(true))
-    }
-}
-
-/// A granted rate in milli-tokens per second; a rate that is no number of tokens is none.
-fn mtps(rate: f64) -> u64 {
-    if rate.is_finite() && rate > 0.0 {
-        (rate * 1_000.0) as u64
-    } else {
-        0
     }
 }
 

@@ -20,7 +20,7 @@
 //! debt), which the service charges to the global bucket; and the tokens it holds, which the
 //! service takes back while that bucket is in debt.
 
-use crate::global::lease::LeaseItem;
+use crate::global::lease::{mtps, LeaseGrant, LeaseItem};
 use crate::state::{
     read_u32, saturating_u32, write_u32, Decision, State, CLOCK_SKEW_MS, STATE_BYTES,
 };
@@ -161,6 +161,36 @@ pub struct Grant {
     pub revoked: u64,
     pub returned: u64,
     pub asked: Ask,
+}
+
+impl Grant {
+    /// The service's `answer` to a call sent at `sent_ms` with `asked`, for a limit of
+    /// `requests` per `per_ms`. Nothing granted and no hint: ask again once a token may have come
+    /// back.
+    pub fn answered(
+        answer: &LeaseGrant,
+        asked: Ask,
+        sent_ms: u64,
+        (requests, per_ms): (u64, u64),
+    ) -> Self {
+        let retry_ms = if answer.retry_ms > 0 {
+            answer.retry_ms
+        } else {
+            (per_ms / requests.max(1)).clamp(1, answer.reset_ms.max(1))
+        };
+        Self {
+            tokens: answer.granted,
+            rate_mtps: mtps(answer.rate),
+            ttl_ms: answer.ttl_ms,
+            sent_ms,
+            retry_ms,
+            remaining: answer.remaining,
+            debt: answer.debt,
+            revoked: answer.revoked,
+            returned: answer.returned,
+            asked,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default)]

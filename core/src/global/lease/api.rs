@@ -253,7 +253,7 @@ impl LeaseRequest {
 }
 
 /// Tokens per second in milli-tokens per second (anything negative or not finite is none).
-fn mtps(per_s: f64) -> u64 {
+pub fn mtps(per_s: f64) -> u64 {
     if per_s.is_finite() && per_s > 0.0 {
         (per_s * 1_000.0) as u64
     } else {
