@@ -12,7 +12,6 @@ what one service core served while the other ran the load.
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -107,18 +106,10 @@ def measure_replicas(replicas, cluster, seconds, items=10):
         lua = LUA % (items, KEYS)
         connections = max(8 // replicas, 2)
 
+        urls = [f"http://127.0.0.1:{sport}/v1/lease" for sport, _ in services]
+
         def load(duration):
-            procs = []
-            for sport, _ in services:
-                args, script = harness.wrk_args(f"http://127.0.0.1:{sport}/v1/lease", duration, connections, lua=lua)
-                procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, text=True), script))
-            out = []
-            for proc, script in procs:
-                text, _ = proc.communicate(timeout=duration + 30)
-                if script:
-                    os.unlink(script.name)
-                out.append(harness.parse_wrk(text))
-            return out
+            return sections.wrk_together(urls, duration, connections, lua=lua, pin=True)
 
         load(1)
         service_pids = [p.p.pid for _, p in services]
@@ -217,22 +208,22 @@ def main():
     args = ap.parse_args()
     if args.replicas:
         rows = [measure_replicas(n, cluster, args.seconds) for cluster in (False, True) for n in (1, 3)]
-        path = REPO / "bench/results.json"
-        saved = json.loads(path.read_text()) if path.exists() else {}
-        saved["quota_replicas"] = rows
-        path.write_text(json.dumps(saved, indent=1))
-        print("\n".join(replicas_lines(rows)))
-        harness.splice_section(REPO / "docs/benchmarks.md", REPLICAS_HEADING, replicas_lines(rows))
+        publish("quota_replicas", REPLICAS_HEADING, replicas_lines(rows), rows)
         return
     rows = [measure(store, int(n), args.seconds, args.keys)
             for store in args.stores.split(",") for n in args.sizes.split(",")]
+    publish("quota_items", HEADING, lines(rows), rows)
+
+
+def publish(name, heading, section, rows):
+    """Keep `rows` in bench/results.json under `name`, print the section and write it into
+    docs/benchmarks.md under `heading`."""
     path = REPO / "bench/results.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
-    saved["quota_items"] = rows
+    saved[name] = rows
     path.write_text(json.dumps(saved, indent=1))
-    print("\n".join(lines(rows)))
-    harness.splice_section(REPO / "docs/benchmarks.md", HEADING, lines(rows))
-
+    print("\n".join(section))
+    harness.splice_section(REPO / "docs/benchmarks.md", heading, section)
 
 if __name__ == "__main__":
     main()

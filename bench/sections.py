@@ -24,11 +24,12 @@ from harness import (HUGE, QUOTA, TOLLGATE, TOLLGATE_PROBE, HOST_PROBE, EnvoySer
                  parse_wrk, quota_cluster, tollgate_plugin, wait_http, wasm_filter, wrk, wrk_args)
 
 
-def wrk_together(urls, seconds, connections=64):
-    """wrk against every url at once (not pinned: proxies with several workers use both cores)."""
+def wrk_together(urls, seconds, connections=64, lua=None, pin=False):
+    """wrk against every url at once (by default not pinned: proxies with several workers use both
+    cores), each with the `lua` script if given."""
     procs = []
     for url in urls:
-        args, script = wrk_args(url, seconds, connections, pin=False)
+        args, script = wrk_args(url, seconds, connections, lua=lua, pin=pin)
         procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, text=True), script))
     out = []
     for p, script in procs:

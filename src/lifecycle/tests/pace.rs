@@ -4,12 +4,13 @@ use super::mock::Proxy;
 use crate::config::HostCaps;
 use crate::lifecycle::Action;
 
+/// 1 000 bytes a second per user, burst 1 000.
+const PER_USER: &str = r#"{"rules":[{"name":"dl","key":["header:x-user"],
+    "limit":{"bytes":1000,"per":"1s"}}]}"#;
+
 #[test]
 fn a_byte_limit_holds_a_keys_response_bodies_until_its_bucket_covers_them() {
-    // 1 000 bytes a second per user, burst 1 000.
-    let config = r#"{"rules":[{"name":"dl","key":["header:x-user"],
-        "limit":{"bytes":1000,"per":"1s"}}]}"#;
-    let mut proxy = Proxy::new(HostCaps::ENVOY, config);
+    let mut proxy = Proxy::new(HostCaps::ENVOY, PER_USER);
     let user = [("x-user", "u")];
     let (a, action) = proxy.request(&user);
     assert_eq!(action, Action::Continue, "byte limits never refuse");
@@ -96,10 +97,7 @@ fn a_dry_run_byte_limit_holds_nothing_and_counts_what_it_would_have_held() {
 
 #[test]
 fn bytes_held_for_a_stream_that_ends_go_back_to_its_key() {
-    // 1 000 bytes a second per user, burst 1 000.
-    let config = r#"{"rules":[{"name":"dl","key":["header:x-user"],
-        "limit":{"bytes":1000,"per":"1s"}}]}"#;
-    let mut proxy = Proxy::new(HostCaps::ENVOY, config);
+    let mut proxy = Proxy::new(HostCaps::ENVOY, PER_USER);
     let user = [("x-user", "u")];
     // Ten streams of the key each push 1 000 bytes past the burst and reset while held
     // (before: 10 s of the key's rate charged for bytes that never left).
