@@ -235,12 +235,21 @@ impl RedisCluster {
 
     /// Which live masters hold keys matching `pattern`, and how many each.
     pub fn masters_with(&self, pattern: &str) -> Vec<(usize, usize)> {
+        self.keys_on_masters(pattern)
+            .into_iter()
+            .map(|(i, keys)| (i, keys.len()))
+            .collect()
+    }
+
+    /// The keys matching `pattern` on each live master.
+    pub fn keys_on_masters(&self, pattern: &str) -> Vec<(usize, Vec<String>)> {
         (0..self.ports.len())
             .filter(|&i| self.children[i].is_some())
             .filter(|&i| redis_cli(self.ports[i], &["role"]).starts_with("master"))
             .map(|i| {
                 let keys = redis_cli(self.ports[i], &["--scan", "--pattern", pattern]);
-                (i, keys.lines().filter(|l| !l.is_empty()).count())
+                let keys = keys.lines().filter(|l| !l.is_empty()).map(String::from);
+                (i, keys.collect())
             })
             .collect()
     }

@@ -4,7 +4,7 @@
 //! that accrues here from the grant until the lease ends. State (32 bytes): the balance (tokens
 //! granted and carried over, less those spent, in 64ths of a token, signed: below zero the key
 //! owes what a settlement charged beyond it), the grant's time (`base`, ms), tokens spent since
-//! the grant (what the next call reports as demand; with five flags), the global bucket's
+//! the grant (what the next call reports as demand; with its flags), the global bucket's
 //! remaining tokens as last reported (below zero: what it owed), the rate (milli-tokens per
 //! second), the lease's end and a mark, both as ms after `base`. The mark is a refill in flight
 //! (claimed by one worker, so one call per key per process), the service had nothing
@@ -43,8 +43,10 @@ const FROZEN: u32 = 1 << 26;
 /// `spent` starts with a second's worth of what the lease before measured (a token lease topped
 /// up): the demand is measured over a second more than the lease has run.
 const CARRIED: u32 = 1 << 25;
-const FLAGS: u32 = RAN_DRY | CAPPED | DENIED | ANSWERED | FAILING | FROZEN | CARRIED;
-const SPENT: u32 = CARRIED - 1;
+/// A request did not fit in what the lease held: it waits for the refill claimed with it.
+const WAITING: u32 = 1 << 24;
+const FLAGS: u32 = RAN_DRY | CAPPED | DENIED | ANSWERED | FAILING | FROZEN | CARRIED | WAITING;
+const SPENT: u32 = WAITING - 1;
 /// Demand is measured over at least this long (ms).
 const MEASURE_FLOOR_MS: u64 = 250;
 /// What a token lease measured of its demand is carried over to the next as this long's worth
@@ -308,6 +310,20 @@ impl Parts {
         }
     }
 
+    /// What `spent` says of a rate when a request ends the measure: the requests in it, less
+    /// one. A measure ends at a request — the one that spent the last token, or one that waits
+    /// for more (counted) — and of a Poisson stream stopped at its k-th request, (k − 1) / t is
+    /// the unbiased rate. Counting the last one as well reads a single request soon after a
+    /// grant as a high rate: in a fleet where each proxy sees a key rarely, every such proxy
+    /// then asked for (and was reserved) the key's whole rate for a lease term.
+    fn requests_before_last(&self) -> u64 {
+        if self.flags & WAITING != 0 {
+            self.spent
+        } else {
+            self.spent.saturating_sub(1)
+        }
+    }
+
     /// A rate share accrues (none after a failed call: see [`FROZEN`]).
     fn accruing(&self) -> bool {
         self.rate > 0 && self.flags & FROZEN == 0
@@ -534,7 +550,7 @@ impl LeaseAllowance {
         // more).
         let mut claim = p.claimed(now_ms, self.claim_ms);
         if p.live(now_ms) {
-            claim.flags |= RAN_DRY;
+            claim.flags |= RAN_DRY | WAITING;
         }
         Decision::Wait {
             claim: Some(encode(&claim)),
@@ -559,11 +575,12 @@ impl LeaseAllowance {
         // What it spent per second since its lease began (and the second carried over before),
         // `parts / of` of it, over at least `floor_ms`.
         let window_ms = p.measured_ms(now_ms);
-        let spent_mtps = |parts: u128, of: u128, floor_ms: u64| {
+        let per_s_mtps = |tokens: u64, parts: u128, of: u128, floor_ms: u64| {
             let ms = u128::from(window_ms.max(floor_ms));
-            let per_s = u128::from(p.spent) * 1_000_000 * parts / of / ms;
+            let per_s = u128::from(tokens) * 1_000_000 * parts / of / ms;
             u64::try_from(per_s).unwrap_or(u64::MAX)
         };
+        let spent_mtps = |parts, of, floor_ms| per_s_mtps(p.spent, parts, of, floor_ms);
         let demand_mtps = if !p.live(now_ms) || p.spent == 0 {
             if p.flags & DENIED != 0 {
                 // It asked and got nothing, with nothing spent to measure: all it can get.
@@ -579,10 +596,10 @@ impl LeaseAllowance {
             // Held back by fairness and out of what it got: it still wants all it can get.
             self.global_rate_mtps
         } else if p.flags & (RAN_DRY | DENIED) != 0 {
-            // It ran out, or got nothing more: twice what it spent, so that a demand that grew
-            // is found in a few rounds, while one that only had a burst does not ask for the
-            // whole rate.
-            spent_mtps(2, 1, 1)
+            // It ran out, or got nothing more: twice the rate it spent at, so that a demand that
+            // grew is found in a few rounds, while one that only had a burst does not ask for
+            // the whole rate.
+            per_s_mtps(p.requests_before_last(), 2, 1, 1)
         } else if p.accruing() && p.flags & CAPPED != 0 {
             // Renewing early while held back by fairness: at least what it has (it wants more).
             spent_mtps(9, 8, MEASURE_FLOOR_MS).max(p.rate)
@@ -692,7 +709,7 @@ impl LeaseAllowance {
         // second's worth of it (a few requests between two top-ups say little about a rate).
         let spent = if p.live(now_ms) && p.rate == 0 && rate == 0 && p.spent > 0 {
             let window = p.measured_ms(now_ms);
-            p.spent.saturating_mul(MEASURE_MEMORY_MS) / window
+            p.requests_before_last().saturating_mul(MEASURE_MEMORY_MS) / window
         } else {
             0
         };

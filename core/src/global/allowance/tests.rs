@@ -229,6 +229,45 @@ fn running_low_asks_again_only_when_asking_can_get_more() {
     );
 }
 
+/// A proxy that sees a key rarely (issue 36: uniform keys over 100 proxies were refused falsely
+/// 58% of the time): its lease of one token, spent by one request just after the grant, is no
+/// evidence of a rate, so the refill that request claims asks for tokens only — not for the key's
+/// whole rate, which the service would reserve to it for a lease term. A request that has to wait
+/// is: two requests 8 ms apart.
+#[test]
+fn one_request_just_after_a_grant_asks_for_no_rate_and_one_that_waits_does() {
+    // The last token claims the refill (running low).
+    let eager = LeaseAllowance {
+        lease_size: 1,
+        low_water: 1,
+        ..lease()
+    };
+    let one = eager.grant(&[0; STATE_BYTES], T0, &grant(1, 0, T0, 10_000));
+    let spent = allowed(&eager, &one, T0 + 2);
+    assert!(eager.claimed(&one, &spent));
+    let ask = eager.ask(&spent, T0 + 3);
+    assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (1, 1, 0));
+    // Topped up with a token, the next lease carries over no rate either.
+    let again = eager.grant(&spent, T0 + 5, &grant(1, 0, T0 + 3, 10_000));
+    assert_eq!(eager.ask(&again, T0 + 6).demand_mtps, 0);
+
+    // The next request claims it (none claimed before): it waits, and counts.
+    let lazy = LeaseAllowance {
+        low_water: 0,
+        ..eager
+    };
+    let spent = allowed(&lazy, &one, T0 + 2);
+    assert!(!lazy.claimed(&one, &spent));
+    let Decision::Wait {
+        claim: Some(waiting),
+    } = lazy.decide(&spent, (T0 + 10) * MS, 1)
+    else {
+        panic!("the second request claims a refill and waits for it");
+    };
+    let ask = lazy.ask(&waiting, T0 + 10);
+    assert_eq!((ask.wanted, ask.used, ask.demand_mtps), (1, 1, 100_000));
+}
+
 #[test]
 fn a_lease_that_did_not_run_dry_asks_for_what_it_spent_and_an_eighth_more() {
     let l = lease();
