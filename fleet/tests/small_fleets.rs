@@ -110,12 +110,20 @@ fn bursts_of_four_times_the_rate_keep_the_bound() {
 }
 
 /// Keys each proxy sees rarely, under their limit (2 a second of 5, over 50 proxies: a proxy sees
-/// a key every 25 s). A lease that one request spent just after its grant used to ask for the
-/// key's whole rate, which the service reserved to it for a lease term: 30% refused falsely here
-/// (60% at 1 000 proxies). Now 0.6%.
+/// a key every 25 s), for 20 s. A lease that one request spent just after its grant used to ask
+/// for the key's whole rate, which the service reserved to it for a lease term: 30% refused
+/// falsely in the first 5 s (60% at 1 000 proxies); and a proxy whose last answer, long ended, had
+/// granted nothing asked for the whole rate again, so that false refusals grew with time (2.4%
+/// over these 20 s with the first fixed alone). Now 0.5%.
 #[test]
 fn keys_each_proxy_sees_rarely_are_not_refused_under_their_limit() {
-    let mut s = Scenario::new("uniform", 50, Keys::Uniform(1_000), (5, 1_000, 10), 2_000.0);
-    s.seconds = 5;
-    check(&s, 0.02);
+    let mut s = Scenario::new(
+        "uniform",
+        50,
+        Keys::Uniform(1_000),
+        (5, 1_000, 10),
+        2_000.0,
+    );
+    s.seconds = 20;
+    check(&s, 0.012);
 }

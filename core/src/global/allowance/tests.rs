@@ -196,14 +196,22 @@ fn running_low_asks_again_only_when_asking_can_get_more() {
     let next = allowed(&l, &s, T0 + 100);
     assert!(l.claimed(&s, &next));
     // Refused for want of quota (a global bucket of 1 a second, empty by the answer): the
-    // next ask wants the whole rate, and while it is on its way, before a token can be back in
-    // the bucket, requests are refused rather than held (only the claim is sent).
+    // next ask wants the whole rate (not once that answer's lease has ended: tokens only), and
+    // while it is on its way, before a token can be back in the bucket, requests are refused
+    // rather than held (only the claim is sent).
     let slow = LeaseAllowance {
         global_interval_ns: 1_000 * MS,
         ..lease()
     };
     let none = slow.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
     assert_eq!(slow.ask(&none, T0 + 200).demand_mtps, 100_000);
+    let Decision::Wait {
+        claim: Some(later),
+    } = slow.decide(&none, (T0 + 5_000) * MS, 1)
+    else {
+        panic!("the lease ended: a claim");
+    };
+    assert_eq!(slow.ask(&later, T0 + 5_000).demand_mtps, 0);
     let Decision::Wait {
         claim: Some(claimed),
     } = slow.decide(&none, (T0 + 200) * MS, 1)
