@@ -117,13 +117,7 @@ fn bursts_of_four_times_the_rate_keep_the_bound() {
 /// over these 20 s with the first fixed alone). Now 0.5%.
 #[test]
 fn keys_each_proxy_sees_rarely_are_not_refused_under_their_limit() {
-    let mut s = Scenario::new(
-        "uniform",
-        50,
-        Keys::Uniform(1_000),
-        (5, 1_000, 10),
-        2_000.0,
-    );
+    let mut s = Scenario::new("uniform", 50, Keys::Uniform(1_000), (5, 1_000, 10), 2_000.0);
     s.seconds = 20;
     check(&s, 0.012);
 }

@@ -205,10 +205,7 @@ fn running_low_asks_again_only_when_asking_can_get_more() {
     };
     let none = slow.grant(&[0; STATE_BYTES], T0, &grant(0, 0, T0, 1_000));
     assert_eq!(slow.ask(&none, T0 + 200).demand_mtps, 100_000);
-    let Decision::Wait {
-        claim: Some(later),
-    } = slow.decide(&none, (T0 + 5_000) * MS, 1)
-    else {
+    let Decision::Wait { claim: Some(later) } = slow.decide(&none, (T0 + 5_000) * MS, 1) else {
         panic!("the lease ended: a claim");
     };
     assert_eq!(slow.ask(&later, T0 + 5_000).demand_mtps, 0);

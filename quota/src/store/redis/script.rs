@@ -46,19 +46,30 @@ impl Scripted for LeaseItem {
         // (Amounts past what a bucket can owe or hold would only lose precision in Lua's
         // doubles: the script caps them alike.)
         let cap = |n: u64| n.min(2 * MAX_DEBT);
-        cmd.arg(self.requests)
-            .arg(self.per_ms)
-            .arg(self.burst)
-            .arg(self.wanted)
-            .arg(self.demand_mtps())
-            .arg(self.known_ms)
-            .arg(self.known_remaining)
-            .arg(cap(self.known_debt))
-            .arg(self.returned)
-            .arg(cap(self.owed))
-            .arg(cap(self.held))
-            .arg(self.share_mtps())
-            .arg(self.share_ms);
+        let numbers = [
+            self.requests,
+            self.per_ms,
+            self.burst,
+            self.wanted,
+            self.demand_mtps(),
+            self.known_ms,
+            self.known_remaining,
+            cap(self.known_debt),
+            self.returned,
+            cap(self.owed),
+            cap(self.held),
+            self.share_mtps(),
+            self.share_ms,
+        ];
+        // One argument of 13 little-endian doubles, which the script reads with one
+        // `struct.unpack`: Redis makes a Lua string of every argument, and the script read each
+        // with `tonumber` — 13 of each per item were a sixth of the script's time. (The numbers
+        // become the same doubles `tonumber` made of their decimal text.)
+        let mut packed = [0u8; 13 * 8];
+        for (place, n) in packed.chunks_exact_mut(8).zip(numbers) {
+            place.copy_from_slice(&(n as f64).to_le_bytes());
+        }
+        cmd.arg(&packed[..]);
     }
 }
 
