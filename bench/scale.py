@@ -34,6 +34,9 @@ WORKLOADS = [
     ("store loss", "the hot key; the service loses every bucket halfway", HOT + ["--store-loss"]),
     ("partition", "the hot key; 10% of the proxies cannot reach the service for the middle fifth",
      HOT + ["--partition", "0.1"]),
+    ("lossy network", "the Zipf keys over a network of 10 to 50 ms round trips (uniform) that loses 2% of the calls",
+     ["--keys", "zipf", "--key-count", "100000", "--rate", "100", "--burst", "100",
+      "--rtt-ms", "10", "--rtt-jitter-ms", "40", "--call-loss", "0.02"]),
 ]
 
 
@@ -140,7 +143,7 @@ def write(rows, seconds, cells):
         "workers each decide every request with the filter's own lease code (`LeaseAllowance`, one per "
         "proxy and key, claims sent on the workers' ticks every 5 ms, 200 ms timeout, 500 ms retry, the "
         "default lease size with `instances_hint` set to the fleet's size, `burst / (4 × N)`), against the service's own buckets and fair shares "
-        "(`GlobalBucket`, as the memory store keeps them, 10 s lease TTL), over a 2 ms round trip, in "
+        "(`GlobalBucket`, as the memory store keeps them, 10 s lease TTL), over a 2 ms round trip (but for the lossy network), in "
         f"virtual time ({seconds} s a run, seeded: every run gives the same figures). The fleet sends "
         "20 000 requests a second in all, a Poisson stream at each proxy.",
         "",

@@ -67,6 +67,8 @@ pub struct Scenario {
     pub timeout_ms: u64,
     pub retry_ms: u64,
     pub rtt_ms: u64,
+    /// Each call's round trip is `rtt_ms` plus up to this much more (uniform), under the timeout.
+    pub rtt_jitter_ms: u64,
     /// Chance that a call is lost (it fails after its timeout).
     pub call_loss: f64,
     pub seed: u64,
@@ -102,6 +104,7 @@ impl Scenario {
             timeout_ms: 200,
             retry_ms: 500,
             rtt_ms: 2,
+            rtt_jitter_ms: 0,
             call_loss: 0.0,
             seed: 1,
         }
@@ -488,7 +491,7 @@ pub fn run(s: &Scenario) -> Report {
     };
     // Calls by the ms they are served and answered (a calendar: every call takes at most the
     // timeout), and the calls themselves.
-    let horizon = (s.timeout_ms + s.rtt_ms + 2) as usize;
+    let horizon = (s.timeout_ms + s.rtt_ms + s.rtt_jitter_ms + 2) as usize;
     let mut served_at: Vec<Vec<usize>> = vec![Vec::new(); horizon];
     let mut answered_at: Vec<Vec<usize>> = vec![Vec::new(); horizon];
     let mut calls: Vec<Option<Call>> = Vec::new();
@@ -666,8 +669,16 @@ pub fn run(s: &Scenario) -> Report {
                     if lost {
                         answered_at[((now + s.timeout_ms) as usize) % horizon].push(id);
                     } else {
-                        served_at[((now + s.rtt_ms / 2) as usize) % horizon].push(id);
-                        answered_at[((now + s.rtt_ms.max(1)) as usize) % horizon].push(id);
+                        // (The jitter draws from the run's generator only when there is one: the
+                        // other workloads' figures stay as they were.)
+                        let rtt = if s.rtt_jitter_ms > 0 {
+                            let extra = (rng.unit() * (s.rtt_jitter_ms + 1) as f64) as u64;
+                            (s.rtt_ms + extra.min(s.rtt_jitter_ms)).min(s.timeout_ms)
+                        } else {
+                            s.rtt_ms
+                        };
+                        served_at[((now + rtt / 2) as usize) % horizon].push(id);
+                        answered_at[((now + rtt.max(1)) as usize) % horizon].push(id);
                     }
                 }
             }

@@ -46,6 +46,13 @@ struct Args {
     /// The service's lease TTL (`--lease-ttl-ms`).
     #[arg(long, default_value_t = 10_000)]
     ttl_ms: u64,
+    /// The calls' round trip (ms), plus up to `--rtt-jitter-ms` more, and the share of calls lost.
+    #[arg(long, default_value_t = 2)]
+    rtt_ms: u64,
+    #[arg(long, default_value_t = 0)]
+    rtt_jitter_ms: u64,
+    #[arg(long, default_value_t = 0.0)]
+    call_loss: f64,
     /// `quota_service.lease_size` (default: burst / (4 × proxies), 1 to 1 000).
     #[arg(long)]
     lease_size: Option<u64>,
@@ -75,6 +82,9 @@ fn main() {
     s.seed = a.seed;
     s.ttl_ms = a.ttl_ms;
     s.lease_size = a.lease_size;
+    s.rtt_ms = a.rtt_ms;
+    s.rtt_jitter_ms = a.rtt_jitter_ms;
+    s.call_loss = a.call_loss;
     let half = a.seconds * 500;
     if let Some(share) = a.crash {
         s.events.push(Event::Crash { at_ms: half, share });

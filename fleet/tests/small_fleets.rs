@@ -90,6 +90,25 @@ fn many_keys_keep_the_bound_and_batch_their_items() {
 }
 
 #[test]
+fn a_slow_lossy_network_keeps_the_bound() {
+    // Round trips of 10 to 50 ms, 5% of the calls lost (each fails after the 200 ms timeout:
+    // the proxy falls back, then asks again).
+    let mut s = Scenario::new(
+        "lossy",
+        10,
+        Keys::Zipf { n: 10_000, s: 1.1 },
+        (100, 1_000, 100),
+        2_000.0,
+    );
+    s.seconds = 5;
+    s.rtt_ms = 10;
+    s.rtt_jitter_ms = 40;
+    s.call_loss = 0.05;
+    let r = check(&s, 0.05);
+    assert!(r.fell_back > 0, "{r:?}");
+}
+
+#[test]
 fn a_run_is_the_same_for_the_same_seed() {
     let a = run(&hot(10));
     let b = run(&hot(10));
