@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The fleet simulator's table: 10, 100 and 1 000 proxies (2 workers each) over the real lease code
 (`tollgate-fleet`, virtual time, seeded), each workload for 20 simulated seconds; then the capacity
-grid (proxies × active keys × lease TTL, 10 s each) priced with the service's measured CPU per item;
+grid (proxies × active keys × lease TTL, 40 s each) priced with the service's measured CPU per item;
 writes docs/scale.md's tables and its chart (false refusals per 100 ms as demand shifts).
 
     make bench-scale        # or: bench/scale.py [--proxies 10,100,1000] [--seconds 20]

@@ -669,8 +669,8 @@ pub fn run(s: &Scenario) -> Report {
                     if lost {
                         answered_at[((now + s.timeout_ms) as usize) % horizon].push(id);
                     } else {
-                        // (The jitter draws from the run's generator only when there is one: the
-                        // other workloads' figures stay as they were.)
+                        // (Only a run with jitter draws from the generator for it: the runs without
+                        // keep their figures.)
                         let rtt = if s.rtt_jitter_ms > 0 {
                             let extra = (rng.unit() * (s.rtt_jitter_ms + 1) as f64) as u64;
                             (s.rtt_ms + extra.min(s.rtt_jitter_ms)).min(s.timeout_ms)

@@ -12,6 +12,19 @@ fn hot(proxies: usize) -> Scenario {
     s
 }
 
+fn zipf(name: &str) -> Scenario {
+    // 10 proxies, 2 000 requests a second over Zipf(1.1) of 10 000 keys of 100 a second each.
+    let mut s = Scenario::new(
+        name,
+        10,
+        Keys::Zipf { n: 10_000, s: 1.1 },
+        (100, 1_000, 100),
+        2_000.0,
+    );
+    s.seconds = 5;
+    s
+}
+
 fn false_share(r: &Report) -> f64 {
     r.false_refusals as f64 / r.requests.max(1) as f64
 }
@@ -77,15 +90,7 @@ fn the_bound_holds_across_a_crash_a_store_loss_and_a_partition() {
 
 #[test]
 fn many_keys_keep_the_bound_and_batch_their_items() {
-    let mut zipf = Scenario::new(
-        "zipf",
-        10,
-        Keys::Zipf { n: 10_000, s: 1.1 },
-        (100, 1_000, 100),
-        2_000.0,
-    );
-    zipf.seconds = 5;
-    let r = check(&zipf, 0.05);
+    let r = check(&zipf("zipf"), 0.05);
     assert!(r.keys_seen > 1_000, "{r:?}");
 }
 
@@ -93,14 +98,7 @@ fn many_keys_keep_the_bound_and_batch_their_items() {
 fn a_slow_lossy_network_keeps_the_bound() {
     // Round trips of 10 to 50 ms, 5% of the calls lost (each fails after the 200 ms timeout:
     // the proxy falls back, then asks again).
-    let mut s = Scenario::new(
-        "lossy",
-        10,
-        Keys::Zipf { n: 10_000, s: 1.1 },
-        (100, 1_000, 100),
-        2_000.0,
-    );
-    s.seconds = 5;
+    let mut s = zipf("lossy");
     s.rtt_ms = 10;
     s.rtt_jitter_ms = 40;
     s.call_loss = 0.05;

@@ -151,7 +151,7 @@ fn three_replicas_over_a_cluster_keep_each_bound_across_a_failover_and_a_killed_
     const USERS: usize = 6;
     const RATE: f64 = 20.0;
     const BURST: f64 = 20.0;
-    const LEASE: f64 = 5.0; // 20 / (4 × instances_hint 2), rounded up
+    const LEASE: f64 = 2.0; // the default lease size: 20 / (4 × instances_hint 2), rounded down
     let mut cluster = RedisCluster::start();
     let urls = cluster.urls();
     let args = ["--redis-cluster", &urls, "--storage-timeout-ms", "500"];
