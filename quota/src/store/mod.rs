@@ -10,7 +10,7 @@ use std::time::Duration;
 use tollgate_core::global::lease::{LeaseGrant, LeaseItem};
 use tollgate_core::global::permits::{PermitAnswer, PermitItem};
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("storage timed out after {0:?}")]
     Timeout(Duration),
@@ -34,6 +34,8 @@ pub fn now_ms() -> u64 {
     wall_ms.saturating_add(at.elapsed().as_millis() as u64)
 }
 
+// One per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Store {
     Memory(MemoryStore),
     Redis(RedisStore),

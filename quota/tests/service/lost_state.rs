@@ -194,19 +194,10 @@ async fn auto_cold_start_serves_a_new_deployment_and_holds_the_limit_after_a_los
     let g = store.lease("a", &[rated("w")], 10_000).await.unwrap()[0];
     assert_eq!(g.remaining, 75);
     // The bucket as it was before that call: full, and no record of the caller.
-    let _: () = redis::cmd("HSET")
-        .arg("{tg:lim:w}:b")
-        .arg("tokens")
-        .arg(100_000_000u64)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("HDEL")
-        .arg("{tg:lim:w}:b")
-        .arg("@a")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let mut bucket = StoredBucket::get(&mut conn, "{tg:lim:w}:b").await;
+    bucket.tokens = 100_000_000.0;
+    bucket.holders.retain(|(name, _)| name != b"a");
+    bucket.set(&mut conn, "{tg:lim:w}:b").await;
     let g = store
         .lease("a", &[known("w", 50, 75)], 10_000)
         .await
@@ -311,13 +302,9 @@ async fn a_redis_clock_stepped_back_refills_from_then_in_both_stores() {
         .unwrap();
     assert_eq!(keys.len(), 1, "{keys:?}");
     let ahead = tollgate_quota::store::now_ms() + 600_000;
-    let _: () = redis::cmd("HSET")
-        .arg(&keys[0])
-        .arg("updated")
-        .arg(ahead.to_string())
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let mut bucket = StoredBucket::get(&mut conn, &keys[0]).await;
+    bucket.updated = ahead as f64;
+    bucket.set(&mut conn, &keys[0]).await;
     store
         .lease(
             "a",
@@ -369,17 +356,24 @@ async fn a_redis_clock_stepped_back_keeps_holdings_and_reservations_one_term_at_
         .query_async(&mut conn)
         .await
         .unwrap();
-    for key in keys
-        .iter()
-        .filter(|k| k.ends_with(":s") || k.ends_with(":b"))
-    {
+    for key in keys.iter().filter(|k| k.ends_with(":b")) {
+        // A bucket's holder's `until` is its fifth number.
+        let mut bucket = StoredBucket::get(&mut conn, key).await;
+        for (name, fields) in &mut bucket.holders {
+            if name == b"a" {
+                fields[4] = hour as f64;
+            }
+        }
+        bucket.set(&mut conn, key).await;
+    }
+    for key in keys.iter().filter(|k| k.ends_with(":s")) {
         let value: String = redis::cmd("HGET")
             .arg(key)
             .arg("@a")
             .query_async(&mut conn)
             .await
             .unwrap();
-        // The last number is the end: slots' "held:wanted:expires", leases' "…:share:until".
+        // The last number is the end: "held:wanted:expires".
         let (rest, _) = value.rsplit_once(':').unwrap();
         let _: () = redis::cmd("HSET")
             .arg(key)

@@ -142,3 +142,71 @@ fn slot(key: &str, wanted: u64, keep: u64) -> PermitItem {
 async fn held(store: &Store, instance: &str, item: PermitItem, ttl: u64) -> PermitAnswer {
     store.slots(instance, &[item], ttl).await.unwrap()[0]
 }
+
+/// A bucket as the Redis store keeps it (one string, see lease.lua): tokens and reserve in
+/// millionths, when it was updated, and its holders by name: wanted, demand, asked, share, until,
+/// outstanding.
+#[derive(Debug, Clone, PartialEq)]
+struct StoredBucket {
+    tokens: f64,
+    reserve: f64,
+    updated: f64,
+    holders: Vec<(Vec<u8>, [f64; 6])>,
+}
+
+impl StoredBucket {
+    fn decode(v: &[u8]) -> Self {
+        let num = |at: usize| f64::from_le_bytes(v[at..at + 8].try_into().unwrap());
+        let mut holders = Vec::new();
+        let mut at = 24;
+        while at < v.len() {
+            let len = usize::from(u16::from_le_bytes([v[at], v[at + 1]]));
+            let name = v[at + 2..at + 2 + len].to_vec();
+            at += 2 + len;
+            let mut fields = [0.0; 6];
+            for (i, f) in fields.iter_mut().enumerate() {
+                *f = num(at + 8 * i);
+            }
+            at += 48;
+            holders.push((name, fields));
+        }
+        Self {
+            tokens: num(0),
+            reserve: num(8),
+            updated: num(16),
+            holders,
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        for n in [self.tokens, self.reserve, self.updated] {
+            v.extend_from_slice(&n.to_le_bytes());
+        }
+        for (name, fields) in &self.holders {
+            v.extend_from_slice(&u16::try_from(name.len()).unwrap().to_le_bytes());
+            v.extend_from_slice(name);
+            for f in fields {
+                v.extend_from_slice(&f.to_le_bytes());
+            }
+        }
+        v
+    }
+
+    /// Read `key`'s bucket from the Redis of `conn`.
+    async fn get(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Self {
+        let v: Vec<u8> = redis::cmd("GET").arg(key).query_async(conn).await.unwrap();
+        Self::decode(&v)
+    }
+
+    /// Write it back under `key`, keeping the key's expiry.
+    async fn set(&self, conn: &mut redis::aio::MultiplexedConnection, key: &str) {
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg(self.encode())
+            .arg("KEEPTTL")
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
+}

@@ -2,16 +2,21 @@
 -- atomically: the same step as GlobalBucket::new, reconcile and lease in
 -- core/src/global/lease/bucket.rs, with the same arithmetic in the same order, so both stores
 -- grant alike.
--- ARGV: instance, ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items,
---   then three per item: the bucket hash (`tokens` in millionths, below zero in debt,
---   `reserve` (the tokens kept for instances within their fair share) in millionths, `updated`,
---   and per holder `@<instance>` -> "wanted:demand:asked:share:until:outstanding"), the
---   epoch marker of the item's slot, and 13 numbers as little-endian doubles (one string, read
+-- ARGV: ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items, then
+--   four per item: the bucket's key, the epoch marker of the item's slot, 13 numbers as little-endian doubles (one string, read
 --   with struct.unpack: cheaper than 13 arguments): requests, per_ms, burst, wanted, demand
 --   (milli-tokens per second), known_ms, known_remaining, known_debt (the caller's evidence of
 --   the bucket; 0: none), returned, owed (what it spent beyond its grants: charged now), held
 --   (what it holds unspent: taken back while the bucket owes), share (milli-tokens per second)
---   and share_ms (the caller's evidence of its own reservation).
+--   and share_ms (the caller's evidence of its own reservation), and the calling instance (items
+--   of several calls may run together).
+-- A bucket is one string, set with its expiry: three little-endian doubles, `tokens` in
+--   millionths (below zero in debt), `reserve` (the tokens kept for instances within their fair
+--   share) in millionths and `updated`; then per holder, sorted by name (bytewise), its name's
+--   length (2 bytes), its name (the empty name: the holders of before a loss) and six doubles:
+--   wanted, demand, asked, share, until, outstanding. (A bucket written by a service of before is
+--   a hash, `tokens`, `reserve`, `updated` and `@<instance>` -> "w:d:a:s:u:o": read, and written
+--   back as a string.)
 -- The marker holds the slot's epoch (ms), with an "L" once a call showed that the slot lost
 --   buckets in use: then (cold "2") buckets it does not know start as with cold "1".
 -- KEYS: the same key names, declared (one Redis, or one slot of a cluster); none when the
@@ -19,15 +24,21 @@
 -- Returns eight numbers per item: granted, remaining, reset_ms, share (milli-tokens per
 --   second), retry_ms, returned (what of the item's `returned` the bucket took back), debt (what
 --   the bucket owes), revoked (what of the item's `held` it took back).
--- Written for speed (Redis's Lua makes every table and string costly): holders live in
--- parallel arrays reused from item to item, and only what changed is written back.
+-- Written for speed (Redis's Lua makes every table, string and command costly): holders live in
+-- parallel arrays reused from item to item; a bucket is read with one command and written with
+-- one (the value and its expiry).
 local floor, ceil, min, max, huge = math.floor, math.ceil, math.min, math.max, math.huge
 local byte, sub, match, format = string.byte, string.sub, string.match, string.format
 local call, tonumber = redis.call, tonumber
+local pack, unpack_numbers, concat = struct.pack, struct.unpack, table.concat
+-- A bucket's head, and one holder (see above).
+local HEAD, HOLDER = '<ddd', '<I2c0dddddd'
 
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
-local instance, ttl, cold = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local ttl, cold = tonumber(ARGV[1]), ARGV[2]
+-- The instance of the item being served.
+local instance
 local checks = cold ~= '0'
 -- The most tokens a bucket owes (MAX_DEBT).
 local max_debt = 1000000000000
@@ -47,10 +58,6 @@ end
 local N, W, D, A, S, U, O = {}, {}, {}, {}, {}, {}, {}
 local wants, demands = {}, {}
 
-local function holder_value(i)
-  return format('%d:%d:%d:%d:%d:%d', W[i], D[i], A[i], S[i], U[i], O[i])
-end
-
 local out = {}
 -- Holders of the item being served.
 local n = 0
@@ -67,16 +74,45 @@ local function hold_for_before(rate_mtps)
   N[1], W[1], D[1], A[1], S[1], U[1], O[1] = '', 0, 0, now, rate_mtps + 1, now + ttl, 0
 end
 
+-- Asked after now, or reserved for more than a term from now: the clock stepped back. A term
+-- from now at most (else the share stays reserved for the step's length).
+local function unstep(i)
+  if A[i] > now or U[i] > now + ttl then
+    A[i], U[i] = min(A[i], now), min(U[i], now + ttl)
+  end
+end
+
+-- A bucket's string: its tokens, reserve and update, its holders into N.. (n of them), in the
+-- order written (sorted). Raises on a string that is not one (the caller starts anew).
+local function read_string(v)
+  local tokens, kept, updated, at = unpack_numbers(HEAD, v)
+  local len = #v
+  while at <= len do
+    n = n + 1
+    N[n], W[n], D[n], A[n], S[n], U[n], O[n], at = unpack_numbers(HOLDER, v, at)
+    unstep(n)
+  end
+  return tokens / 1e6, kept / 1e6, updated
+end
+
 local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr, kd,
                      returned, owed, held_by, claimed, claimed_ms)
-  local stepped = {}
   local rate = requests / per
   local rate_mtps = floor(requests * 1000000 / per)
   local reserve = floor(burst / 8)
   local tokens, updated
   local kept = 0
   n = 0
-  for i = 1, #b, 2 do
+  if type(b) == 'string' then
+    local read, t, k, u = pcall(read_string, b)
+    if read then
+      tokens, kept, updated = t, k, u
+    else
+      n, kept = 0, 0
+    end
+    b = nil
+  end
+  for i = 1, (b and #b or 0), 2 do
     local f = b[i]
     if f == 'tokens' then
       tokens = tonumber(b[i + 1]) / 1e6
@@ -91,19 +127,13 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
         n = n + 1
         N[n], W[n], D[n] = sub(f, 2), tonumber(w), tonumber(dm)
         A[n], S[n], U[n], O[n] = tonumber(a), tonumber(s), tonumber(u), tonumber(o) or 0
-        -- Asked after now, or reserved for more than a term from now: the clock stepped back.
-        -- A term from now at most (else the share stays reserved for the step's length).
-        if A[n] > now or U[n] > now + ttl then
-          A[n], U[n] = min(A[n], now), min(U[n], now + ttl)
-          stepped[N[n]] = true
-        end
+        unstep(n)
       end
     end
   end
   local fresh = tokens == nil or updated == nil
   local reconciled = false
   if fresh then
-    if #b > 0 then call('DEL', bkey) end
     n = 0
     -- The slot's epoch: set with its first bucket (whatever the cold-start mode, so that a
     -- change of mode finds it), gone when the node loses its data.
@@ -123,8 +153,9 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     else
       tokens, updated = burst, now
     end
-  else
-    -- Sorted by name in O(n log n): nothing caps how many holders a bucket has.
+  elseif b then
+    -- A hash's holders, sorted by name in O(n log n): nothing caps how many holders a bucket
+    -- has. (A string's are sorted as written.)
     if n > 1 then
       local order = {}
       for i = 1, n do order[i] = i end
@@ -243,7 +274,6 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
 
   -- Forget the quiet and unreserved, and this instance's previous standing; place this one.
   local live_n = 0
-  local gone = nil
   demand = min(demand, rate_mtps)
   for i = 1, n do
     local name = N[i]
@@ -251,9 +281,6 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
       live_n = live_n + 1
       local k = live_n
       N[k], W[k], D[k], A[k], S[k], U[k], O[k] = name, W[i], D[i], A[i], S[i], U[i], O[i]
-    elseif name ~= instance and not fresh then
-      gone = gone or {}
-      gone[#gone + 1] = '@' .. name
     end
   end
   local at = live_n + 1
@@ -369,22 +396,13 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   for i = 1, n do
     idle_at = max(idle_at, U[i], A[i] + ttl)
   end
-  if gone then hdel_all(bkey, gone) end
-  if (fresh or reconciled or after_loss) and n > 1 and N[1] == '' then
-    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'reserve',
-         format('%d', floor(kept * 1e6)), 'updated', format('%d', updated), '@' .. instance,
-         holder_value(at), '@', holder_value(1))
-  else
-    call('HSET', bkey, 'tokens', format('%d', floor(tokens * 1e6)), 'reserve',
-         format('%d', floor(kept * 1e6)), 'updated', format('%d', updated), '@' .. instance,
-         holder_value(at))
-  end
+  -- The whole bucket, its live holders, and its expiry: one command.
+  local parts = {pack(HEAD, floor(tokens * 1e6), floor(kept * 1e6), updated)}
   for i = 1, n do
-    if stepped[N[i]] and N[i] ~= instance then
-      call('HSET', bkey, '@' .. N[i], holder_value(i))
-    end
+    local name = N[i]
+    parts[i + 1] = pack(HOLDER, #name, name, W[i], D[i], A[i], S[i], U[i], O[i])
   end
-  call('PEXPIRE', bkey, max(idle_at - now, 1))
+  call('SET', bkey, concat(parts), 'PX', max(idle_at - now, 1))
   local debt = 0
   if tokens < 0 then debt = ceil(-tokens) end
   local o = #out
@@ -394,21 +412,38 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
 end
 
 -- Every read first: a key this node does not serve (a cluster that moved slots) fails the
--- script before anything was written, so the caller can run the items again elsewhere.
-local items = tonumber(ARGV[4])
-local buckets, markers = {}, {}
-for i = 0, items - 1 do
-  local a = 5 + i * 3
-  local b = call('HGETALL', ARGV[a])
-  buckets[i] = b
-  if #b == 0 then markers[i] = call('GET', ARGV[a + 1]) end
+-- script before anything was written, so the caller can run the items again elsewhere. (A key
+-- that comes again, in another call's items run together or in a caller's own, is read again
+-- when served, after the writes before it.)
+-- A bucket as stored: its string, a hash (written by a service of before; not a string: GET
+-- answers WRONGTYPE), or false (none).
+local function read_bucket(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' then return call('HGETALL', key) end
+  return v
 end
-local unpack_numbers = struct.unpack
+
+local items = tonumber(ARGV[3])
+local buckets, markers, seen = {}, {}, {}
 for i = 0, items - 1 do
-  local a = 5 + i * 3
+  local key = ARGV[4 + i * 4]
+  if not seen[key] then
+    seen[key] = true
+    local b = read_bucket(key)
+    buckets[i] = b
+    if not b or (type(b) == 'table' and #b == 0) then
+      markers[i] = call('GET', ARGV[5 + i * 4])
+    end
+  end
+end
+for i = 0, items - 1 do
+  local a = 4 + i * 4
   local requests, per, burst, wanted, demand, known, kr, kd, returned, owed, held_by, claimed,
         claimed_ms = unpack_numbers('<ddddddddddddd', ARGV[a + 2])
-  lease(ARGV[a], ARGV[a + 1], buckets[i], markers[i], requests, per, burst, wanted, demand, known,
-        kr, kd, returned, owed, held_by, claimed, claimed_ms)
+  instance = ARGV[a + 3]
+  local b = buckets[i]
+  if b == nil then b = read_bucket(ARGV[a]) end
+  lease(ARGV[a], ARGV[a + 1], b, markers[i], requests, per, burst, wanted, demand, known, kr, kd,
+        returned, owed, held_by, claimed, claimed_ms)
 end
 return out

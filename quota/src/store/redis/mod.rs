@@ -1,5 +1,6 @@
 //! Global buckets and slot holdings in Redis, a Redis Cluster or a Redis watched by Sentinel: one
-//! Lua script per call (per master on a cluster).
+//! Lua script per call (per master on a cluster; lease calls that come while others run go
+//! together, see [`batch`]).
 //!
 //! A bucket is one hash, `{tg:<limit_id>:<key>}:b` (tokens, updated, its holders), and a global
 //! concurrency key's holdings another, `{tg:<limit_id>:<key>}:s`, so an item touches one cluster
@@ -8,6 +9,7 @@
 //! node's data: a bucket missing while its marker is young was forgotten, not unused, and a
 //! conservative cold start applies.
 
+mod batch;
 mod cluster;
 mod connection;
 mod script;
@@ -20,11 +22,17 @@ use futures::future::join_all;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use script::{eval_or_load, Script, Scripted, LEASE_LUA, SLOTS_LUA};
 use std::collections::BTreeMap;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tollgate_core::global::lease::{ColdStart, LeaseGrant, LeaseItem};
 use tollgate_core::global::permits::{PermitAnswer, PermitItem};
 pub struct RedisStore {
+    scripts: Arc<ScriptRunner>,
+    leases: batch::LeaseBatches,
+}
+
+/// Runs the scripts: where the items' keys live, and one script run per Redis (or master).
+struct ScriptRunner {
     conn: Connection,
     lease_script: Script,
     slots_script: Script,
@@ -121,7 +129,7 @@ impl RedisStore {
         // The slots' marker keys, worked out once (a few ms) before the first call needs them.
         let _ = marker(0);
         let cluster = matches!(conn, Connection::Cluster(_));
-        let store = Self {
+        let scripts = ScriptRunner {
             conn,
             lease_script: Script::new(LEASE_LUA, cluster),
             slots_script: Script::new(SLOTS_LUA, cluster),
@@ -133,10 +141,50 @@ impl RedisStore {
             },
             masters: RwLock::new(Vec::new()),
         };
-        store.learn_masters().await;
-        Ok(store)
+        scripts.learn_masters().await;
+        let scripts = Arc::new(scripts);
+        Ok(Self {
+            leases: batch::LeaseBatches::start(scripts.clone(), timeout),
+            scripts,
+        })
     }
 
+    /// Serve a lease call's items: with the items of calls that come while others run, in one
+    /// script run.
+    pub async fn lease(
+        &self,
+        instance: &str,
+        items: &[LeaseItem],
+        ttl_ms: u64,
+    ) -> Result<Vec<LeaseGrant>, StoreError> {
+        self.leases.lease(instance, items, ttl_ms).await
+    }
+
+    /// Serve a slot call's items (see [`ScriptRunner::serve`]).
+    pub async fn slots(
+        &self,
+        instance: &str,
+        items: &[PermitItem],
+        ttl_ms: u64,
+    ) -> Result<Vec<PermitAnswer>, StoreError> {
+        let owners = vec![instance; items.len()];
+        let answers = self
+            .scripts
+            .serve(&self.scripts.slots_script, &owners, items, ttl_ms)
+            .await?;
+        Ok(answers
+            .into_iter()
+            .map(|a| PermitAnswer {
+                held: a[0],
+                share: a[1],
+                free: a[2],
+                ttl_ms,
+            })
+            .collect())
+    }
+}
+
+impl ScriptRunner {
     /// Ask the cluster which master serves each slot (`CLUSTER SLOTS`); on failure, forget.
     async fn learn_masters(&self) {
         let Connection::Cluster(mut conn) = self.conn.clone() else {
@@ -203,15 +251,15 @@ impl RedisStore {
         groups.into_values().collect()
     }
 
-    /// Serve a lease call's items (see [`Self::serve`]).
-    pub async fn lease(
+    /// Serve lease items, each for its instance in `owners` (see [`Self::serve`]).
+    async fn lease(
         &self,
-        instance: &str,
+        owners: &[&str],
         items: &[LeaseItem],
         ttl_ms: u64,
     ) -> Result<Vec<LeaseGrant>, StoreError> {
         let answers = self
-            .serve(&self.lease_script, instance, items, ttl_ms)
+            .serve(&self.lease_script, owners, items, ttl_ms)
             .await?;
         Ok(answers
             .into_iter()
@@ -229,35 +277,14 @@ impl RedisStore {
             .collect())
     }
 
-    /// Serve a slot call's items (see [`Self::serve`]).
-    pub async fn slots(
-        &self,
-        instance: &str,
-        items: &[PermitItem],
-        ttl_ms: u64,
-    ) -> Result<Vec<PermitAnswer>, StoreError> {
-        let answers = self
-            .serve(&self.slots_script, instance, items, ttl_ms)
-            .await?;
-        Ok(answers
-            .into_iter()
-            .map(|a| PermitAnswer {
-                held: a[0],
-                share: a[1],
-                free: a[2],
-                ttl_ms,
-            })
-            .collect())
-    }
-
     /// Serve all items in one script run (one per master on a cluster), the runs sent together,
-    /// the whole bounded by the storage timeout. On a cluster whose slots moved, the runs that
-    /// failed go again one per slot, and the slot map is learnt anew. Each item's answer is the
-    /// script's `I::ANSWER` numbers.
+    /// the whole bounded by the storage timeout; item `i` is `owners[i]`'s. On a cluster whose
+    /// slots moved, the runs that failed go again one per slot, and the slot map is learnt anew.
+    /// Each item's answer is the script's `I::ANSWER` numbers.
     async fn serve<I: Scripted>(
         &self,
         script: &Script,
-        instance: &str,
+        owners: &[&str],
         items: &[I],
         ttl_ms: u64,
     ) -> Result<Vec<Vec<u64>>, StoreError> {
@@ -266,7 +293,7 @@ impl RedisStore {
             let runs = self.runs(items, &all, true);
             let results = join_all(
                 runs.iter()
-                    .map(|r| self.run(script, instance, items, r, ttl_ms)),
+                    .map(|r| self.run(script, owners, items, r, ttl_ms)),
             )
             .await;
             let mut answers = vec![None; items.len()];
@@ -286,7 +313,7 @@ impl RedisStore {
                 let runs = self.runs(items, &again, false);
                 let results = join_all(
                     runs.iter()
-                        .map(|r| self.run(script, instance, items, r, ttl_ms)),
+                        .map(|r| self.run(script, owners, items, r, ttl_ms)),
                 )
                 .await;
                 for (run, result) in runs.into_iter().zip(results) {
@@ -308,7 +335,7 @@ impl RedisStore {
     async fn run<I: Scripted>(
         &self,
         script: &Script,
-        instance: &str,
+        owners: &[&str],
         items: &[I],
         run: &Run,
         ttl_ms: u64,
@@ -331,14 +358,16 @@ impl RedisStore {
         } else {
             evalsha.arg(0);
         }
-        evalsha
-            .arg(instance)
-            .arg(ttl_ms)
-            .arg(self.cold)
-            .arg(run.members.len());
+        if !I::INSTANCE_PER_ITEM {
+            evalsha.arg(run.members.first().map_or("", |&i| owners[i]));
+        }
+        evalsha.arg(ttl_ms).arg(self.cold).arg(run.members.len());
         for (&i, (key, marker)) in run.members.iter().zip(&keys) {
             evalsha.arg(key).arg(*marker);
             items[i].push_args(&mut evalsha);
+            if I::INSTANCE_PER_ITEM {
+                evalsha.arg(owners[i]);
+            }
         }
         let mut load = redis::cmd("SCRIPT");
         load.arg("LOAD").arg(&script.text);

@@ -31,6 +31,9 @@ pub(super) trait Scripted {
     const SUFFIX: &'static str;
     /// Numbers the script answers per item.
     const ANSWER: usize;
+    /// Whether each item's arguments end with its instance (the script serves several calls'
+    /// items at once); else the call's instance comes first, before the TTL.
+    const INSTANCE_PER_ITEM: bool;
     /// The hash tag of the item's keys.
     fn tag(&self) -> String;
     fn push_args(&self, cmd: &mut redis::Cmd);
@@ -39,6 +42,7 @@ pub(super) trait Scripted {
 impl Scripted for LeaseItem {
     const SUFFIX: &'static str = ":b";
     const ANSWER: usize = 8;
+    const INSTANCE_PER_ITEM: bool = true;
     fn tag(&self) -> String {
         format!("tg:{}:{}", self.limit_id, self.key)
     }
@@ -76,6 +80,7 @@ impl Scripted for LeaseItem {
 impl Scripted for PermitItem {
     const SUFFIX: &'static str = ":s";
     const ANSWER: usize = 3;
+    const INSTANCE_PER_ITEM: bool = false;
     fn tag(&self) -> String {
         format!("tg:{}:{}", self.limit_id, self.key)
     }
