@@ -28,11 +28,12 @@ import harness  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--binary", default=str(harness.QUOTA), help="the tollgate-quota to measure")
     args = ap.parse_args()
     out = tempfile.mkdtemp(prefix="tollgate-cg-")
     port = harness.free_port()
     service = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p.%n", str(harness.QUOTA),
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p.%n", args.binary,
          "--listen", f"127.0.0.1:{port}", "--cold-start", "full"],
         env={**os.environ, "RUST_LOG": "error"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -69,6 +70,8 @@ def main():
         calls = args.calls
         rows = [("GET /healthz (the floor)", 1, measure("healthz", health, calls)),
                 ("lease, 1 item", 1, measure("lease1", lambda i: lease(i * 1, 1), calls)),
+                ("lease, 1 item of a key leased before", 1,
+                 measure("lease1again", lambda i: lease(5_000_000 + i % 100, 1), calls)),
                 ("lease, 10 items", 10, measure("lease10", lambda i: lease(1_000_000 + i * 10, 10), calls // 4))]
         print("| call | instructions per call | per item |")
         print("|---|---|---|")
