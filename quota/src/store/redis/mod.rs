@@ -374,11 +374,14 @@ impl ScriptRunner {
         // A dropped connection (a Redis restart, a failover, an idle timeout, CLIENT KILL) is
         // reconnected and the run sent again until it answers or the storage timeout ends the
         // call. A run that did reach Redis before its connection dropped then runs twice: its
-        // first grants are lost to the caller (stricter, never looser).
+        // first grants are lost to the caller (stricter, never looser). Not an answer that timed
+        // out: the run is still queued in a busy Redis, and sending it again would only double
+        // Redis's work when it is already behind (the response timeout is the storage timeout,
+        // so the call is over anyway).
         let mut pause = Duration::from_millis(1);
         let numbers = loop {
             match self.run_once(&evalsha, &load, run.slot).await {
-                Err(e) if reconnects(&e) => {
+                Err(e) if reconnects(&e) && !e.is_timeout() => {
                     tracing::debug!(error = %e, "redis connection lost: again");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(10));
