@@ -110,17 +110,25 @@ async fn redis_grants_the_same_as_memory_and_replicas_share_one_limit() {
     assert_eq!(granted + more, 500, "the rest and no more");
 }
 
-/// EVALSHA commands the Redis on `port` has run since it started.
+/// EVALSHA commands the Redis on `port` has run or refused (an ACL's refusal comes before the
+/// run) since it started.
 fn script_runs(port: u16) -> u64 {
     let out = Command::new("redis-cli")
         .args(["-p", &port.to_string(), "INFO", "commandstats"])
         .output()
         .unwrap();
-    String::from_utf8_lossy(&out.stdout)
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(line) = text
         .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|l| l.split(',').next()?.parse().ok())
-        .unwrap_or(0)
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+    else {
+        return 0;
+    };
+    line.split(',')
+        .filter_map(|f| f.split_once('='))
+        .filter(|(name, _)| matches!(*name, "calls" | "rejected_calls"))
+        .filter_map(|(_, n)| n.parse::<u64>().ok())
+        .sum()
 }
 
 #[tokio::test]
@@ -169,6 +177,138 @@ async fn a_key_twice_in_a_run_is_served_once_after_the_other_and_concurrent_call
     assert!(granted.iter().all(|&g| g <= 1), "{granted:?}");
     let runs = script_runs(redis.port) - before;
     assert!(runs < 50, "200 calls in {runs} script runs");
+}
+
+#[tokio::test]
+async fn one_callers_failing_item_fails_only_its_own_call_and_damaged_buckets_start_anew() {
+    let redis = Redis::start();
+    // A Redis user that may not touch one key (a misconfigured ACL): a run with that key fails.
+    let acl = Command::new("redis-cli")
+        .args([
+            "-p",
+            &redis.port.to_string(),
+            "ACL",
+            "SETUSER",
+            "svc",
+            "on",
+            ">pw",
+        ])
+        .args([
+            "~{tg:*:ok-*",
+            "~{tg:*:slow*",
+            "~{tg:*:hurt*",
+            "~{tg-epoch-*",
+            "+@all",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&acl.stdout).contains("OK"),
+        "{acl:?}"
+    );
+    let url = redis.url().replace("redis://", "redis://svc:pw@");
+    let store = Arc::new(Store::Redis(
+        RedisStore::connect(
+            &RedisTarget::Single(url),
+            Duration::from_secs(2),
+            ColdStart::Full,
+        )
+        .await
+        .unwrap(),
+    ));
+    // (The script loaded first: a run that finds it missing is not counted twice.)
+    store
+        .lease("p", &[item("ok-first", 10, 1)], 10_000)
+        .await
+        .unwrap();
+    let before = script_runs(redis.port);
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let key = if i == 20 {
+                    "denied".to_owned()
+                } else {
+                    format!("ok-{i}")
+                };
+                store
+                    .lease(&format!("p{i}"), &[item(&key, 10, 1)], 10_000)
+                    .await
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    for (i, a) in answers.iter().enumerate() {
+        if i == 20 {
+            assert!(a.is_err(), "the denied key's call: {a:?}");
+        } else {
+            assert_eq!(
+                a.as_ref().map(|g| g[0].granted).ok(),
+                Some(1),
+                "call {i}: {a:?}"
+            );
+        }
+    }
+    // One run of them all (or of some) failed with the denied key and went again call by call:
+    // more runs than calls (each alone: as many).
+    let runs = script_runs(redis.port) - before;
+    assert!(runs > 40, "the calls never ran together: {runs} runs");
+    // A limit so slow that its bucket refills in 10^17 ms and more: served, not a 503 (Redis
+    // was sent an expiry of "1e+17").
+    let slow = LeaseItem {
+        requests: 1,
+        per_ms: 31_622_400_000,
+        burst: 1_000_000_000,
+        wanted: 1_000_000_000,
+        ..item("slow", 1_000_000_000, 1_000_000_000)
+    };
+    let g = store
+        .lease("a", std::slice::from_ref(&slow), 10_000)
+        .await
+        .unwrap()[0];
+    assert_eq!(g.granted, 1_000_000_000);
+    let owed = LeaseItem {
+        wanted: 0,
+        owed: u64::MAX,
+        ..slow
+    };
+    store.lease("a", &[owed], 10_000).await.unwrap();
+    // Damaged buckets are read as none: a reserve below zero (read as is, a grant of nearly
+    // 2^64), a number that is not one, another type under the name.
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let hurt = [item("hurt-1", 100, 100)];
+    store.lease("a", &hurt, 10_000).await.unwrap();
+    let key = "{tg:lim:hurt-1}:b";
+    let mut bucket = StoredBucket::get(&mut conn, key).await;
+    bucket.reserve = -1e15;
+    bucket.set(&mut conn, key).await;
+    let g = store.lease("a", &hurt, 10_000).await.unwrap()[0];
+    assert!(g.granted <= 100, "{g:?}");
+    bucket.tokens = f64::NAN;
+    bucket.reserve = 0.0;
+    bucket.set(&mut conn, key).await;
+    let g = store.lease("a", &hurt, 10_000).await.unwrap()[0];
+    assert!(g.granted <= 100, "{g:?}");
+    let _: () = redis::cmd("DEL")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("RPUSH")
+        .arg(key)
+        .arg("x")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let g = store.lease("a", &hurt, 10_000).await.unwrap()[0];
+    assert_eq!(
+        g.granted, 100,
+        "a list under the name is no bucket: a new one"
+    );
 }
 
 #[tokio::test]

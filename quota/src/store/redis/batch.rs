@@ -131,33 +131,58 @@ async fn dispatch(scripts: Arc<ScriptRunner>, mut queue: mpsc::Receiver<LeaseCal
     }
 }
 
-/// One script run for `run`'s calls; each call gets its own items' answers (or the run's error).
+/// One script run for `run`'s calls; each call gets its own items' answers. A run of several
+/// calls that fails other than by time (a script error, say from one call's item or a damaged
+/// key) goes again call by call, so that the error is only the call's that caused it: one
+/// caller's item never fails another's call. (What the failed run wrote before its error stays:
+/// the tokens it took are lost to their callers, stricter, never looser.)
 async fn serve_run(scripts: &ScriptRunner, run: Vec<LeaseCall>) {
+    if run.len() > 1 {
+        match serve_together(scripts, &run).await {
+            Ok(answers) => {
+                for (call, answer) in run.into_iter().zip(answers) {
+                    let _ = call.answer.send(Ok(answer));
+                }
+                return;
+            }
+            Err(e @ StoreError::Timeout(_)) => {
+                for call in run {
+                    let _ = call.answer.send(Err(e.clone()));
+                }
+                return;
+            }
+            // Call by call, below.
+            Err(StoreError::Failed(_)) => {}
+        }
+    }
+    for call in run {
+        if call.answer.is_closed() {
+            continue;
+        }
+        let owners = vec![call.instance.as_str(); call.items.len()];
+        let result = scripts.lease(&owners, &call.items, call.ttl_ms).await;
+        let _ = call.answer.send(result);
+    }
+}
+
+/// `run`'s calls in one script run: each call's answers, in order.
+async fn serve_together(
+    scripts: &ScriptRunner,
+    run: &[LeaseCall],
+) -> Result<Vec<Vec<LeaseGrant>>, StoreError> {
     let ttl_ms = run[0].ttl_ms;
     let mut items = Vec::with_capacity(run.iter().map(|c| c.items.len()).sum());
-    let mut callers = Vec::with_capacity(run.len());
+    let mut owners = Vec::with_capacity(items.capacity());
     for call in run {
-        let count = call.items.len();
-        items.extend(call.items);
-        callers.push((call.instance, count, call.answer));
+        items.extend_from_slice(&call.items);
+        owners.extend(std::iter::repeat_n(
+            call.instance.as_str(),
+            call.items.len(),
+        ));
     }
-    let owners: Vec<&str> = callers
+    let mut grants = scripts.lease(&owners, &items, ttl_ms).await?.into_iter();
+    Ok(run
         .iter()
-        .flat_map(|(instance, count, _)| std::iter::repeat_n(instance.as_str(), *count))
-        .collect();
-    let result = scripts.lease(&owners, &items, ttl_ms).await;
-    drop(owners);
-    match result {
-        Ok(grants) => {
-            let mut grants = grants.into_iter();
-            for (_, count, answer) in callers {
-                let _ = answer.send(Ok(grants.by_ref().take(count).collect()));
-            }
-        }
-        Err(e) => {
-            for (_, _, answer) in callers {
-                let _ = answer.send(Err(e.clone()));
-            }
-        }
-    }
+        .map(|call| grants.by_ref().take(call.items.len()).collect())
+        .collect())
 }

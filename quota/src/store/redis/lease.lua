@@ -28,7 +28,8 @@
 -- parallel arrays reused from item to item; a bucket is read with one command and written with
 -- one (the value and its expiry).
 local floor, ceil, min, max, huge = math.floor, math.ceil, math.min, math.max, math.huge
-local byte, sub, match, format = string.byte, string.sub, string.match, string.format
+local byte, sub, match, find, format = string.byte, string.sub, string.match, string.find,
+  string.format
 local call, tonumber = redis.call, tonumber
 local pack, unpack_numbers, concat = struct.pack, struct.unpack, table.concat
 -- A bucket's head, and one holder (see above).
@@ -83,13 +84,19 @@ local function unstep(i)
 end
 
 -- A bucket's string: its tokens, reserve and update, its holders into N.. (n of them), in the
--- order written (sorted). Raises on a string that is not one (the caller starts anew).
+-- order written (sorted). Raises on a string that is not one (the caller starts anew): too
+-- short, a record cut off, a number that is not one (NaN), a reserve below zero.
 local function read_string(v)
   local tokens, kept, updated, at = unpack_numbers(HEAD, v)
+  if tokens ~= tokens or updated ~= updated or not (kept >= 0) then error('not a bucket') end
   local len = #v
   while at <= len do
     n = n + 1
     N[n], W[n], D[n], A[n], S[n], U[n], O[n], at = unpack_numbers(HOLDER, v, at)
+    if W[n] ~= W[n] or D[n] ~= D[n] or A[n] ~= A[n] or S[n] ~= S[n] or U[n] ~= U[n]
+        or O[n] ~= O[n] then
+      error('not a bucket')
+    end
     unstep(n)
   end
   return tokens / 1e6, kept / 1e6, updated
@@ -130,6 +137,10 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
         unstep(n)
       end
     end
+  end
+  -- (A hash's numbers are text: "nan" reads as a number that is not one.)
+  if tokens ~= tokens or updated ~= updated or not (kept >= 0) then
+    tokens, kept, n = nil, 0, 0
   end
   local fresh = tokens == nil or updated == nil
   local reconciled = false
@@ -402,7 +413,8 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
     local name = N[i]
     parts[i + 1] = pack(HOLDER, #name, name, W[i], D[i], A[i], S[i], U[i], O[i])
   end
-  call('SET', bkey, concat(parts), 'PX', max(idle_at - now, 1))
+  -- (At most 10^15 ms, some 30 000 years: past 10^17 Redis would be sent "1e+17", no integer.)
+  call('SET', bkey, concat(parts), 'PX', min(max(idle_at - now, 1), 1e15))
   local debt = 0
   if tokens < 0 then debt = ceil(-tokens) end
   local o = #out
@@ -417,9 +429,16 @@ end
 -- when served, after the writes before it.)
 -- A bucket as stored: its string, a hash (written by a service of before; not a string: GET
 -- answers WRONGTYPE), or false (none).
+-- Another type under the name (not ours) is none: the bucket's SET replaces it. Any other error
+-- (a key this node does not serve) fails the run before anything was written.
 local function read_bucket(key)
   local v = redis.pcall('GET', key)
-  if type(v) == 'table' then return call('HGETALL', key) end
+  if type(v) == 'table' then
+    if not find(v.err or '', 'WRONGTYPE', 1, true) then call('GET', key) end
+    local h = redis.pcall('HGETALL', key)
+    if h.err then return false end
+    return h
+  end
   return v
 end
 
