@@ -259,10 +259,7 @@ async fn one_callers_failing_item_fails_only_its_own_call_and_damaged_buckets_st
     // A limit so slow that its bucket refills in 10^17 ms and more: served, not a 503 (Redis
     // was sent an expiry of "1e+17").
     let slow = LeaseItem {
-        requests: 1,
         per_ms: 31_622_400_000,
-        burst: 1_000_000_000,
-        wanted: 1_000_000_000,
         ..item("slow", 1_000_000_000, 1_000_000_000)
     };
     let g = store
