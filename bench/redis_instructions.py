@@ -86,7 +86,7 @@ def measure(items, keys, calls):
                 key = "{tg:00000000000000aa:%032x}:b" % counter
                 names += [key, "{tg-epoch-1}"]
                 keys_and_args += [key, "{tg-epoch-1}", NUMBERS, "bench"]
-            r.call("EVALSHA", sha, 2 * items, *names, 10000, "0", items, *keys_and_args)
+            r.call("EVALSHA", sha, 2 * items, *names, 10000, "0", items, 0, *keys_and_args)
     finally:
         redis.terminate()
         redis.wait()

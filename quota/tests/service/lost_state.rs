@@ -493,3 +493,47 @@ async fn old_evidence_still_shows_a_bucket_made_anew() {
         assert_eq!((g.granted, g.remaining, g.rate), (0, 0, 50.0), "{g:?}");
     }
 }
+
+#[tokio::test]
+async fn a_redis_that_paused_is_not_taken_for_one_that_lost_writes() {
+    // A takes 60 of 100 (20/s) and calls again with its evidence (40 left) while Redis is
+    // paused for a second: the call gives up (503), and its run executes when Redis resumes,
+    // a second later than the evidence says. The bucket refilled meanwhile: more than the
+    // evidence allowed at the time it gives, but not at the time the run executed — no loss.
+    // (Before, the bucket was taken for one that lost writes: emptied to its reserve and the
+    // rate held for a lease term: everyone refused for ~10 s.)
+    let redis = Redis::start();
+    let store = Store::Redis(
+        RedisStore::connect(
+            &single(&redis),
+            Duration::from_millis(100),
+            ColdStart::Auto {
+                epoch_ms: tollgate_quota::store::now_ms(),
+            },
+        )
+        .await
+        .unwrap(),
+    );
+    let limit = |wanted: u64| LeaseItem {
+        requests: 20,
+        per_ms: 1_000,
+        ..item("paused", 100, wanted)
+    };
+    let g = store.lease("a", &[limit(60)], 10_000).await.unwrap()[0];
+    assert_eq!((g.granted, g.remaining), (60, 40));
+    stop_process(redis.pid());
+    let evidence = LeaseItem {
+        known_ms: 1,
+        known_remaining: 40,
+        ..limit(0)
+    };
+    assert!(store.lease("a", &[evidence], 10_000).await.is_err());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    resume_process(redis.pid());
+    // (The late run executes first: Redis serves its connection's commands in order.)
+    let g = store.lease("b", &[limit(0)], 10_000).await.unwrap()[0];
+    assert!(
+        g.remaining >= 55,
+        "the bucket kept its tokens and refilled: {g:?}"
+    );
+}

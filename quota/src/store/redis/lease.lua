@@ -2,8 +2,8 @@
 -- atomically: the same step as GlobalBucket::new, reconcile and lease in
 -- core/src/global/lease/bucket.rs, with the same arithmetic in the same order, so both stores
 -- grant alike.
--- ARGV: ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items, then
---   four per item: the bucket's key, the epoch marker of the item's slot, 13 numbers as little-endian doubles (one string, read
+-- ARGV: ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items, when the
+--   run was sent in this Redis's clock (ms; 0: not known), then four per item: the bucket's key, the epoch marker of the item's slot, 13 numbers as little-endian doubles (one string, read
 --   with struct.unpack: cheaper than 13 arguments): requests, per_ms, burst, wanted, demand
 --   (milli-tokens per second), known_ms, known_remaining, known_debt (the caller's evidence of
 --   the bucket; 0: none), returned, owed (what it spent beyond its grants: charged now), held
@@ -443,22 +443,29 @@ local function read_bucket(key)
 end
 
 local items = tonumber(ARGV[3])
+-- How long the run waited to run (a Redis that paused, or was busy): the callers' evidence is
+-- that much older than they said. Up to 2 s: the send time is the service's estimate of this
+-- clock, and a wrong one must not excuse much.
+local late = 0
+local sent = tonumber(ARGV[4]) or 0
+if sent > 0 then late = min(max(now - sent, 0), 2000) end
 local buckets, markers, seen = {}, {}, {}
 for i = 0, items - 1 do
-  local key = ARGV[4 + i * 4]
+  local key = ARGV[5 + i * 4]
   if not seen[key] then
     seen[key] = true
     local b = read_bucket(key)
     buckets[i] = b
     if not b or (type(b) == 'table' and #b == 0) then
-      markers[i] = call('GET', ARGV[5 + i * 4])
+      markers[i] = call('GET', ARGV[6 + i * 4])
     end
   end
 end
 for i = 0, items - 1 do
-  local a = 4 + i * 4
+  local a = 5 + i * 4
   local requests, per, burst, wanted, demand, known, kr, kd, returned, owed, held_by, claimed,
         claimed_ms = unpack_numbers('<ddddddddddddd', ARGV[a + 2])
+  if known > 0 then known = known + late end
   instance = ARGV[a + 3]
   local b = buckets[i]
   if b == nil then b = read_bucket(ARGV[a]) end

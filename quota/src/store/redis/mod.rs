@@ -22,6 +22,7 @@ use futures::future::join_all;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use script::{eval_or_load, Script, Scripted, LEASE_LUA, SLOTS_LUA};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tollgate_core::global::lease::{ColdStart, LeaseGrant, LeaseItem};
@@ -43,6 +44,24 @@ struct ScriptRunner {
     /// Cluster: which master serves each slot (as last learnt), so that a call runs one script
     /// per master rather than per slot. Empty: unknown (one script per slot).
     masters: RwLock<Vec<u16>>,
+    /// Redis's clock less this process's (ms), as last learnt with `TIME`, so that a run tells
+    /// the script when it was sent in Redis's clock ([`UNKNOWN_OFFSET`]: not known; not learnt on
+    /// a cluster, whose masters each have a clock).
+    clock_offset_ms: AtomicI64,
+    /// When (this process's ms) the offset was last learnt.
+    clock_learnt_ms: AtomicU64,
+}
+
+/// No clock offset learnt: runs say nothing of when they were sent.
+const UNKNOWN_OFFSET: i64 = i64::MIN;
+/// The clock offset is learnt again this often (and after a failed run: another master).
+const CLOCK_TERM_MS: u64 = 10_000;
+
+/// This process's wall clock, ms since the Unix epoch.
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// One script run: where (the master serving `slot`, on a cluster), which items, and whether
@@ -140,6 +159,8 @@ impl RedisStore {
                 ColdStart::Auto { .. } => "2",
             },
             masters: RwLock::new(Vec::new()),
+            clock_offset_ms: AtomicI64::new(UNKNOWN_OFFSET),
+            clock_learnt_ms: AtomicU64::new(0),
         };
         scripts.learn_masters().await;
         let scripts = Arc::new(scripts);
@@ -185,6 +206,52 @@ impl RedisStore {
 }
 
 impl ScriptRunner {
+    /// When a run sent now is sent, in Redis's clock (0: not known). Learns Redis's clock first
+    /// when it was last learnt a term ago (one `TIME`, bounded by the storage timeout).
+    async fn sent_ms(&self) -> u64 {
+        if matches!(self.conn, Connection::Cluster(_)) {
+            return 0;
+        }
+        let now = u64::try_from(wall_ms()).unwrap_or(0);
+        let learnt = self.clock_learnt_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(learnt) >= CLOCK_TERM_MS
+            && self
+                .clock_learnt_ms
+                .compare_exchange(learnt, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let offset = tokio::time::timeout(self.timeout, self.clock_offset())
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or(UNKNOWN_OFFSET);
+            self.clock_offset_ms.store(offset, Ordering::Relaxed);
+        }
+        match self.clock_offset_ms.load(Ordering::Relaxed) {
+            UNKNOWN_OFFSET => 0,
+            offset => u64::try_from(wall_ms().saturating_add(offset)).unwrap_or(0),
+        }
+    }
+
+    /// Redis's clock less this process's, read with `TIME` (to within half its round trip).
+    async fn clock_offset(&self) -> Option<i64> {
+        let mut conn = match &self.conn {
+            Connection::Single(c) => c.clone(),
+            Connection::Sentinel(link) => link.connection().await.ok()?,
+            Connection::Cluster(_) => return None,
+        };
+        let before = wall_ms();
+        let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await.ok()?;
+        let after = wall_ms();
+        let redis_ms = secs.checked_mul(1_000)?.checked_add(micros / 1_000)?;
+        Some(redis_ms - (before + after) / 2)
+    }
+
+    /// Learn Redis's clock again at the next run (a failed run may mean another master).
+    fn forget_clock(&self) {
+        self.clock_learnt_ms.store(0, Ordering::Relaxed);
+    }
+
     /// Ask the cluster which master serves each slot (`CLUSTER SLOTS`); on failure, forget.
     async fn learn_masters(&self) {
         let Connection::Cluster(mut conn) = self.conn.clone() else {
@@ -362,6 +429,9 @@ impl ScriptRunner {
             evalsha.arg(run.members.first().map_or("", |&i| owners[i]));
         }
         evalsha.arg(ttl_ms).arg(self.cold).arg(run.members.len());
+        if I::INSTANCE_PER_ITEM {
+            evalsha.arg(self.sent_ms().await);
+        }
         for (&i, (key, marker)) in run.members.iter().zip(&keys) {
             evalsha.arg(key).arg(*marker);
             items[i].push_args(&mut evalsha);
@@ -383,6 +453,7 @@ impl ScriptRunner {
             match self.run_once(&evalsha, &load, run.slot).await {
                 Err(e) if reconnects(&e) && !e.is_timeout() => {
                     tracing::debug!(error = %e, "redis connection lost: again");
+                    self.forget_clock();
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(10));
                 }

@@ -32,7 +32,8 @@ pub(super) trait Scripted {
     /// Numbers the script answers per item.
     const ANSWER: usize;
     /// Whether each item's arguments end with its instance (the script serves several calls'
-    /// items at once); else the call's instance comes first, before the TTL.
+    /// items at once), and the item count is followed by when the run was sent (Redis's clock);
+    /// else the call's instance comes first, before the TTL.
     const INSTANCE_PER_ITEM: bool;
     /// The hash tag of the item's keys.
     fn tag(&self) -> String;
