@@ -85,10 +85,10 @@ end
 
 -- A bucket's string: its tokens, reserve and update, its holders into N.. (n of them), in the
 -- order written (sorted). Raises on a string that is not one (the caller starts anew): too
--- short, a record cut off, a number that is not one (NaN), a reserve below zero.
+-- short, a record cut off, a holder's number that is not one (NaN). (The head's numbers are
+-- checked with a hash's, in `lease`.)
 local function read_string(v)
   local tokens, kept, updated, at = unpack_numbers(HEAD, v)
-  if tokens ~= tokens or updated ~= updated or not (kept >= 0) then error('not a bucket') end
   local len = #v
   while at <= len do
     n = n + 1
@@ -138,7 +138,7 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
       end
     end
   end
-  -- (A hash's numbers are text: "nan" reads as a number that is not one.)
+  -- A head that is not one (NaN: a hash's "nan" text reads so; a reserve below zero): none.
   if tokens ~= tokens or updated ~= updated or not (kept >= 0) then
     tokens, kept, n = nil, 0, 0
   end

@@ -2,9 +2,9 @@
 //! Lua script per call (per master on a cluster; lease calls that come while others run go
 //! together, see [`batch`]).
 //!
-//! A bucket is one hash, `{tg:<limit_id>:<key>}:b` (tokens, updated, its holders), and a global
-//! concurrency key's holdings another, `{tg:<limit_id>:<key>}:s`, so an item touches one cluster
-//! slot. Each slot also has an epoch marker (a key whose hash tag is
+//! A bucket is one string, `{tg:<limit_id>:<key>}:b` (tokens, reserve, updated, its holders:
+//! see lease.lua), and a global concurrency key's holdings a hash, `{tg:<limit_id>:<key>}:s`, so
+//! an item touches one cluster slot. Each slot also has an epoch marker (a key whose hash tag is
 //! chosen to fall in that slot), set when the slot's first bucket is made and lost with the
 //! node's data: a bucket missing while its marker is young was forgotten, not unused, and a
 //! conservative cold start applies.
@@ -57,11 +57,9 @@ const UNKNOWN_OFFSET: i64 = i64::MIN;
 /// The clock offset is learnt again this often (and after a failed run: another master).
 const CLOCK_TERM_MS: u64 = 10_000;
 
-/// This process's wall clock, ms since the Unix epoch.
-fn wall_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+/// This process's clock (the memory store's, which no step of the system clock moves), ms.
+fn local_ms() -> i64 {
+    i64::try_from(crate::store::now_ms()).unwrap_or(i64::MAX)
 }
 
 /// One script run: where (the master serving `slot`, on a cluster), which items, and whether
@@ -212,7 +210,7 @@ impl ScriptRunner {
         if matches!(self.conn, Connection::Cluster(_)) {
             return 0;
         }
-        let now = u64::try_from(wall_ms()).unwrap_or(0);
+        let now = crate::store::now_ms();
         let learnt = self.clock_learnt_ms.load(Ordering::Relaxed);
         if now.saturating_sub(learnt) >= CLOCK_TERM_MS
             && self
@@ -229,7 +227,7 @@ impl ScriptRunner {
         }
         match self.clock_offset_ms.load(Ordering::Relaxed) {
             UNKNOWN_OFFSET => 0,
-            offset => u64::try_from(wall_ms().saturating_add(offset)).unwrap_or(0),
+            offset => u64::try_from(local_ms().saturating_add(offset)).unwrap_or(0),
         }
     }
 
@@ -240,9 +238,9 @@ impl ScriptRunner {
             Connection::Sentinel(link) => link.connection().await.ok()?,
             Connection::Cluster(_) => return None,
         };
-        let before = wall_ms();
+        let before = local_ms();
         let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await.ok()?;
-        let after = wall_ms();
+        let after = local_ms();
         let redis_ms = secs.checked_mul(1_000)?.checked_add(micros / 1_000)?;
         Some(redis_ms - (before + after) / 2)
     }
