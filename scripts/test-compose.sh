@@ -8,9 +8,12 @@
 # both Envoys, refuses none of it and decides none by the failure mode, the limit still refusing
 # past its quota after it. Ends with `docker compose down -v`, also on failure. Needs Docker
 # (Engine and Compose v2 `docker compose` or v1 `docker-compose`) and the images the compose file
-# names (pulled, or built locally).
+# names (pulled, or built locally). Runs with the `monitoring` profile: Prometheus must scrape both
+# Envoys and the quota service and load every alerting rule (its image pulled, or built from
+# Debian's package by scripts/standin-prometheus.sh where no registry answers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export COMPOSE_PROFILES=monitoring
 
 fail() { echo "test-compose: FAILED: $*" >&2; exit 1; }
 command -v docker >/dev/null || fail "docker is not installed"
@@ -28,6 +31,9 @@ exec 9>"${TMPDIR:-/tmp}/tollgate-tests-demo-ports.lock"
 flock 9
 
 make build
+if ! docker image inspect prom/prometheus:v2.42.0 >/dev/null 2>&1; then
+  docker pull -q prom/prometheus:v2.42.0 2>/dev/null || scripts/standin-prometheus.sh
+fi
 compose down -v --remove-orphans >/dev/null 2>&1 || true
 trap 'compose logs --no-color --tail 30 quota >&2 || true; compose down -v --remove-orphans >/dev/null 2>&1 || true' EXIT
 compose up -d --build
@@ -66,6 +72,33 @@ echo "$ports"
 grep -q '127.0.0.1:10000->' <<<"$ports" || fail "Envoy A is not published on 127.0.0.1:10000"
 if grep -qE '(0\.0\.0\.0|:::?)[0-9]+->' <<<"$ports"; then fail "a port is published beyond loopback"; fi
 echo "test-compose: published ports are on 127.0.0.1 only"
+
+# Prometheus (profile monitoring) scrapes both Envoys and the quota service, and loaded every
+# alerting rule of monitoring/prometheus/alerts.yml.
+prometheus_ok() {
+  curl -s http://127.0.0.1:9090/api/v1/targets | python3 -c '
+import json, sys
+targets = json.load(sys.stdin)["data"]["activeTargets"]
+up = sorted(t["labels"]["job"] + "/" + t["labels"]["instance"] for t in targets if t["health"] == "up")
+print(" ".join(up))
+sys.exit(0 if len(up) == 3 else 1)' 2>/dev/null
+}
+for _ in $(seq 1 120); do targets=$(prometheus_ok) && break; sleep 0.5; done
+prometheus_ok >/dev/null || fail "Prometheus does not scrape all three targets: $(curl -s http://127.0.0.1:9090/api/v1/targets | head -c 2000)"
+rules=$(curl -s http://127.0.0.1:9090/api/v1/rules | python3 -c '
+import json, sys
+groups = json.load(sys.stdin)["data"]["groups"]
+rules = [r for g in groups for r in g["rules"]]
+bad = [r["name"] for r in rules if r.get("health") not in ("ok", "unknown")]
+print(str(len(rules)) + "|" + " ".join(bad))')
+expected=$(grep -c -- '- alert:' monitoring/prometheus/alerts.yml)
+[ "${rules%%|*}" = "$expected" ] || fail "Prometheus loaded ${rules%%|*} alerting rules, not $expected"
+[ -z "${rules#*|}" ] || fail "alerting rules that fail to evaluate: ${rules#*|}"
+series=$(curl -s http://127.0.0.1:9090/api/v1/query --data-urlencode \
+  'query=count(tollgate_rule_limited{tollgate_rule="per-ip"})' | python3 -c '
+import json, sys; r = json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else 0)')
+[ "$series" = 2 ] || fail "Prometheus has $series per-ip series, not one per Envoy"
+echo "test-compose: Prometheus scrapes $targets; $expected alerting rules loaded"
 
 # The quota service requires its token.
 body='{"instance":"x","items":[]}'

@@ -188,6 +188,30 @@ fn the_compose_demo_is_consistent() {
             "{host} does not listen on {port}: {command:?}"
         );
     }
+    // Prometheus (profile monitoring) scrapes compose services, with the rules mounted where its
+    // config loads them; the stand-in script builds the image the compose file names.
+    let prometheus = yaml(
+        &std::fs::read_to_string(repo().join("monitoring/prometheus/prometheus.yml")).unwrap(),
+    );
+    for job in prometheus["scrape_configs"].as_array().unwrap() {
+        for target in job["static_configs"][0]["targets"].as_array().unwrap() {
+            let host = target.as_str().unwrap().split(':').next().unwrap();
+            assert!(
+                services.contains_key(host),
+                "Prometheus scrapes {host}: no such service"
+            );
+        }
+    }
+    let rules_at = prometheus["rule_files"][0].as_str().unwrap();
+    assert!(
+        services["prometheus"]["volumes"]
+            .to_string()
+            .contains(&format!(":{rules_at}:ro")),
+        "the alerting rules are not mounted at {rules_at}"
+    );
+    let standin = std::fs::read_to_string(repo().join("scripts/standin-prometheus.sh")).unwrap();
+    let image = services["prometheus"]["image"].as_str().unwrap();
+    assert!(standin.contains(&format!("tag={image}")), "{image}");
     // Nothing is published beyond this machine; the service requires the token the filter sends;
     // Redis persists its data.
     for (name, service) in services {
@@ -278,9 +302,12 @@ fn assert_demo_ports_free() {
     }
 }
 
-/// Ctrl-C (SIGINT) on the demo left running stops every process it started.
+/// The demo left running (after its walk-through: every rule kind of the demo has decided
+/// requests) serves every metric, with every label, that the dashboard's panels and the alerting
+/// rules in monitoring/ query — Envoy's `/stats/prometheus` with the README's `stats_tags`, the
+/// quota service's `/metrics`; then Ctrl-C (SIGINT) stops every process it started.
 #[test]
-fn ctrl_c_stops_the_demo_and_all_it_started() {
+fn the_demo_left_running_serves_what_the_dashboard_and_alerts_query_and_ctrl_c_stops_it() {
     use std::io::BufRead;
     let _demo_ports = crate::harness::MachineLock::take("demo-ports");
     wasm_path();
@@ -311,6 +338,21 @@ fn ctrl_c_stops_the_demo_and_all_it_started() {
         seen.last().is_some_and(|l| l.contains("Press Ctrl-C")),
         "{seen:#?}"
     );
+    let mut scrape = crate::monitoring::Scrape::new();
+    let mut unscraped = Vec::new();
+    for url in [
+        "http://127.0.0.1:9901/stats/prometheus",
+        "http://127.0.0.1:9902/stats/prometheus",
+        "http://127.0.0.1:8090/metrics",
+    ] {
+        match ureq::get(url).call().map(|r| r.into_string()) {
+            Ok(Ok(text)) => crate::monitoring::read_exposition(&text, &mut scrape),
+            other => unscraped.push(format!("{url}: {other:?}")),
+        }
+    }
+    let queries = crate::monitoring::monitoring_queries(repo());
+    let mut missing = crate::monitoring::missing(&scrape, &queries);
+    missing.extend(unscraped);
     Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
@@ -321,6 +363,11 @@ fn ctrl_c_stops_the_demo_and_all_it_started() {
         "the demo ignored Ctrl-C"
     );
     assert_demo_ports_free();
+    assert!(
+        missing.is_empty(),
+        "queried but not served by the live demo:\n{}",
+        missing.join("\n")
+    );
 }
 
 /// The workspace's members, as the root Cargo.toml lists them.

@@ -22,6 +22,7 @@ mod hot_path;
 mod limits;
 mod matching;
 mod module;
+mod monitoring;
 mod overload;
 mod plugins;
 mod quick_starts;
