@@ -25,11 +25,14 @@ impl TokenBucket {
         }
         let excess = u128::from(self.period_ns()).saturating_mul(u128::from(actual - reserved));
         // A debt saturates where the bucket's clock ends (the year 2554): past it, it would read
-        // as a clock that stepped back.
+        // as a clock that stepped back. Never below the `tat` it charges, though: a bucket whose
+        // capacity reaches past the clock's end (a long period times a large burst) may stand
+        // there already, and lowering it would give room instead of charging.
         let charged = tat
             .max(self.scaled(now_ns))
             .saturating_add(excess)
-            .min(self.scaled(u64::MAX));
+            .min(self.scaled(u64::MAX))
+            .max(tat);
         write_u128(&mut next, 0, charged);
         let owed_until = self.unscale_up(charged).max(read_u64(state, OWED_UNTIL_AT));
         write_u64(&mut next, OWED_UNTIL_AT, owed_until);
@@ -41,8 +44,17 @@ impl TokenBucket {
         let horizon = self
             .scaled(now_ns)
             .saturating_add(u128::from(self.period_ns()) * u128::from(self.burst()));
-        let beyond = read_u128(state, 0).saturating_sub(horizon);
-        u64::try_from(beyond / u128::from(self.period_ns())).unwrap_or(u64::MAX)
+        let tat = read_u128(state, 0);
+        let owed = u64::try_from(tat.saturating_sub(horizon) / u128::from(self.period_ns()))
+            .unwrap_or(u64::MAX);
+        // A bucket whose capacity reaches past the clock's end (a long period times a large
+        // burst): its charge saturated there, below the horizon, and the excess is not in the
+        // state. It still owes (it refuses until `owed_until`): at least a token.
+        let saturated = tat >= self.scaled(u64::MAX);
+        if owed == 0 && saturated && read_u64(state, OWED_UNTIL_AT) > now_ns {
+            return 1;
+        }
+        owed
     }
 }
 
@@ -87,6 +99,21 @@ mod tests {
         // A refund while in debt repays it.
         let s = tb.settle_state(&s, START, 200, 0);
         assert_eq!(tb.debt(&s, START), 100);
+    }
+
+    /// Found by `any_debt_refuses_until_its_retry_after`: a bucket whose capacity (1 token per
+    /// 8 hours, a burst of 636 664) reaches past the clock's end stands there once its burst is
+    /// taken; a settlement's excess capped the `tat` at the clock's end — below it — and so gave
+    /// room: the next request was admitted in debt, and the debt read 0.
+    #[test]
+    fn a_bucket_whose_capacity_passes_the_clocks_end_is_charged_not_given_room() {
+        for period in [28_973_862_351_016, 28_973_953_368_909] {
+            let tb = TokenBucket::new(1, period, 636_664).unwrap();
+            let s = admitted(&tb, &[0; STATE_BYTES], START, 636_664).unwrap();
+            let s = tb.settle_state(&s, START, 636_664, 636_665);
+            assert!(tb.debt(&s, START) > 0, "{period}");
+            assert!(admitted(&tb, &s, START, 1).is_none(), "{period}: admitted in debt");
+        }
     }
 
     #[test]
