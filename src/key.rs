@@ -1,7 +1,9 @@
 //! Bucket keys: each part's value tagged and length-prefixed, so that no two different combinations
 //! of values (or of present and absent parts) give the same bytes. Values are bytes, never text.
 
+use siphasher::sip128::{Hasher128, SipHasher24};
 use smallvec::SmallVec;
+use std::hash::Hasher;
 
 /// A rule's bucket key for one request: on the stack for keys of usual length.
 pub type KeyBytes = SmallVec<[u8; 128]>;
@@ -57,6 +59,19 @@ pub fn parts(mut key: &[u8]) -> impl Iterator<Item = Option<&[u8]>> {
         key = &rest[4 + len..];
         Some(Some(value))
     })
+}
+
+/// The name of a client key (its [`tollgate_core::slot::key_hash`]) at the quota service: keyed by
+/// the deployment's `key_secret` (SipHash-2-4) when there is one.
+pub fn service_key(secret: Option<[u8; 16]>, key: u128) -> u128 {
+    match secret {
+        Some(secret) => {
+            let mut h = SipHasher24::new_with_key(&secret);
+            h.write(&key.to_le_bytes());
+            h.finish128().as_u128()
+        }
+        None => key,
+    }
 }
 
 #[cfg(test)]

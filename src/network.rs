@@ -140,6 +140,21 @@ impl Network {
     }
 }
 
+/// An authority without its port: `host:80` → `host`, `[::1]:80` → `[::1]`.
+pub fn strip_port(authority: &[u8]) -> &[u8] {
+    if authority.first() == Some(&b'[') {
+        return match authority.iter().position(|&b| b == b']') {
+            Some(end) => &authority[..=end],
+            None => authority,
+        };
+    }
+    let colons = authority.iter().filter(|&&b| b == b':').count();
+    match authority.iter().position(|&b| b == b':') {
+        Some(at) if colons == 1 => &authority[..at],
+        _ => authority,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

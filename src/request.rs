@@ -239,20 +239,7 @@ pub fn peer_ip(mut peer: Vec<u8>, client: &ClientIp) -> Vec<u8> {
     }
 }
 
-/// An authority without its port: `host:80` → `host`, `[::1]:80` → `[::1]`.
-pub fn strip_port(authority: &[u8]) -> &[u8] {
-    if authority.first() == Some(&b'[') {
-        return match authority.iter().position(|&b| b == b']') {
-            Some(end) => &authority[..=end],
-            None => authority,
-        };
-    }
-    let colons = authority.iter().filter(|&&b| b == b':').count();
-    match authority.iter().position(|&b| b == b':') {
-        Some(at) if colons == 1 => &authority[..at],
-        _ => authority,
-    }
-}
+pub use crate::network::strip_port;
 
 /// The first value of query parameter `name` in `path` (`/p?a=1&b=2#f`), decoded.
 pub fn query_value(path: &[u8], name: &[u8]) -> Option<Vec<u8>> {

@@ -37,6 +37,20 @@ enum Command {
         #[arg(long, value_enum)]
         host: Option<Host>,
     },
+    /// Print what a global rule's bucket for one client is called at the quota service — the
+    /// limit id and key hash the filter sends — and its admin API paths (docs/quota-api.md).
+    QuotaKey {
+        /// The plugin configuration as JSON (its `key_secret` names the keys); `-` reads it from
+        /// standard input.
+        config: PathBuf,
+        /// The global rule.
+        #[arg(long)]
+        rule: String,
+        /// The client's value for each part of the rule's `key`, in order, as requests carry them
+        /// (an IP address for `client_ip`, a header's value, a path, …).
+        #[arg(required = true)]
+        values: Vec<std::ffi::OsString>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -55,21 +69,56 @@ impl Host {
 }
 
 fn main() -> ExitCode {
-    let Command::Check { config, host } = Cli::parse().command;
-    let name = config.display().to_string();
-    let bytes = match read(&config) {
-        Ok(bytes) => bytes,
-        Err(e) => {
-            eprintln!("{name}: cannot read: {e}");
-            return ExitCode::from(2);
-        }
+    match Cli::parse().command {
+        Command::Check { config, host } => check(config, host),
+        Command::QuotaKey {
+            config,
+            rule,
+            values,
+        } => quota_key(config, &rule, &values),
+    }
+}
+
+/// The configuration at `path`, or the exit code for why not (printed).
+fn load(path: &PathBuf) -> Result<Config, ExitCode> {
+    let name = path.display();
+    let bytes = read(path).map_err(|e| {
+        eprintln!("{name}: cannot read: {e}");
+        ExitCode::from(2)
+    })?;
+    Config::parse(&bytes).map_err(|e| {
+        eprintln!("{name}: {e}");
+        ExitCode::FAILURE
+    })
+}
+
+fn quota_key(path: PathBuf, rule: &str, values: &[std::ffi::OsString]) -> ExitCode {
+    use std::os::unix::ffi::OsStrExt;
+    let config = match load(&path) {
+        Ok(config) => config,
+        Err(code) => return code,
     };
-    let parsed = match Config::parse(&bytes) {
-        Ok(parsed) => parsed,
-        Err(e) => {
-            eprintln!("{name}: {e}");
-            return ExitCode::FAILURE;
+    let values: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
+    match config.service_bucket(rule, &values) {
+        Ok((limit_id, key)) => {
+            println!("limit_id: {limit_id}");
+            println!("key: {key}");
+            println!("GET  /admin/v1/buckets/{limit_id}/{key}");
+            println!("POST /admin/v1/buckets/{limit_id}/{key}/reset");
+            ExitCode::SUCCESS
         }
+        Err(e) => {
+            eprintln!("{}: {e}", path.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check(config: PathBuf, host: Option<Host>) -> ExitCode {
+    let name = config.display().to_string();
+    let parsed = match load(&config) {
+        Ok(parsed) => parsed,
+        Err(code) => return code,
     };
     if let Some(host) = host {
         if let Err(e) = parsed.check_host(&host.caps()) {

@@ -113,6 +113,11 @@ struct Args {
         hide_env_values = true
     )]
     proxy_token: Vec<String>,
+    /// Open the admin API (`/admin/v1/…`: the limits served lately and their busiest keys, a
+    /// bucket's state, its reset) to calls with `Authorization: Bearer <this>` — 16 bytes or more,
+    /// none of the proxies' tokens. Without it the admin API is not served (404).
+    #[arg(long, env = "TOLLGATE_QUOTA_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
     /// Live instances (those that called within a lease TTL) one credential may act as: a caller
     /// cannot invent instances without end to collect fair shares. A call for one more is
     /// answered 403.
@@ -182,6 +187,11 @@ async fn run(args: Args) -> Result<(), String> {
         .iter()
         .map(|s| ProxyToken::parse(s))
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(admin) = &args.admin_token {
+        let mut proxy_tokens: Vec<&str> = proxies.iter().map(|p| p.token.as_str()).collect();
+        proxy_tokens.extend(args.token.as_deref());
+        tollgate_quota::admin::check_admin_token(admin, &proxy_tokens)?;
+    }
     let credentials = Credentials::new(
         args.token.clone(),
         proxies,
@@ -273,9 +283,13 @@ async fn run(args: Args) -> Result<(), String> {
         header_timeout: Duration::from_millis(args.header_timeout_ms),
     };
     let server_metrics = service.metrics.server.clone();
+    let mut app = router(service.clone());
+    if let Some(token) = args.admin_token.clone() {
+        app = app.merge(tollgate_quota::admin::router(service, token));
+    }
     serve(
         listener,
-        router(service),
+        app,
         limits,
         server_metrics,
         shutdown(),

@@ -48,6 +48,8 @@ pub struct Metrics {
     pub latency: Histogram,
     /// The server's connections: open now, and closed to make room for new ones.
     pub server: crate::server::ServerMetrics,
+    /// The busiest keys of each limit lately (the admin API's, not on `/metrics`).
+    pub busiest: crate::busiest::Busiest,
 }
 
 impl Metrics {
@@ -155,6 +157,7 @@ impl Default for Metrics {
             storage_errors,
             latency,
             server,
+            busiest: Default::default(),
         }
     }
 }

@@ -41,7 +41,8 @@ pub fn router(service: Arc<Service>) -> Router {
         .with_state(service)
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+/// An error answer: `{"error": message}`.
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (
         status,
         Json(ErrorBody {
@@ -244,10 +245,12 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         Ok(answers) => {
             calls.get_or_create(&Outcome { outcome: "ok" }).inc();
             let m = &service.metrics;
+            let mut busiest = m.busiest.recorder(crate::store::now_ms());
             for (n, (item, g)) in served.iter().zip(answers.iter()).enumerate() {
                 if answers.refused.iter().any(|(i, _)| *i == n) {
                     continue;
                 }
+                busiest.add(item, g);
                 tracing::debug!(
                     instance = %request.instance, item = ?item, grant = ?g,
                     "lease item answered"
@@ -267,6 +270,7 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
                     m.denials.inc();
                 }
             }
+            drop(busiest);
             let grants = fold_refused(&mut problems, answers);
             let Some((items, errors)) = merge_refused(&problems, &grants, LeaseGrant::default())
             else {

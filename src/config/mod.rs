@@ -1,5 +1,6 @@
 //! The plugin configuration: parsed once, validated with errors that name the field and the reason.
 
+mod bucket_name;
 mod host;
 mod json;
 mod model;

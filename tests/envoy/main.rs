@@ -23,6 +23,7 @@ mod limits;
 mod matching;
 mod module;
 mod monitoring;
+mod operations;
 mod overload;
 mod plugins;
 mod quick_starts;

@@ -94,6 +94,18 @@ fn is_ident(c: char) -> bool {
     is_ident_start(c) || c.is_ascii_digit()
 }
 
+/// The index after the string literal that opens at `chars[open]` (its quote).
+fn after_string(chars: &[char], open: usize) -> usize {
+    let mut i = open + 1;
+    while i < chars.len() && chars[i] != chars[open] {
+        if chars[i] == '\\' {
+            i += 1;
+        }
+        i += 1;
+    }
+    i + 1
+}
+
 /// The label names of a `{…}` matcher list or a `(…)` label list starting at `chars[open]`;
 /// and the index after its closing bracket.
 fn label_list(chars: &[char], open: usize, close: char) -> (BTreeSet<String>, usize) {
@@ -103,14 +115,7 @@ fn label_list(chars: &[char], open: usize, close: char) -> (BTreeSet<String>, us
     while i < chars.len() && chars[i] != close {
         let c = chars[i];
         if c == '"' || c == '\'' || c == '`' {
-            i += 1;
-            while i < chars.len() && chars[i] != c {
-                if chars[i] == '\\' {
-                    i += 1;
-                }
-                i += 1;
-            }
-            i += 1;
+            i = after_string(chars, i);
             continue;
         }
         if expect_name && is_ident_start(c) {
@@ -144,14 +149,7 @@ pub fn read_query(expr: &str) -> Query {
     while i < chars.len() {
         let c = chars[i];
         if c == '"' || c == '\'' || c == '`' {
-            i += 1;
-            while i < chars.len() && chars[i] != c {
-                if chars[i] == '\\' {
-                    i += 1;
-                }
-                i += 1;
-            }
-            i += 1;
+            i = after_string(&chars, i);
         } else if c == '[' {
             while i < chars.len() && chars[i] != ']' {
                 i += 1;

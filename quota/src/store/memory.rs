@@ -93,6 +93,12 @@ impl<T: FallsIdle> KeyTable<T> {
             .map(|e| &e.value)
     }
 
+    fn get_mut(&mut self, limit_id: &str, key: &str) -> Option<&mut T> {
+        self.entries
+            .get_mut(&(limit_id.to_owned(), key.to_owned()))
+            .map(|e| &mut e.value)
+    }
+
     fn made_by(&self, credential: &str) -> usize {
         self.made.get(credential).map_or(0, BTreeSet::len)
     }
@@ -277,6 +283,25 @@ impl MemoryStore {
                 },
             )
         })))
+    }
+
+    /// A bucket as stored now (the admin API), and the store's epoch and whether a call showed
+    /// it lost state.
+    pub fn bucket(&self, limit_id: &str, key: &str) -> (Option<GlobalBucket>, Option<u64>, bool) {
+        let bucket = self.lock().get(limit_id, key).cloned();
+        (
+            bucket,
+            self.cold.epoch_ms(),
+            self.lost.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Reset a bucket ([`GlobalBucket::reset`]); false if the store has none of that name.
+    pub fn reset(&self, limit_id: &str, key: &str) -> bool {
+        self.lock()
+            .get_mut(limit_id, key)
+            .map(GlobalBucket::reset)
+            .is_some()
     }
 
     /// Serve slot items; holdings of keys whose every holder's term ended are forgotten when

@@ -7,7 +7,7 @@ pub mod redis;
 pub use memory::MemoryStore;
 use redis::RedisStore;
 use std::time::Duration;
-use tollgate_core::global::lease::{LeaseGrant, LeaseItem};
+use tollgate_core::global::lease::{GlobalBucket, LeaseGrant, LeaseItem};
 use tollgate_core::global::permits::{PermitAnswer, PermitItem};
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -66,6 +66,50 @@ impl Store {
         match self {
             Self::Memory(m) => m.slots(instance, items, now_ms(), ttl_ms),
             Self::Redis(r) => Ok(r.slots(instance, items, ttl_ms).await?.into()),
+        }
+    }
+}
+
+/// One bucket as stored now, for an operator (the admin API).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketState {
+    /// None: the store has no bucket of that name (never leased, gone idle, or lost).
+    pub bucket: Option<GlobalBucket>,
+    /// The epoch of the bucket's store (Redis: of its slot): buckets it does not know start
+    /// by the cold-start mode from then. None: not kept (`--cold-start full`, or a slot that
+    /// never held a bucket).
+    pub epoch_ms: Option<u64>,
+    /// A proxy's call showed that the store (the slot) lost buckets in use.
+    pub lost: bool,
+    /// Redis: how long until the bucket's key expires (it is as good as new then).
+    pub expires_in_ms: Option<u64>,
+}
+
+impl Store {
+    /// The bucket of `(limit_id, key)` as stored now.
+    pub async fn bucket(&self, limit_id: &str, key: &str) -> Result<BucketState, StoreError> {
+        match self {
+            Self::Memory(m) => {
+                let (bucket, epoch_ms, lost) = m.bucket(limit_id, key);
+                Ok(BucketState {
+                    bucket,
+                    epoch_ms,
+                    lost,
+                    expires_in_ms: None,
+                })
+            }
+            Self::Redis(r) => r.bucket(limit_id, key).await,
+        }
+    }
+
+    /// Reset the bucket of `(limit_id, key)` ([`GlobalBucket::reset`]): the bucket after.
+    pub async fn reset(&self, limit_id: &str, key: &str) -> Result<BucketState, StoreError> {
+        match self {
+            Self::Memory(m) => {
+                m.reset(limit_id, key);
+                self.bucket(limit_id, key).await
+            }
+            Self::Redis(r) => r.reset(limit_id, key).await,
         }
     }
 }

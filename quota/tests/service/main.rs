@@ -1,6 +1,7 @@
 //! The quota service's API and stores: in memory, and against a real redis-server.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod admin;
 mod api;
 mod binary;
 mod lost_state;

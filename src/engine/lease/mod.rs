@@ -8,8 +8,6 @@ mod permits;
 pub use answers::{read_answer, read_permit_answer};
 
 use super::{CheckInput, Engine};
-use siphasher::sip128::{Hasher128, SipHasher24};
-use std::hash::Hasher;
 use tollgate_core::global::lease::{LeaseItem, LeaseRequest};
 use tollgate_core::global::permits::PermitRequest;
 use tollgate_core::{Ask, CasStore, LeaseAllowance, Limit, Outcome, SlotId, Verdict};
@@ -222,13 +220,6 @@ impl Engine {
             .quota_service
             .as_ref()
             .and_then(|q| q.key_secret);
-        match secret {
-            Some(secret) => {
-                let mut h = SipHasher24::new_with_key(&secret);
-                h.write(&key.to_le_bytes());
-                h.finish128().as_u128()
-            }
-            None => key,
-        }
+        crate::key::service_key(secret, key)
     }
 }

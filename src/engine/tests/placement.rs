@@ -114,3 +114,42 @@ fn key_hashes_sent_to_the_service_are_keyed_by_the_deployments_secret() {
     let e = crate::config::Config::parse(short.as_bytes()).unwrap_err();
     assert!(e.to_string().contains("quota_service.key_secret"), "{e}");
 }
+
+#[test]
+fn an_operator_names_a_clients_bucket_at_the_service_as_the_filter_does() {
+    let json = r#"{"rules":[{"name":"g","scope":"global","key":["client_ip","header:x-tenant"],
+        "limit":{"requests":100,"per":"1m"},"burst":40,"worker_batch":0}],
+      "client_ip":{"ipv4_prefix":24},
+      "quota_service":{"upstream":"quota","failure_mode":"deny","first_lease":"wait",
+        "key_secret":"0123456789abcdef0123456789abcdef"}}"#;
+    let mut rig = Rig::new(json);
+    let r = Req {
+        headers: vec![("x-tenant", b"Acme \xff".to_vec())],
+        peer: "10.1.2.3:4000",
+    };
+    assert_eq!(rig.step(&r, NOW), Step::Wait);
+    let (_, call) = rig.lease_call(NOW).unwrap();
+    let sent = &call.items[0];
+    let config = crate::config::Config::parse(json.as_bytes()).unwrap();
+    // Another address of the same /24: the same bucket.
+    let named = config
+        .service_bucket("g", &[b"10.1.2.200", b"Acme \xff"])
+        .unwrap();
+    assert_eq!(named.0, format!("{}.100.60000.40", sent.limit_id));
+    assert_eq!(named.1, sent.key);
+    assert_ne!(
+        config
+            .service_bucket("g", &[b"10.1.3.1", b"Acme \xff"])
+            .unwrap()
+            .1,
+        sent.key
+    );
+    for (rule, values, why) in [
+        ("h", &[&b"1.2.3.4"[..], b"x"][..], "no rule named"),
+        ("g", &[&b"1.2.3.4"[..]][..], "2 key part(s), 1 value(s)"),
+        ("g", &[&b"not-an-ip"[..], b"x"][..], "not an IP address"),
+    ] {
+        let e = config.service_bucket(rule, values).unwrap_err();
+        assert!(e.contains(why), "{e}");
+    }
+}

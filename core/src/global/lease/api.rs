@@ -23,6 +23,10 @@ pub fn newcomers_reserve(burst: u64) -> u64 {
 /// person configures, years.
 pub const MAX_DEBT: u64 = 1_000_000_000_000;
 
+/// A reset bucket's tokens until its next refill caps them at its burst: above any burst a
+/// limit can have (a burst is a `u64` of tokens, but one above this would never be reached).
+pub const RESET_TOKENS: f64 = 1e15;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {

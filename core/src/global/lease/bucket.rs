@@ -1,7 +1,7 @@
 //! The global bucket of one key and its lease step: fair shares of the burst and of the refill
 //! rate among the instances that hold it, reservations, give-backs, cold starts and clock steps.
 
-use super::api::{newcomers_reserve, LeaseGrant, LeaseItem, MAX_DEBT};
+use super::api::{newcomers_reserve, LeaseGrant, LeaseItem, MAX_DEBT, RESET_TOKENS};
 use crate::global::fair_share::max_min_fair_from;
 
 /// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in
@@ -454,6 +454,19 @@ impl GlobalBucket {
 
     /// Whole tokens the bucket owes (rounded up: a client told when it is repaid is never told
     /// too early); 0 unless it is below zero.
+    /// An operator's reset: the bucket is full again at its next refill (its tokens stand above
+    /// any burst until then, and a refill caps them at `burst`), and what it owed is forgiven.
+    /// Its holders stay: their reservations and what they were granted are theirs, and a holder's
+    /// evidence of the bucket is not taken for a store that lost it (the store served it since).
+    pub fn reset(&mut self) {
+        self.tokens = RESET_TOKENS;
+    }
+
+    /// True between a [`GlobalBucket::reset`] and the bucket's next refill.
+    pub fn is_reset_pending(&self) -> bool {
+        self.tokens >= RESET_TOKENS
+    }
+
     pub fn debt(&self) -> u64 {
         if self.tokens < 0.0 {
             (-self.tokens).ceil() as u64

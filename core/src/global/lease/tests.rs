@@ -346,3 +346,34 @@ fn wire_format() {
     assert_eq!(plain, r#"{"items":[]}"#);
     assert!(serde_json::from_str::<LeaseResponse>(r#"{"items":[{"granted":1}]}"#).is_err());
 }
+
+#[test]
+fn a_reset_bucket_is_full_at_its_next_call_its_debt_forgiven_its_holders_kept() {
+    let mut b = new_bucket();
+    assert_eq!(b.lease("a", &item(120), 0, 10_000).granted, 120);
+    let owes = LeaseItem {
+        owed: 50,
+        ..item(0)
+    };
+    b.lease("a", &owes, 1_000, 10_000);
+    assert_eq!(b.debt(), 48);
+    b.reset();
+    assert!(b.is_reset_pending());
+    assert_eq!(b.debt(), 0);
+    // The holder's evidence (empty, in debt, a second ago) is not taken for a lost bucket: the
+    // store served it since.
+    let evidence = LeaseItem {
+        known_ms: 1_000,
+        known_remaining: 0,
+        known_debt: 48,
+        ..item(200)
+    };
+    assert!(!b.reconcile("a", &evidence, 2_000, 10_000));
+    assert!(!b.is_reset_pending());
+    let g = b.lease("a", &evidence, 2_000, 10_000);
+    assert_eq!((g.granted, g.remaining, b.debt()), (120, 0, 0));
+    // Reset again, then a newcomer: the burst, shared fairly with the holder's recent demand.
+    b.reset();
+    assert_eq!(b.tokens_at(&item(0), 2_000), 120.0);
+    assert_eq!(b.holders.len(), 1);
+}

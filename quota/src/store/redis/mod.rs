@@ -9,6 +9,7 @@
 //! node's data: a bucket missing while its marker is young was forgotten, not unused, and a
 //! conservative cold start applies.
 
+mod admin;
 mod batch;
 mod cluster;
 mod connection;
