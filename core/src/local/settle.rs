@@ -112,7 +112,10 @@ mod tests {
             let s = admitted(&tb, &[0; STATE_BYTES], START, 636_664).unwrap();
             let s = tb.settle_state(&s, START, 636_664, 636_665);
             assert!(tb.debt(&s, START) > 0, "{period}");
-            assert!(admitted(&tb, &s, START, 1).is_none(), "{period}: admitted in debt");
+            assert!(
+                admitted(&tb, &s, START, 1).is_none(),
+                "{period}: admitted in debt"
+            );
         }
     }
 
