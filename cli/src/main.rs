@@ -128,9 +128,17 @@ fn check(config: PathBuf, host: Option<Host>) -> ExitCode {
     }
     println!("{name}: ok: {}", parsed.summary());
     let (slots, windows) = (parsed.slots(), parsed.windows());
-    let zone =
-        (slots * NGINX_BYTES_PER_SLOT + windows * NGINX_BYTES_PER_WINDOW + NGINX_ZONE_MARGIN)
-            .max(NGINX_MIN_ZONE);
+    // The status path's counts: per rule with a limit, its 32 keys (41 bytes and the key shown
+    // each) and the entry's bookkeeping.
+    let status = parsed.status.as_ref().map_or(0, |s| {
+        let rules = parsed.rules.iter().filter(|r| r.quota().is_some()).count() as u64;
+        rules * (32 * (41 + s.max_key_bytes as u64) + 256) + 256
+    });
+    let zone = (slots * NGINX_BYTES_PER_SLOT
+        + windows * NGINX_BYTES_PER_WINDOW
+        + status
+        + NGINX_ZONE_MARGIN)
+        .max(NGINX_MIN_ZONE);
     let windows = match windows {
         0 => String::new(),
         n => format!(", {n} overload windows"),

@@ -43,6 +43,39 @@ pub(super) struct RawConfig {
     /// The most request-body bytes all requests waiting for their bodies keep, per worker:
     /// default 8 MiB.
     pub max_waiting_body_bytes: Option<u64>,
+    /// A status path the filter answers itself: the keys each rule sees most. Off without it.
+    pub status: Option<RawStatus>,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Status"))]
+pub(super) struct RawStatus {
+    /// The path (exact, without a query) the filter answers with the status: `GET` only.
+    pub path: String,
+    /// Client networks (CIDR or addresses) allowed to read it: default 127.0.0.1 and ::1.
+    pub allow: Option<Vec<String>>,
+    /// At least 16 bytes: then a request must also carry `authorization: Bearer <token>`.
+    pub token: Option<String>,
+    /// How keys are shown: "full" (their values, default) or "hashed" (a keyed hash).
+    #[serde(default)]
+    pub keys: KeyDisplay,
+    /// The most bytes of a key shown (1–128, default 64).
+    pub max_key_bytes: Option<u64>,
+    /// Log the keys each rule refused most, once per process every `log_every` (default true).
+    pub log: Option<bool>,
+    /// How often that line is logged: default 60s, at least 1s.
+    pub log_every: Option<Period>,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize, Default, PartialEq, Eq, Clone, Copy, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyDisplay {
+    #[default]
+    Full,
+    Hashed,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]

@@ -204,6 +204,7 @@ impl Engine {
                 } => {
                     if input.enforced {
                         self.stats.bump(rule, RuleStat::Limited);
+                        self.top.refused(rule, input.place);
                     } else {
                         self.would_refuse(rule);
                     }
@@ -213,6 +214,7 @@ impl Engine {
                     self.stats.bump(rule, RuleStat::Contended);
                     if input.enforced {
                         self.stats.bump(rule, RuleStat::Limited);
+                        self.top.refused(rule, input.place);
                     }
                     (0, 1)
                 }

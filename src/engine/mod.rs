@@ -15,12 +15,14 @@ mod settle;
 mod strict;
 #[cfg(test)]
 mod tests;
+mod top;
 
 pub use guard::{reported_cpu, Seat, Seats};
 pub use lease::{read_answer, read_permit_answer, Call, Refill};
 pub use pace::{Pacer, Pacers};
 pub use settle::{Reservation, Reservations, ResponseSeen};
 pub use strict::Strict;
+pub use top::{ProcessTop, TopKey};
 
 use crate::config::{Config, Cost, OverrideAction, Quota};
 use crate::request::{header_cost, Request, RequestView};
@@ -173,6 +175,8 @@ pub struct Engine {
     /// The host can hold a request and resume it from the tick: a token bucket's refusal while
     /// other workers' stashes hold its tokens waits for them (see [`Engine::hold_for_stashes`]).
     holds_for_stashes: bool,
+    /// The keys each rule sees most, for the status path (none without one).
+    top: top::TopCounts,
 }
 
 impl Engine {
@@ -180,7 +184,12 @@ impl Engine {
         let placement = config.placement.unwrap_or(deployment);
         let guarded = config.rules.iter().any(|r| r.guard().is_some());
         let paces = config.rules.iter().any(|r| r.pace.is_some());
+        let top = match &config.status {
+            Some(status) => top::TopCounts::new(config.rules.len(), status.max_key_bytes),
+            None => top::TopCounts::default(),
+        };
         Self {
+            top,
             stats: Stats::new(config.rules.len()),
             dry_run_log: dry_run::DryRunLog::new(config.rules.len()),
             config,
@@ -277,6 +286,11 @@ impl Engine {
                         self.dry_run_log.note(&mut self.stats, i);
                         continue;
                     }
+                    if self.config.status.is_some() {
+                        let place = self.placement.hash(&key);
+                        self.top.seen(i, place, &key);
+                        self.top.refused(i, place);
+                    }
                     self.stats.bump(i, RuleStat::Blocked);
                     return Some(Refusal {
                         rule: i,
@@ -307,6 +321,7 @@ impl Engine {
                     self.placement.hash(&keyed)
                 }
             };
+            self.top.seen(i, place, &key);
             let key = if rule.global().is_some() {
                 key_hash(&key)
             } else {
@@ -345,6 +360,7 @@ impl Engine {
                 }
                 self.stats.bump(i, RuleStat::CostExceeded);
                 self.stats.bump(i, RuleStat::Limited);
+                self.top.refused(i, place);
                 return Some(Refusal {
                     rule: i,
                     quota: None,

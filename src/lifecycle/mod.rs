@@ -10,6 +10,7 @@ mod queues;
 mod quota_call;
 mod respond;
 mod root;
+mod status;
 mod stream;
 #[cfg(test)]
 mod tests;

@@ -266,6 +266,10 @@ impl<H: Host> Plugin<H> {
             let mut engine = self.engine.borrow_mut();
             engine.return_stashes(&self.host, now);
             engine.log_dry_runs(now);
+            engine.merge_top(&self.host, now);
+            if let Some(line) = engine.top_log_due(&self.host, now) {
+                info!("{line}");
+            }
         }
         self.send_refills(now);
         self.retry_waiting(now);

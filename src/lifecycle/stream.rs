@@ -280,6 +280,9 @@ impl<H: Host> Stream<H> {
         };
         let trusted_hops = plugin.engine.borrow().config().client_ip;
         let request = Request::new(&view, trusted_hops).with_body(body);
+        if let Some(answered) = super::status::serve(&plugin, &request) {
+            return answered;
+        }
         self.pacers = plugin.engine.borrow().pacers(&request);
         let mut now = None;
         if plugin.engine.borrow().has_guards() {

@@ -107,3 +107,82 @@ fn an_operator_finds_a_refused_tenant_inspects_and_resets_its_global_bucket() {
         "{b}"
     );
 }
+
+/// The status path: 3 addresses flooding among 10 000 that send one request each are the 3 keys
+/// on top, with their refusals; at most 32 keys are kept; the path is closed to other addresses
+/// and without the token; a periodic log line names the flooders.
+#[test]
+fn the_status_path_shows_three_flooding_addresses_on_top_among_ten_thousand() {
+    let token = "status-token-0123456789";
+    let plugin = json!({
+        "rules": [{"name": "per-ip", "key": ["client_ip"],
+                   "limit": {"requests": 20, "per": "1m"}}],
+        "client_ip": {"trusted_hops": 1},
+        "status": {"path": "/tollgate/status", "token": token, "log_every": "1s"}
+    });
+    let envoy = Envoy::start_with(&plugin, &Options::default());
+    let url = envoy.url("/");
+    let normal = crate::harness::parallel(8, |t| {
+        let client = Client::new();
+        (0..1_250)
+            .filter(|i| {
+                let n = t * 1_250 + i;
+                let ip = format!("10.{}.{}.{}", n / 65_536, (n / 256) % 256, n % 256);
+                client.get(&url, &[("x-forwarded-for", ip.as_str())]).status == 200
+            })
+            .count()
+    });
+    assert_eq!(normal.iter().sum::<usize>(), 10_000);
+    let floods = crate::harness::parallel(3, |f| {
+        let client = Client::new();
+        let ip = format!("192.0.2.{}", f + 1);
+        (0..200)
+            .filter(|_| client.get(&url, &[("x-forwarded-for", ip.as_str())]).status == 429)
+            .count()
+    });
+    assert!(floods.iter().all(|&r| r == 180), "{floods:?}");
+    let status = |from: &str, auth: Option<&str>| {
+        let bearer = auth.map(|t| format!("Bearer {t}"));
+        let mut headers = vec![("x-forwarded-for", from)];
+        if let Some(b) = bearer.as_deref() {
+            headers.push(("authorization", b));
+        }
+        Client::new().get(&envoy.url("/tollgate/status"), &headers)
+    };
+    // Counts reach shared data within a second (each worker adds its own on its tick).
+    let mut shown = Value::Null;
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let reply = status("127.0.0.1", Some(token));
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            shown = serde_json::from_str(&reply.body).unwrap();
+            shown["rules"][0]["keys"].as_array().map_or(0, Vec::len) >= 3
+                && shown["rules"][0]["keys"][2]["refused"].as_u64() == Some(180)
+        }),
+        "{shown}"
+    );
+    let keys = shown["rules"][0]["keys"].as_array().unwrap();
+    assert!(keys.len() <= 32, "{shown}");
+    let mut top: Vec<&str> = keys[..3]
+        .iter()
+        .map(|k| k["key"].as_str().unwrap())
+        .collect();
+    top.sort();
+    assert_eq!(top, ["192.0.2.1", "192.0.2.2", "192.0.2.3"], "{shown}");
+    assert_eq!(shown["rules"][0]["rule"], "per-ip");
+    assert_eq!(shown["host"], "Envoy");
+    // Closed to other addresses, and without the token; GET only.
+    assert_eq!(status("203.0.113.9", Some(token)).status, 403);
+    assert_eq!(status("127.0.0.1", None).status, 401);
+    assert_eq!(
+        status("127.0.0.1", Some("status-token-wrong-00000")).status,
+        401
+    );
+    // The log line names the flooders.
+    assert!(
+        eventually(Duration::from_secs(5), || envoy
+            .log()
+            .contains("keys refused most: per-ip: 192.0.2.")),
+        "no log line"
+    );
+}

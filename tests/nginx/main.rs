@@ -815,3 +815,51 @@ fn a_byte_limit_is_refused_in_nginx_naming_it() {
         "{log}"
     );
 }
+
+#[test]
+fn the_status_path_shows_the_key_refused_most_and_is_closed_to_other_addresses() {
+    nginx_or_skip!();
+    let plugin = |allow: &str| {
+        json!({"rules": [{"name": "per-user", "key": ["header:x-user"],
+                          "limit": {"requests": 5, "per": "1h"}}],
+               "status": {"path": "/tollgate/status", "allow": [allow]}})
+    };
+    let nginx = Nginx::start(&plugin("127.0.0.0/8"));
+    let url = nginx.url("/");
+    for i in 0..200 {
+        let user = format!("light-{i}");
+        assert_eq!(statuses(&url, &[("x-user", user.as_str())], 1), (1, 0));
+    }
+    assert_eq!(statuses(&url, &[("x-user", "heavy")], 20), (5, 15));
+    let mut shown = Value::Null;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let reply = Client::new().get(&nginx.url("/tollgate/status"), &[]);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("content-type"), Some("application/json"));
+        shown = serde_json::from_str(&reply.body).unwrap();
+        if shown["rules"][0]["keys"][0]["refused"] == 15 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(shown["rules"][0]["keys"][0]["key"], "heavy", "{shown}");
+    assert_eq!(shown["rules"][0]["keys"][0]["refused"], 15, "{shown}");
+    assert!(
+        shown["host"].as_str().unwrap().starts_with("nginx"),
+        "{shown}"
+    );
+    let post = Client::new()
+        .try_send_body("POST", &nginx.url("/tollgate/status"), &[], Some(b""))
+        .unwrap();
+    assert_eq!(post.status, 405);
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+    let closed = Nginx::start(&plugin("10.0.0.0/8"));
+    assert_eq!(
+        Client::new()
+            .get(&closed.url("/tollgate/status"), &[])
+            .status,
+        403
+    );
+    assert!(closed.workers_healthy(), "{}", closed.log());
+}

@@ -44,6 +44,23 @@ pub struct Config {
     pub max_waiting_body_bytes: usize,
     /// Some rule reads the request's body (a cost from its fields, a `body:` key part).
     pub reads_request_body: bool,
+    /// The status path, if configured.
+    pub status: Option<Status>,
+}
+
+/// The most bytes of a key the status path shows (`status.max_key_bytes`).
+pub const MOST_STATUS_KEY_BYTES: usize = 128;
+
+/// The status path (`status`): who may read it and how keys are shown.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Status {
+    pub path: String,
+    pub allow: Vec<crate::network::Network>,
+    pub token: Option<String>,
+    pub hashed: bool,
+    pub max_key_bytes: usize,
+    /// Log the keys each rule refused most this often (ms); 0: never.
+    pub log_every_ms: u64,
 }
 
 /// Where global rules get their quota.

@@ -7,6 +7,7 @@ mod matching;
 mod overload;
 mod response;
 mod rule;
+mod status;
 
 use super::json::{RawConfig, Scope};
 use super::model::Config;
@@ -88,7 +89,9 @@ impl RawConfig {
             ));
         }
         let reads_request_body = rules.iter().any(crate::config::Rule::reads_request_body);
+        let status = self.status.map(status::validate).transpose()?;
         Ok(Config {
+            status,
             max_request_body_bytes: usize::try_from(max_request_body_bytes).unwrap_or(usize::MAX),
             request_body_timeout_ns: request_body_timeout_ms.saturating_mul(1_000_000),
             max_waiting_body_bytes: usize::try_from(max_waiting_body_bytes).unwrap_or(usize::MAX),
