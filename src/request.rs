@@ -66,7 +66,7 @@ impl<'a, V: RequestView> Request<'a, V> {
     }
 
     /// `:path` with its query string.
-    fn full_path(&self) -> Option<&[u8]> {
+    pub fn full_path(&self) -> Option<&[u8]> {
         self.path
             .get_or_init(|| self.view.header(":path"))
             .as_deref()
@@ -256,6 +256,26 @@ pub fn query_value(path: &[u8], name: &[u8]) -> Option<Vec<u8>> {
             };
             (form_decode(k) == name).then(|| form_decode(v))
         })
+}
+
+/// Every value of query parameter `name` in `path`, decoded, in order.
+pub fn query_values(path: &[u8], name: &[u8]) -> Vec<Vec<u8>> {
+    let Some(start) = path.iter().position(|&b| b == b'?') else {
+        return Vec::new();
+    };
+    let query = &path[start + 1..];
+    let query = &query[..query.iter().position(|&b| b == b'#').unwrap_or(query.len())];
+    query
+        .split(|&b| b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .filter_map(|pair| {
+            let (k, v) = match pair.iter().position(|&b| b == b'=') {
+                Some(eq) => (&pair[..eq], &pair[eq + 1..]),
+                None => (pair, &pair[pair.len()..]),
+            };
+            (form_decode(k) == name).then(|| form_decode(v))
+        })
+        .collect()
 }
 
 /// `application/x-www-form-urlencoded` decoding to bytes: `+` is a space, `%XX` a byte; a `%`

@@ -1,24 +1,20 @@
-//! What a global rule's bucket for one client is called at the quota service, for an operator
-//! (`tollgate quota-key`): the same name the filter sends, worked out from the configuration.
+//! A client's key for a rule, from its values, as the filter makes it: for an operator's look at
+//! a local key (the status path) and at a global rule's bucket at the quota service
+//! (`tollgate quota-key`: the same name the filter sends).
 
 use super::model::Config;
 use super::syntax::KeyPart;
 
 impl Config {
-    /// The bucket of global rule `rule` for a client whose key parts are `values` (one per part
-    /// of the rule's `key`, as the request carries them: an address for `client_ip`, a header's
-    /// value, …), as the quota service names it: `(limit_id, key)`, the path of its admin API's
-    /// `/admin/v1/buckets/{limit_id}/{key}`. The rule's own limit (not an override's, nor one
-    /// from `limit_from`).
-    pub fn service_bucket(&self, rule: &str, values: &[&[u8]]) -> Result<(String, String), String> {
-        let r = self
+    /// Rule `rule`'s key for a client whose key parts are `values` (one per part of the rule's
+    /// `key`, as the request carries them), as the filter makes it: the rule's index and the key.
+    pub fn key_of(&self, rule: &str, values: &[&[u8]]) -> Result<(usize, Vec<u8>), String> {
+        let (index, r) = self
             .rules
             .iter()
-            .find(|r| r.name == rule)
+            .enumerate()
+            .find(|(_, r)| r.name == rule)
             .ok_or_else(|| format!("no rule named {rule:?}"))?;
-        let global = r
-            .global()
-            .ok_or_else(|| format!("rule {rule:?} is not global (scope: global, a limit)"))?;
         if values.len() != r.key.len() {
             return Err(format!(
                 "rule {rule:?} has {} key part(s), {} value(s) given",
@@ -47,6 +43,18 @@ impl Config {
             };
             crate::key::push_key_part(&mut key, Some(&normal));
         }
+        Ok((index, key.into_vec()))
+    }
+
+    /// The bucket of global rule `rule` for a client whose key parts are `values` (see
+    /// [`Config::key_of`]), as the quota service names it: `(limit_id, key)`, the path of its
+    /// admin API's `/admin/v1/buckets/{limit_id}/{key}`. The rule's own limit (not an
+    /// override's, nor one from `limit_from`).
+    pub fn service_bucket(&self, rule: &str, values: &[&[u8]]) -> Result<(String, String), String> {
+        let (index, key) = self.key_of(rule, values)?;
+        let global = self.rules[index]
+            .global()
+            .ok_or_else(|| format!("rule {rule:?} is not global (scope: global, a limit)"))?;
         let secret = self.quota_service.as_ref().and_then(|q| q.key_secret);
         let name = crate::key::service_key(secret, tollgate_core::slot::key_hash(&key));
         Ok((

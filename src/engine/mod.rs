@@ -7,6 +7,7 @@ mod decide;
 mod dry_run;
 mod failure;
 mod guard;
+mod inspect;
 mod lease;
 mod pace;
 mod refused;
@@ -18,11 +19,12 @@ mod tests;
 mod top;
 
 pub use guard::{reported_cpu, Seat, Seats};
+pub use inspect::KeyState;
 pub use lease::{read_answer, read_permit_answer, Call, Refill};
 pub use pace::{Pacer, Pacers};
 pub use settle::{Reservation, Reservations, ResponseSeen};
 pub use strict::Strict;
-pub use top::{ProcessTop, TopKey};
+pub use top::{json_string, ProcessTop, TopKey};
 
 use crate::config::{Config, Cost, OverrideAction, Quota};
 use crate::request::{header_cost, Request, RequestView};

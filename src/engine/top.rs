@@ -438,7 +438,7 @@ fn top_key_any(engine: &super::Engine) -> Option<String> {
 }
 
 /// `s` as a JSON string.
-fn json_string(out: &mut String, s: &str) {
+pub fn json_string(out: &mut String, s: &str) {
     use std::fmt::Write;
     out.push('"');
     for c in s.chars() {

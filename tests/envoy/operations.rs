@@ -186,3 +186,95 @@ fn the_status_path_shows_three_flooding_addresses_on_top_among_ten_thousand() {
         "no log line"
     );
 }
+
+/// One local key on the status path: its state, then its reset; the key is admitted again for
+/// exactly its burst over two workers. Concurrency and global rules are not reset here.
+#[test]
+fn the_status_path_shows_one_keys_state_and_resets_it() {
+    let plugin = json!({
+        "rules": [
+            {"name": "per-user", "key": ["header:x-user"], "limit": {"requests": 3, "per": "1h"}},
+            {"name": "uploads", "algorithm": "concurrency", "key": ["header:x-user"],
+             "match": {"path": "/upload"},
+             "limit": {"concurrent": 2}}
+        ],
+        "status": {"path": "/tollgate/status"}
+    });
+    let envoy = Envoy::start_with(&plugin, &Options::default());
+    let send = |user: &str| {
+        Client::new()
+            .get(&envoy.url("/"), &[("x-user", user)])
+            .status
+    };
+    let statuses: Vec<u16> = (0..5).map(|_| send("alice")).collect();
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+    let status = |method: &str, path: &str| {
+        let reply = Client::new()
+            .try_send_body(method, &envoy.url(path), &[], Some(b""))
+            .unwrap();
+        (
+            reply.status,
+            serde_json::from_str::<Value>(&reply.body).unwrap_or(Value::Null),
+        )
+    };
+    let (code, alice) = status("GET", "/tollgate/status?rule=per-user&key=alice");
+    assert_eq!(code, 200, "{alice}");
+    assert_eq!(
+        (
+            alice["found"].clone(),
+            alice["limited"].clone(),
+            alice["available"].clone()
+        ),
+        (true.into(), true.into(), 0.into()),
+        "{alice}"
+    );
+    assert!(alice["retry_after_s"].as_u64().unwrap() > 1_000, "{alice}");
+    let (_, bob) = status("GET", "/tollgate/status?rule=per-user&key=bob");
+    assert_eq!(
+        (bob["found"].clone(), bob["available"].clone()),
+        (false.into(), 3.into()),
+        "{bob}"
+    );
+    // Reset: POST only; then alice has her burst again, once.
+    assert_eq!(
+        status("GET", "/tollgate/status/reset?rule=per-user&key=alice").0,
+        405
+    );
+    let (code, reset) = status("POST", "/tollgate/status/reset?rule=per-user&key=alice");
+    assert_eq!(
+        (code, reset["reset"].clone()),
+        (200, true.into()),
+        "{reset}"
+    );
+    // (A worker that refused her in the last 20 ms trusts that refusal for the rest of them.)
+    assert!(eventually(Duration::from_secs(1), || send("alice") == 200));
+    let statuses: Vec<u16> = (0..4).map(|_| send("alice")).collect();
+    assert_eq!(statuses, [200, 200, 429, 429], "her burst again, once");
+    // What cannot be reset, or named, says why.
+    for (path, why) in [
+        ("/tollgate/status/reset?rule=uploads&key=alice", "in flight"),
+        ("/tollgate/status?rule=nope&key=alice", "no rule named"),
+        (
+            "/tollgate/status?rule=per-user",
+            "1 key part(s), 0 value(s)",
+        ),
+    ] {
+        let method = if path.contains("/reset") {
+            "POST"
+        } else {
+            "GET"
+        };
+        let (code, body) = status(method, path);
+        assert_eq!(code, 400, "{path}: {body}");
+        assert!(
+            body["error"].as_str().unwrap().contains(why),
+            "{path}: {body}"
+        );
+    }
+    let (_, uploads) = status("GET", "/tollgate/status?rule=uploads&key=alice");
+    assert_eq!(
+        (uploads["in_flight"].clone(), uploads["available"].clone()),
+        (0.into(), 2.into()),
+        "{uploads}"
+    );
+}

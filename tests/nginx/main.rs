@@ -853,6 +853,30 @@ fn the_status_path_shows_the_key_refused_most_and_is_closed_to_other_addresses()
         .try_send_body("POST", &nginx.url("/tollgate/status"), &[], Some(b""))
         .unwrap();
     assert_eq!(post.status, 405);
+    // One key's state, and its reset: her burst again, once.
+    let heavy = Client::new().get(&nginx.url("/tollgate/status?rule=per-user&key=heavy"), &[]);
+    let heavy: Value = serde_json::from_str(&heavy.body).unwrap();
+    assert_eq!(
+        (heavy["limited"].clone(), heavy["available"].clone()),
+        (true.into(), 0.into()),
+        "{heavy}"
+    );
+    let reset = Client::new()
+        .try_send_body(
+            "POST",
+            &nginx.url("/tollgate/status/reset?rule=per-user&key=heavy"),
+            &[],
+            Some(b""),
+        )
+        .unwrap();
+    assert_eq!(reset.status, 200, "{}", reset.body);
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut admitted = 0;
+    while admitted == 0 && Instant::now() < deadline {
+        admitted = statuses(&url, &[("x-user", "heavy")], 1).0;
+    }
+    assert_eq!(admitted, 1, "heavy still refused after the reset");
+    assert_eq!(statuses(&url, &[("x-user", "heavy")], 6), (4, 2));
     assert!(nginx.workers_healthy(), "{}", nginx.log());
     let closed = Nginx::start(&plugin("10.0.0.0/8"));
     assert_eq!(
