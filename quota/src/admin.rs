@@ -2,9 +2,10 @@
 //! limits served lately and their busiest keys, one bucket's state, and its reset.
 
 use crate::busiest::{LimitReport, KEYS_PER_LIMIT, WINDOW_MS};
-use crate::credentials::constant_time_eq;
+use crate::credentials::{bearer_token, constant_time_eq};
 use crate::service::{error, Service};
 use crate::store::{now_ms, BucketState, StoreError};
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -53,7 +54,7 @@ pub fn router(service: Arc<Service>, token: String) -> Router {
 fn refuse_unless_admin(admin: &Admin, headers: &HeaderMap) -> Option<Response> {
     let given = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+        .and_then(|v| bearer_token(v.as_bytes()));
     match given {
         Some(given) if constant_time_eq(given, admin.token.as_bytes()) => None,
         _ => Some(error(
@@ -79,11 +80,17 @@ struct LimitsAnswer {
 async fn limits(
     State(admin): State<Arc<Admin>>,
     headers: HeaderMap,
-    Query(q): Query<LimitsQuery>,
+    q: Result<Query<LimitsQuery>, QueryRejection>,
 ) -> Response {
     if let Some(refused) = refuse_unless_admin(&admin, &headers) {
         return refused;
     }
+    let Ok(Query(q)) = q else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the query is limit_id=ID and top=N (a whole number, 1 to 32), each at most once",
+        );
+    };
     let top = q.top.unwrap_or(10).clamp(1, KEYS_PER_LIMIT);
     let limits = admin
         .service
@@ -208,11 +215,17 @@ fn answer(
 async fn bucket(
     State(admin): State<Arc<Admin>>,
     headers: HeaderMap,
-    Path((limit_id, key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
     if let Some(refused) = refuse_unless_admin(&admin, &headers) {
         return refused;
     }
+    let Ok(Path((limit_id, key))) = path else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the limit id and the key must be UTF-8",
+        );
+    };
     let state = admin.service.store.bucket(&limit_id, &key).await;
     answer(&admin, limit_id, key, state)
 }
@@ -220,11 +233,17 @@ async fn bucket(
 async fn reset(
     State(admin): State<Arc<Admin>>,
     headers: HeaderMap,
-    Path((limit_id, key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
     if let Some(refused) = refuse_unless_admin(&admin, &headers) {
         return refused;
     }
+    let Ok(Path((limit_id, key))) = path else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the limit id and the key must be UTF-8",
+        );
+    };
     let state = admin.service.store.reset(&limit_id, &key).await;
     if matches!(&state, Ok(s) if s.bucket.is_some()) {
         tracing::info!(%limit_id, %key, "bucket reset by the admin API");

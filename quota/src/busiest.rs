@@ -23,8 +23,6 @@ pub struct KeyCounts {
     /// Tokens asked for (the sketch ranks by this).
     pub asked: u64,
     pub granted: u64,
-    /// Tokens its proxies reported spending.
-    pub spent: u64,
     /// Items granted nothing though they asked.
     pub denied: u64,
     pub overcount: u64,
@@ -36,7 +34,7 @@ struct Window {
 }
 
 impl Window {
-    fn add(&mut self, key: &str, asked: u64, granted: u64, spent: u64, denied: u64) {
+    fn add(&mut self, key: &str, asked: u64, granted: u64, denied: u64) {
         let at = match self.keys.iter().position(|k| k.key == key) {
             Some(at) => at,
             None if self.keys.len() < KEYS_PER_LIMIT => {
@@ -65,7 +63,6 @@ impl Window {
         let k = &mut self.keys[at];
         k.asked = k.asked.saturating_add(asked);
         k.granted = k.granted.saturating_add(granted);
-        k.spent = k.spent.saturating_add(spent);
         k.denied = k.denied.saturating_add(denied);
     }
 }
@@ -168,7 +165,6 @@ impl Busiest {
                     Some(p) => {
                         p.asked += k.asked;
                         p.granted += k.granted;
-                        p.spent += k.spent;
                         p.denied += k.denied;
                         p.overcount += k.overcount;
                     }
@@ -248,7 +244,7 @@ impl Recorder<'_> {
         let asked = item.wanted > 0 || item.demand_mtps() > 0;
         let denied = u64::from(asked && grant.granted == 0 && grant.rate == 0.0);
         seen.current
-            .add(&item.key, item.wanted, grant.granted, item.used, denied);
+            .add(&item.key, item.wanted, grant.granted, denied);
     }
 }
 

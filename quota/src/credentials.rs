@@ -107,7 +107,7 @@ impl Credentials {
         if !self.required() {
             return Some(Caller::Anyone);
         }
-        let given = authorization?.strip_prefix("Bearer ")?.as_bytes();
+        let given = bearer_token(authorization?.as_bytes())?;
         // Every token is compared (in constant time each), whichever matches.
         let mut proxy = None;
         for p in &self.proxies {
@@ -168,6 +168,13 @@ impl Credentials {
     }
 }
 
+/// The token of an `Authorization: Bearer <token>` value (the scheme in any case, RFC 9110).
+pub fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(7)?;
+    scheme.eq_ignore_ascii_case(b"bearer ").then_some(token)
+}
+
+/// Equal, in time that does not depend on where they differ.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

@@ -187,6 +187,9 @@ async fn run(args: Args) -> Result<(), String> {
         .iter()
         .map(|s| ProxyToken::parse(s))
         .collect::<Result<Vec<_>, _>>()?;
+    if args.token.as_deref().is_some_and(str::is_empty) {
+        return Err("--token must not be empty (leave it out for no token)".into());
+    }
     if let Some(admin) = &args.admin_token {
         let mut proxy_tokens: Vec<&str> = proxies.iter().map(|p| p.token.as_str()).collect();
         proxy_tokens.extend(args.token.as_deref());

@@ -47,38 +47,41 @@ impl TopKey {
     }
 
     fn set_display(&mut self, key: &[u8], max: usize) {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let max = max.min(DISPLAY_BYTES);
+        // Several parts: a `,` inside a value is escaped too, so that only the separator is one
+        // (("x, y", "z") and ("x", "y, z") are two keys, shown as two).
+        let several = crate::key::parts(key).nth(1).is_some();
         let mut n = 0;
-        let mut put = |b: u8, n: &mut usize| {
-            if *n < max {
-                self.display[*n] = b;
-                *n += 1;
+        // Each piece whole or not at all: an escape is never cut in two.
+        let mut put = |piece: &[u8], n: &mut usize| {
+            if *n + piece.len() <= max {
+                self.display[*n..*n + piece.len()].copy_from_slice(piece);
+                *n += piece.len();
             }
         };
         for (i, part) in crate::key::parts(key).enumerate() {
             if i > 0 {
-                put(b',', &mut n);
-                put(b' ', &mut n);
+                put(b", ", &mut n);
             }
             let Some(value) = part else {
-                for &b in b"(none)" {
-                    put(b, &mut n);
-                }
+                put(b"(none)", &mut n);
                 continue;
             };
             for &b in value {
-                if (0x20..0x7f).contains(&b) && b != b'\\' {
-                    put(b, &mut n);
+                let plain = (0x20..0x7f).contains(&b) && b != b'\\' && !(several && b == b',');
+                if plain {
+                    put(&[b], &mut n);
                 } else {
-                    const HEX: &[u8; 16] = b"0123456789abcdef";
-                    for e in [
-                        b'\\',
-                        b'x',
-                        HEX[usize::from(b >> 4)],
-                        HEX[usize::from(b & 15)],
-                    ] {
-                        put(e, &mut n);
-                    }
+                    put(
+                        &[
+                            b'\\',
+                            b'x',
+                            HEX[usize::from(b >> 4)],
+                            HEX[usize::from(b & 15)],
+                        ],
+                        &mut n,
+                    );
                 }
             }
         }
@@ -391,7 +394,7 @@ impl super::Engine {
             let shown: Vec<String> = refused
                 .iter()
                 .take(5)
-                .map(|k| format!("{} ({} refused)", self.shown_key(k), k.refused))
+                .map(|k| format!("{:?} ({} refused)", self.shown_key(k), k.refused))
                 .collect();
             parts.push(format!(
                 "{}: {}",
@@ -567,6 +570,21 @@ mod tests {
         assert_eq!(t.display(), b"tenant, (none)");
         t.set_display(&k, 3);
         assert_eq!(t.display(), b"ten");
+        // An escape is never cut; with several parts a comma in a value is escaped.
+        let one = |v: &[u8]| {
+            let mut k = KeyBytes::new();
+            push_key_part(&mut k, Some(v));
+            k
+        };
+        t.set_display(&one(b"abcd\xff"), 5);
+        assert_eq!(t.display(), b"abcd");
+        t.set_display(&one(b"a, b"), 64);
+        assert_eq!(t.display(), b"a, b");
+        let mut two = KeyBytes::new();
+        push_key_part(&mut two, Some(b"x, y"));
+        push_key_part(&mut two, Some(b"z"));
+        t.set_display(&two, 64);
+        assert_eq!(t.display(), b"x\\x2c y, z");
         // Anything decodes to something bounded.
         assert!(ProcessTop::decode(&[0xff; 300]).keys.len() <= PROCESS_KEYS);
     }

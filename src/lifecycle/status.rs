@@ -35,8 +35,8 @@ pub fn serve<H: Host, V: RequestView>(plugin: &Plugin<H>, request: &Request<V>) 
     let token_ok = status.token.as_ref().is_none_or(|t| {
         bearer
             .as_deref()
-            .and_then(|b| b.strip_prefix(b"Bearer "))
-            .is_some_and(|given| constant_time_eq(given, t.as_bytes()))
+            .and_then(|b| bearer_token(b).map(<[u8]>::to_vec))
+            .is_some_and(|given| constant_time_eq(&given, t.as_bytes()))
     });
     let (code, body) = if !allowed {
         (
@@ -171,6 +171,12 @@ fn error_json(message: &str) -> String {
     json_string(&mut out, message);
     out.push('}');
     out
+}
+
+/// The token of an `authorization: Bearer <token>` value (the scheme in any case, RFC 9110).
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(7)?;
+    scheme.eq_ignore_ascii_case(b"bearer ").then_some(token)
 }
 
 /// Equal, in time that does not depend on where they differ.

@@ -182,7 +182,7 @@ fn the_status_path_shows_three_flooding_addresses_on_top_among_ten_thousand() {
     assert!(
         eventually(Duration::from_secs(5), || envoy
             .log()
-            .contains("keys refused most: per-ip: 192.0.2.")),
+            .contains(r#"keys refused most: per-ip: "192.0.2."#)),
         "no log line"
     );
 }
@@ -246,10 +246,14 @@ fn the_status_path_shows_one_keys_state_and_resets_it() {
         (200, true.into()),
         "{reset}"
     );
-    // (A worker that refused her in the last 20 ms trusts that refusal for the rest of them.)
-    assert!(eventually(Duration::from_secs(1), || send("alice") == 200));
-    let statuses: Vec<u16> = (0..4).map(|_| send("alice")).collect();
-    assert_eq!(statuses, [200, 200, 429, 429], "her burst again, once");
+    // Her burst again, once, over both workers (a worker that refused her in the last 20 ms
+    // trusts that refusal for the rest of them: her requests for 300 ms are counted).
+    let until = std::time::Instant::now() + Duration::from_millis(300);
+    let mut admitted = 0;
+    while std::time::Instant::now() < until {
+        admitted += usize::from(send("alice") == 200);
+    }
+    assert_eq!(admitted, 3, "her burst again, once");
     // What cannot be reset, or named, says why.
     for (path, why) in [
         ("/tollgate/status/reset?rule=uploads&key=alice", "in flight"),

@@ -34,9 +34,22 @@ pub(super) fn validate(raw: RawStatus) -> Result<Status, ConfigError> {
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if allow.is_empty() {
+        return Err(err(
+            "status.allow",
+            "names no network: nobody could read the status",
+        ));
+    }
     if let Some(token) = &raw.token {
         if token.len() < 16 {
             return Err(err("status.token", "must be at least 16 bytes"));
+        }
+        // What a header can carry and hosts keep as sent (no spaces: hosts trim them).
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(err(
+                "status.token",
+                "must be printable ASCII without spaces (a header's value could not carry it)",
+            ));
         }
     }
     let max_key_bytes = raw.max_key_bytes.unwrap_or(64);
@@ -62,4 +75,49 @@ pub(super) fn validate(raw: RawStatus) -> Result<Status, ConfigError> {
             0
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn error(status: &str) -> String {
+        let json = format!(
+            r#"{{"rules":[{{"name":"r","limit":{{"requests":1,"per":"1s"}}}}],"status":{status}}}"#
+        );
+        Config::parse(json.as_bytes())
+            .map(|_| String::new())
+            .unwrap_or_else(|e| e.to_string())
+    }
+
+    #[test]
+    fn what_could_never_be_read_is_refused_naming_the_field() {
+        for (status, field) in [
+            (r#"{"path":"/s","allow":[]}"#, "status.allow"),
+            (
+                r#"{"path":"/s","allow":["10.0.0.0/33"]}"#,
+                "status.allow[0]",
+            ),
+            (
+                r#"{"path":"/s","token":"abcdefghijklmnop  "}"#,
+                "status.token",
+            ),
+            (r#"{"path":"/s","token":"abcdefghijklmno"}"#, "status.token"),
+            (r#"{"path":"s"}"#, "status.path"),
+            (r#"{"path":"/s?x"}"#, "status.path"),
+            (r#"{"path":"/s","max_key_bytes":0}"#, "status.max_key_bytes"),
+            (
+                r#"{"path":"/s","max_key_bytes":129}"#,
+                "status.max_key_bytes",
+            ),
+            (r#"{"path":"/s","log_every":"999ms"}"#, "status.log_every"),
+        ] {
+            let e = error(status);
+            assert!(e.starts_with(field), "{status}: {e}");
+        }
+        assert_eq!(
+            error(r#"{"path":"/s","token":"abcdefghijklmnop","max_key_bytes":128}"#),
+            ""
+        );
+    }
 }
