@@ -217,17 +217,7 @@ async fn bucket(
     headers: HeaderMap,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
-    if let Some(refused) = refuse_unless_admin(&admin, &headers) {
-        return refused;
-    }
-    let Ok(Path((limit_id, key))) = path else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "the limit id and the key must be UTF-8",
-        );
-    };
-    let state = admin.service.store.bucket(&limit_id, &key).await;
-    answer(&admin, limit_id, key, state)
+    look_or_reset(&admin, &headers, path, false).await
 }
 
 async fn reset(
@@ -235,7 +225,17 @@ async fn reset(
     headers: HeaderMap,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
-    if let Some(refused) = refuse_unless_admin(&admin, &headers) {
+    look_or_reset(&admin, &headers, path, true).await
+}
+
+/// The bucket the call names, or (`reset`) its reset, once the call is an admin's.
+async fn look_or_reset(
+    admin: &Admin,
+    headers: &HeaderMap,
+    path: Result<Path<(String, String)>, PathRejection>,
+    reset: bool,
+) -> Response {
+    if let Some(refused) = refuse_unless_admin(admin, headers) {
         return refused;
     }
     let Ok(Path((limit_id, key))) = path else {
@@ -244,9 +244,14 @@ async fn reset(
             "the limit id and the key must be UTF-8",
         );
     };
-    let state = admin.service.store.reset(&limit_id, &key).await;
+    let store = &admin.service.store;
+    if !reset {
+        let state = store.bucket(&limit_id, &key).await;
+        return answer(admin, limit_id, key, state);
+    }
+    let state = store.reset(&limit_id, &key).await;
     if matches!(&state, Ok(s) if s.bucket.is_some()) {
         tracing::info!(%limit_id, %key, "bucket reset by the admin API");
     }
-    answer(&admin, limit_id, key, state)
+    answer(admin, limit_id, key, state)
 }

@@ -3,7 +3,7 @@
 
 use super::Engine;
 use crate::config::{OverrideAction, Quota};
-use tollgate_core::slot::update_slot;
+use tollgate_core::slot::{update_slot, Slot};
 use tollgate_core::state::STATE_BYTES;
 use tollgate_core::{CasStore, Decision, Limit};
 
@@ -56,6 +56,27 @@ impl Engine {
         )
     }
 
+    /// `change` the slot of `key` at `quota` (writing it if it says so), if the key has one.
+    fn on_slot<S: CasStore + ?Sized, T>(
+        &self,
+        store: &S,
+        quota: &Quota,
+        key: &[u8],
+        attempts: u32,
+        change: impl FnMut(&mut Slot) -> (bool, T),
+    ) -> Result<Option<T>, String> {
+        let slot = quota.table.locate_hash(self.placement.hash(key));
+        let group = quota.table.store_key(slot.group);
+        update_slot(
+            store,
+            group.as_str(),
+            attempts,
+            |g| g.slots.iter().position(|s| s.tag == slot.tag),
+            change,
+        )
+        .map_err(|e| format!("shared data: {e:?}"))
+    }
+
     /// Key `key` of local rule `rule` at `now_ns`.
     pub fn key_state<S: CasStore + ?Sized>(
         &self,
@@ -68,16 +89,7 @@ impl Engine {
             Ok(q) => q,
             Err(action) => return Ok(KeyState::Override(action)),
         };
-        let slot = quota.table.locate_hash(self.placement.hash(key));
-        let group = quota.table.store_key(slot.group);
-        let state = update_slot(
-            store,
-            group.as_str(),
-            1,
-            |g| g.slots.iter().position(|s| s.tag == slot.tag),
-            |s| (false, s.state),
-        )
-        .map_err(|e| format!("shared data: {e:?}"))?;
+        let state = self.on_slot(store, quota, key, 1, |s| (false, s.state))?;
         let found = state.is_some();
         let state = state.unwrap_or([0; STATE_BYTES]);
         let limit = &quota.limit;
@@ -131,19 +143,10 @@ impl Engine {
                     .into(),
             );
         }
-        let slot = quota.table.locate_hash(self.placement.hash(key));
-        let group = quota.table.store_key(slot.group);
-        let reset = update_slot(
-            store,
-            group.as_str(),
-            8,
-            |g| g.slots.iter().position(|s| s.tag == slot.tag),
-            |s| {
-                s.state = [0; STATE_BYTES];
-                (true, ())
-            },
-        )
-        .map_err(|e| format!("shared data: {e:?}"))?;
+        let reset = self.on_slot(store, quota, key, 8, |s| {
+            s.state = [0; STATE_BYTES];
+            (true, ())
+        })?;
         Ok(reset.is_some())
     }
 }
