@@ -243,39 +243,32 @@ pub use crate::network::strip_port;
 
 /// The first value of query parameter `name` in `path` (`/p?a=1&b=2#f`), decoded.
 pub fn query_value(path: &[u8], name: &[u8]) -> Option<Vec<u8>> {
-    let start = path.iter().position(|&b| b == b'?')? + 1;
+    query_params(path, name).next()
+}
+
+/// Every value of query parameter `name` in `path`, decoded, in order.
+pub fn query_values(path: &[u8], name: &[u8]) -> Vec<Vec<u8>> {
+    query_params(path, name).collect()
+}
+
+/// The values of query parameter `name` in `path`, decoded as they are asked for.
+fn query_params<'p>(path: &'p [u8], name: &'p [u8]) -> impl Iterator<Item = Vec<u8>> + 'p {
+    let start = path
+        .iter()
+        .position(|&b| b == b'?')
+        .map_or(path.len(), |q| q + 1);
     let query = &path[start..];
     let query = &query[..query.iter().position(|&b| b == b'#').unwrap_or(query.len())];
     query
         .split(|&b| b == b'&')
         .filter(|pair| !pair.is_empty())
-        .find_map(|pair| {
+        .filter_map(move |pair| {
             let (k, v) = match pair.iter().position(|&b| b == b'=') {
                 Some(eq) => (&pair[..eq], &pair[eq + 1..]),
                 None => (pair, &pair[pair.len()..]),
             };
             (form_decode(k) == name).then(|| form_decode(v))
         })
-}
-
-/// Every value of query parameter `name` in `path`, decoded, in order.
-pub fn query_values(path: &[u8], name: &[u8]) -> Vec<Vec<u8>> {
-    let Some(start) = path.iter().position(|&b| b == b'?') else {
-        return Vec::new();
-    };
-    let query = &path[start + 1..];
-    let query = &query[..query.iter().position(|&b| b == b'#').unwrap_or(query.len())];
-    query
-        .split(|&b| b == b'&')
-        .filter(|pair| !pair.is_empty())
-        .filter_map(|pair| {
-            let (k, v) = match pair.iter().position(|&b| b == b'=') {
-                Some(eq) => (&pair[..eq], &pair[eq + 1..]),
-                None => (pair, &pair[pair.len()..]),
-            };
-            (form_decode(k) == name).then(|| form_decode(v))
-        })
-        .collect()
 }
 
 /// `application/x-www-form-urlencoded` decoding to bytes: `+` is a space, `%XX` a byte; a `%`

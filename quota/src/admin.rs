@@ -2,7 +2,6 @@
 //! limits served lately and their busiest keys, one bucket's state, and its reset.
 
 use crate::busiest::{LimitReport, KEYS_PER_LIMIT, WINDOW_MS};
-use crate::credentials::{bearer_token, constant_time_eq};
 use crate::service::{error, Service};
 use crate::store::{now_ms, BucketState, StoreError};
 use axum::extract::rejection::{PathRejection, QueryRejection};
@@ -13,6 +12,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+use tollgate_core::bearer::{bearer_token, constant_time_eq};
 use tollgate_core::global::lease::LeaseItem;
 
 /// The admin API's own token: at least this long.

@@ -134,6 +134,7 @@ impl Busiest {
     }
 
     /// Count a served call's items (`grants[i]` answers `items[i]`).
+    #[cfg(test)]
     pub fn record(&self, items: &[LeaseItem], grants: &[LeaseGrant], now_ms: u64) {
         let mut recorder = self.recorder(now_ms);
         for (item, grant) in items.iter().zip(grants) {

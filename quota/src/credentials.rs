@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tollgate_core::bearer::{bearer_token, constant_time_eq};
 
 /// Shortest proxy token accepted: a token anyone could guess protects nothing.
 pub const MIN_TOKEN_BYTES: usize = 16;
@@ -166,17 +167,6 @@ impl Credentials {
         instances.insert(bound.clone(), now);
         Ok(bound)
     }
-}
-
-/// The token of an `Authorization: Bearer <token>` value (the scheme in any case, RFC 9110).
-pub fn bearer_token(value: &[u8]) -> Option<&[u8]> {
-    let (scheme, token) = value.split_at_checked(7)?;
-    scheme.eq_ignore_ascii_case(b"bearer ").then_some(token)
-}
-
-/// Equal, in time that does not depend on where they differ.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use crate::network::ClientIp;
 use crate::request::{query_values, Request, RequestView};
 use log::{error, info};
 use std::fmt::Write;
+use tollgate_core::bearer::{bearer_token, constant_time_eq};
 
 /// Answer `request` if it is for the status path; `None` for any other request.
 pub fn serve<H: Host, V: RequestView>(plugin: &Plugin<H>, request: &Request<V>) -> Option<Action> {
@@ -171,15 +172,4 @@ fn error_json(message: &str) -> String {
     json_string(&mut out, message);
     out.push('}');
     out
-}
-
-/// The token of an `authorization: Bearer <token>` value (the scheme in any case, RFC 9110).
-fn bearer_token(value: &[u8]) -> Option<&[u8]> {
-    let (scheme, token) = value.split_at_checked(7)?;
-    scheme.eq_ignore_ascii_case(b"bearer ").then_some(token)
-}
-
-/// Equal, in time that does not depend on where they differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

@@ -1,11 +1,10 @@
 //! The admin API's look at one bucket in Redis, and its reset: `admin.lua` on the node serving
 //! the bucket's slot, its answer decoded into the bucket the lease script keeps.
 
-use super::cluster::{marker, slot};
+use super::cluster::{marker, master_of, slot};
 use super::connection::{failed, Connection};
 use super::{RedisStore, ScriptRunner};
 use crate::store::{BucketState, StoreError};
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use tollgate_core::global::lease::{GlobalBucket, Holder};
 
 const ADMIN_LUA: &str = include_str!("admin.lua");
@@ -69,10 +68,7 @@ impl ScriptRunner {
                 answer
             }
             Connection::Cluster(mut c) => {
-                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-                    slot,
-                    SlotAddr::Master,
-                )));
+                let to = master_of(slot);
                 c.route_command(cmd.clone(), to)
                     .await
                     .and_then(redis::Value::extract_error)

@@ -62,6 +62,15 @@ pub(super) fn slot_ranges(answer: redis::Value) -> Vec<(u16, u16, (String, u16))
         .collect()
 }
 
+/// Where a command for `slot` goes on a cluster: the master serving it.
+pub(super) fn master_of(slot: u16) -> redis::cluster_routing::RoutingInfo {
+    use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+    RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+        slot,
+        SlotAddr::Master,
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,11 +16,11 @@ mod connection;
 mod script;
 
 use crate::store::StoreError;
-use cluster::{marker, slot, slot_ranges, SLOTS};
+use cluster::{marker, master_of, slot, slot_ranges, SLOTS};
 use connection::{failed, manager_config, reconnects, sentinel_client, Connection, SentinelLink};
 pub use connection::{redact, MasterAccess, RedisTarget, RedisTls};
 use futures::future::join_all;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use script::{eval_or_load, Script, Scripted, LEASE_LUA, SLOTS_LUA};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -484,10 +484,7 @@ impl ScriptRunner {
                 answers
             }
             Connection::Cluster(mut c) => {
-                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-                    slot,
-                    SlotAddr::Master,
-                )));
+                let to = master_of(slot);
                 // Server errors come back as values here: make them errors.
                 let first = c
                     .route_command(evalsha.clone(), to.clone())
