@@ -187,7 +187,14 @@ impl Engine {
         let guarded = config.rules.iter().any(|r| r.guard().is_some());
         let paces = config.rules.iter().any(|r| r.pace.is_some());
         let top = match &config.status {
-            Some(status) => top::TopCounts::new(config.rules.len(), status.max_key_bytes),
+            Some(status) => top::TopCounts::new(config.rules.len(), status.max_key_bytes)
+                .stored_at(
+                    config
+                        .rules
+                        .iter()
+                        .map(|r| r.quota().map(|q| format!("{}.top", q.table.prefix())))
+                        .collect(),
+                ),
             None => top::TopCounts::default(),
         };
         Self {

@@ -145,6 +145,10 @@ pub struct TopCounts {
     next_merge_ms: u64,
     /// When this worker looks at whether the log line is due next (ms).
     next_log_ms: u64,
+    /// Where each rule's process counts live in shared data (none: a rule without a limit), and
+    /// the key that claims the log line.
+    shared: Vec<Option<String>>,
+    log_key: Option<String>,
 }
 
 impl TopCounts {
@@ -159,7 +163,17 @@ impl TopCounts {
             max_display,
             next_merge_ms: 0,
             next_log_ms: 0,
+            shared: Vec::new(),
+            log_key: None,
         }
+    }
+
+    /// Where each rule's process counts live (`shared[rule]`); the first also names the key
+    /// that claims the log line.
+    pub fn stored_at(mut self, shared: Vec<Option<String>>) -> Self {
+        self.log_key = shared.iter().flatten().next().map(|k| format!("{k}.log"));
+        self.shared = shared;
+        self
     }
 
     pub fn seen(&mut self, rule: usize, place: u128, key: &[u8]) {
@@ -182,6 +196,7 @@ impl TopCounts {
 
     /// Add this worker's counts of rule `rule` into the process's under `key`, and start anew;
     /// a merge that fails keeps them for the next.
+    #[cfg(test)]
     pub fn merge<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
@@ -190,18 +205,47 @@ impl TopCounts {
         now_ms: u64,
     ) -> Result<(), UpdateError> {
         self.next_merge_ms = now_ms + MERGE_MS;
-        let Some(top) = self.rules.get_mut(rule) else {
-            return Ok(());
-        };
-        if top.keys.is_empty() {
+        match self.rules.get_mut(rule) {
+            Some(top) => top.merge(store, key, now_ms),
+            None => Ok(()),
+        }
+    }
+
+    /// Add every rule's counts into the process's where they are stored, when due.
+    pub fn merge_due_counts<S: CasStore + ?Sized>(&mut self, store: &S, now_ms: u64) {
+        if !self.merge_due(now_ms) {
+            return;
+        }
+        self.next_merge_ms = now_ms + MERGE_MS;
+        for (rule, (top, key)) in self.rules.iter_mut().zip(&self.shared).enumerate() {
+            let Some(key) = key else {
+                continue;
+            };
+            if let Err(e) = top.merge(store, key, now_ms) {
+                log::debug!("status counts of rule {rule} not merged: {e:?}");
+            }
+        }
+    }
+}
+
+impl WorkerTop {
+    /// Add these counts into the process's under `key`, and start anew; a merge that fails keeps
+    /// them for the next.
+    fn merge<S: CasStore + ?Sized>(
+        &mut self,
+        store: &S,
+        key: &str,
+        now_ms: u64,
+    ) -> Result<(), UpdateError> {
+        if self.keys.is_empty() {
             return Ok(());
         }
         update(store, key, 4, |old| {
             let mut process = ProcessTop::decode(old.unwrap_or_default());
-            process.add(&top.keys, now_ms);
+            process.add(&self.keys, now_ms);
             (Some(process.encode()), ())
         })?;
-        top.keys.clear();
+        self.keys.clear();
         Ok(())
     }
 }
@@ -300,35 +344,20 @@ impl ProcessTop {
     }
 }
 
-/// The shared-data key of rule `rule`'s process counts.
-fn top_key(engine: &super::Engine, rule: usize) -> Option<String> {
-    let quota = engine.config.rules.get(rule)?.quota()?;
-    Some(format!("{}.top", quota.table.prefix()))
-}
-
 impl super::Engine {
     /// Add this worker's counts into the process's, when due (on the tick).
     pub fn merge_top<S: CasStore + ?Sized>(&mut self, store: &S, now_ns: u64) {
-        let now_ms = now_ns / 1_000_000;
-        if !self.top.merge_due(now_ms) {
-            return;
-        }
-        for rule in 0..self.config.rules.len() {
-            let Some(key) = top_key(self, rule) else {
-                continue;
-            };
-            if let Err(e) = self.top.merge(store, rule, &key, now_ms) {
-                log::debug!("status counts of rule {rule} not merged: {e:?}");
-            }
-        }
+        self.top.merge_due_counts(store, now_ns / 1_000_000);
     }
 
     /// Each rule's process counts, most seen first (rules without a limit: none).
     pub fn top_keys<S: CasStore + ?Sized>(&self, store: &S) -> Vec<(usize, ProcessTop)> {
-        (0..self.config.rules.len())
-            .filter_map(|rule| {
-                let key = top_key(self, rule)?;
-                let bytes = store.read(&key).ok().flatten().map(|(b, _)| b);
+        self.top
+            .shared
+            .iter()
+            .enumerate()
+            .filter_map(|(rule, key)| {
+                let bytes = store.read(key.as_deref()?).ok().flatten().map(|(b, _)| b);
                 Some((
                     rule,
                     ProcessTop::decode(bytes.as_deref().unwrap_or_default()),
@@ -417,8 +446,8 @@ impl super::Engine {
         }
         // Look again a second later at the earliest (another worker may have logged).
         self.top.next_log_ms = now_ms + MERGE_MS;
-        let key = format!("{}.log", top_key_any(self)?);
-        let claimed = update(store, &key, 2, |old| {
+        let key = self.top.log_key.as_deref()?;
+        let claimed = update(store, key, 2, |old| {
             let due = old
                 .and_then(|b| b.get(..8))
                 .and_then(|b| b.try_into().ok())
@@ -433,11 +462,6 @@ impl super::Engine {
             _ => None,
         }
     }
-}
-
-/// The shared-data key of the first rule with a limit.
-fn top_key_any(engine: &super::Engine) -> Option<String> {
-    (0..engine.config.rules.len()).find_map(|r| top_key(engine, r))
 }
 
 /// `s` as a JSON string.
