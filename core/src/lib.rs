@@ -7,6 +7,7 @@ pub mod algorithm;
 #[cfg(feature = "arbitrary-json")]
 pub mod arbitrary_json;
 pub mod bearer;
+pub mod calendar;
 pub mod global;
 pub mod limiter;
 pub mod local;

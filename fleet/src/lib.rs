@@ -122,6 +122,7 @@ impl Scenario {
             global_burst: self.burst,
             global_interval_ns: self.per_ms * 1_000_000 / self.requests,
             global_rate_mtps: rate_mtps(self.requests, self.per_ms),
+            calendar: false,
         }
     }
 

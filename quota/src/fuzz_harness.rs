@@ -24,6 +24,7 @@ pub fn memory_service() -> Arc<Service> {
         lease_ttl_ms: 10_000,
         metrics: Metrics::default(),
         body_timeout: Duration::from_secs(5),
+        calendar: Default::default(),
     })
 }
 

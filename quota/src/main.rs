@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tollgate_core::global::lease::ColdStart;
+use tollgate_quota::calendar::CalendarClock;
 use tollgate_quota::credentials::{Credentials, ProxyToken};
 use tollgate_quota::metrics::Metrics;
 use tollgate_quota::server::{serve, ServerLimits};
@@ -148,6 +149,11 @@ struct Args {
     /// A lease call's body must arrive within this long (408 otherwise).
     #[arg(long, env = "TOLLGATE_QUOTA_BODY_TIMEOUT_MS", default_value_t = 5_000)]
     body_timeout_ms: u64,
+    /// The time calendar quotas' periods are read at when the service starts (RFC 3339, such as
+    /// 2026-11-30T23:59:50+01:00); they run on from it. To try a period's end without waiting
+    /// for it: never in production (the proxies' clocks do not follow).
+    #[arg(long, env = "TOLLGATE_QUOTA_CALENDAR_CLOCK")]
+    calendar_clock: Option<String>,
     /// In-memory store: most buckets kept at once (idle ones make room).
     #[arg(long, env = "TOLLGATE_QUOTA_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
@@ -265,12 +271,29 @@ async fn run(args: Args) -> Result<(), String> {
             cold,
         )),
     };
+    let calendar = match &args.calendar_clock {
+        None => CalendarClock::default(),
+        Some(at) => {
+            let at = chrono::DateTime::parse_from_rfc3339(at)
+                .ok()
+                .and_then(|t| u64::try_from(t.timestamp_millis()).ok())
+                .ok_or_else(|| {
+                    format!("--calendar-clock {at:?} is not an RFC 3339 time after 1970 (2026-11-30T23:59:50+01:00)")
+                })?;
+            tracing::warn!(
+                offset_ms = at as i64 - now_ms() as i64,
+                "calendar quotas read their periods by --calendar-clock, not this machine's clock"
+            );
+            CalendarClock::reading(at, now_ms())
+        }
+    };
     let service = Arc::new(Service {
         store,
         credentials,
         lease_ttl_ms: args.lease_ttl_ms,
         metrics: Metrics::default(),
         body_timeout: Duration::from_millis(args.body_timeout_ms),
+        calendar,
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

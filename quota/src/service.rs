@@ -1,5 +1,6 @@
 //! The HTTP API: `POST /v1/lease`, `POST /v1/slots`, `GET /healthz`, `GET /metrics`.
 
+use crate::calendar::CalendarClock;
 use crate::credentials::{Caller, Credentials};
 use crate::metrics::{Holder, Metrics, Outcome};
 use crate::store::{Answers, Store, StoreError};
@@ -27,6 +28,8 @@ pub struct Service {
     pub metrics: Metrics,
     /// A lease call's body must arrive within this long.
     pub body_timeout: Duration,
+    /// The clock calendar quotas' periods are read by.
+    pub calendar: CalendarClock,
 }
 
 /// Largest lease call body accepted (1 000 items of the longest names fit).
@@ -226,8 +229,21 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
         Err(answer) => return answer,
     };
     let mut problems = request.item_problems();
-    let served = serve(request.items, &problems, |item| {
-        item.limit_id = bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
+    let mut items = request.items;
+    let now_ms = crate::store::now_ms();
+    for (item, problem) in items.iter_mut().zip(problems.iter_mut()) {
+        if problem.is_none() {
+            if let Err(e) = service.calendar.place(item, now_ms, service.lease_ttl_ms) {
+                *problem = Some(e);
+            }
+        }
+    }
+    let served = serve(items, &problems, |item| {
+        // (A calendar item's name is bound to its period too, by `place`.)
+        if item.period.is_none() {
+            item.limit_id =
+                bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
+        }
     });
     let result = if served.is_empty() {
         Ok(Answers::from(Vec::new()))

@@ -4,6 +4,7 @@
 
 use super::model::Config;
 use super::syntax::KeyPart;
+use tollgate_core::calendar::CalendarUnit;
 
 impl Config {
     /// Rule `rule`'s key for a client whose key parts are `values` (one per part of the rule's
@@ -50,19 +51,31 @@ impl Config {
     /// [`Config::key_of`]), as the quota service names it: `(limit_id, key)`, the path of its
     /// admin API's `/admin/v1/buckets/{limit_id}/{key}`. The rule's own limit (not an
     /// override's, nor one from `limit_from`).
-    pub fn service_bucket(&self, rule: &str, values: &[&[u8]]) -> Result<(String, String), String> {
+    ///
+    /// A calendar quota's bucket is its current period's: `period_of` says the bounds of the
+    /// period of a unit in a time zone now (the quota service's rules, which the filter does
+    /// not carry).
+    pub fn service_bucket(
+        &self,
+        rule: &str,
+        values: &[&[u8]],
+        period_of: &dyn Fn(CalendarUnit, &str) -> Option<(u64, u64)>,
+    ) -> Result<(String, String), String> {
         let (index, key) = self.key_of(rule, values)?;
         let global = self.rules[index]
             .global()
             .ok_or_else(|| format!("rule {rule:?} is not global (scope: global, a limit)"))?;
         let secret = self.quota_service.as_ref().and_then(|q| q.key_secret);
         let name = crate::key::service_key(secret, tollgate_core::slot::key_hash(&key));
-        Ok((
-            format!(
-                "{}.{}.{}.{}",
-                global.limit_id, global.requests, global.per_ms, global.burst
-            ),
-            format!("{name:032x}"),
-        ))
+        let mut limit_id = format!(
+            "{}.{}.{}.{}",
+            global.limit_id, global.requests, global.per_ms, global.burst
+        );
+        if let Some(c) = &global.calendar {
+            let (start, end) = period_of(c.unit, &c.time_zone)
+                .ok_or_else(|| format!("no {} in {} now", c.unit.as_str(), c.time_zone))?;
+            limit_id.push_str(&format!(".{start}.{end}"));
+        }
+        Ok((limit_id, format!("{name:032x}")))
     }
 }

@@ -1,6 +1,6 @@
 //! The configuration's JSON shape, as serde reads it (validated into the model by `validate`).
 
-use super::period::Period;
+use super::period::{Per, Period};
 use super::syntax::{FailureMode, FirstLease, HeaderFormat, KeyPart, LogLevel, MissingKey};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
@@ -401,8 +401,21 @@ pub(super) struct RawLimit {
     pub requests: Option<NonZeroU64>,
     /// Bytes per `per` (a byte limit: paces bodies, never refuses a request).
     pub bytes: Option<NonZeroU64>,
-    pub per: Option<Period>,
+    /// A duration, or a calendar period (`"day"`, `"week"`, `"month"`) with `calendar`.
+    pub per: Option<Per>,
     pub concurrent: Option<NonZeroU64>,
+    /// A calendar quota (global rules): `requests` per calendar `per` in this time zone, full
+    /// again when the next period begins.
+    pub calendar: Option<RawCalendar>,
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[cfg_attr(not(target_arch = "wasm32"), schemars(rename = "Calendar"))]
+pub(super) struct RawCalendar {
+    /// An IANA time zone name (`Europe/Berlin`, `America/New_York`); `UTC` by default.
+    pub time_zone: Option<String>,
 }
 
 #[cfg_attr(not(target_arch = "wasm32"), derive(schemars::JsonSchema))]

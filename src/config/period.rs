@@ -1,6 +1,8 @@
-//! Durations as the configuration writes them: `<whole number><unit>`, unit one of ms, s, m, h, d.
+//! Durations as the configuration writes them: `<whole number><unit>`, unit one of ms, s, m, h, d;
+//! and a limit's `per`, a duration or a calendar period.
 
 use serde::de::{self, Deserializer};
+use tollgate_core::calendar::CalendarUnit;
 use serde::Deserialize;
 
 /// The longest accepted duration.
@@ -42,6 +44,40 @@ impl<'de> Deserialize<'de> for Period {
             de::Error::custom(format!(
                 "invalid duration {s:?} (expected a positive whole number and a unit: ms, s, m, h \
                  or d, at most 366d, e.g. \"250ms\", \"1m\")"
+            ))
+        })
+    }
+}
+
+/// A limit's `per`: a duration, or a calendar period (`"day"`, `"week"`, `"month"`: a calendar
+/// quota, with `calendar` beside it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Per {
+    Duration(Period),
+    Calendar(CalendarUnit),
+}
+
+impl Per {
+    /// The period's length (ns); a calendar period's nominal one (a day, 7 days, 31 days).
+    pub fn ns(self) -> u64 {
+        match self {
+            Self::Duration(p) => p.ns,
+            Self::Calendar(unit) => unit.nominal_ms() * 1_000_000,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Per {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if let Some(unit) = CalendarUnit::parse(&s) {
+            return Ok(Self::Calendar(unit));
+        }
+        Period::parse(&s).map(Self::Duration).ok_or_else(|| {
+            de::Error::custom(format!(
+                "invalid per {s:?} (expected a positive whole number and a unit: ms, s, m, h or \
+                 d, at most 366d, e.g. \"1s\", \"1m\"; or a calendar period, \"day\", \"week\" \
+                 or \"month\", with \"calendar\")"
             ))
         })
     }

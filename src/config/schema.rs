@@ -4,7 +4,7 @@
 use super::json::RawConfig;
 use super::json::{Delay, RuleName};
 use super::model::KeyPart;
-use super::period::Period;
+use super::period::{Per, Period};
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use std::borrow::Cow;
 
@@ -31,6 +31,20 @@ impl JsonSchema for Period {
             "pattern": "^[0-9]+(ms|s|m|h|d)$",
             "description": "A positive whole number and a unit (ms, s, m, h, d), at most 366d: \"250ms\", \"1m\".",
             "examples": ["250ms", "1s", "1m", "1h", "1d"]
+        })
+    }
+}
+
+impl JsonSchema for Per {
+    fn schema_name() -> Cow<'static, str> {
+        "Per".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "type": "string",
+            "pattern": "^([0-9]+(ms|s|m|h|d)|day|week|month)$",
+            "description": "A duration (a positive whole number and a unit: ms, s, m, h, d; at most 366d), or a calendar period (day, week, month) with `calendar`.",
+            "examples": ["1s", "1m", "1h", "1d", "month"]
         })
     }
 }

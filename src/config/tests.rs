@@ -234,7 +234,7 @@ fn errors_name_the_field_and_the_reason() {
         ),
         (
             r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}},{"name":"s","limit":{"requests":1,"per":"5x"}}]}"#,
-            r#"rules[1].limit.per: invalid duration "5x""#,
+            r#"rules[1].limit.per: invalid per "5x""#,
         ),
         (
             r#"{"rules":[{"name":"r","limit":{"requests":0,"per":"1s"}}]}"#,
@@ -566,6 +566,47 @@ fn errors_name_the_field_and_the_reason() {
         (
             r#"{"rules":[{"name":"r","response":{"status":42},"limit":{"requests":1,"per":"1s"}}]}"#,
             "rules[0].response.status: 42 is not an HTTP status",
+        ),
+        // Calendar quotas.
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"month"}}]}"#,
+            r#"rules[0].limit.per: "month" is a calendar period: give "calendar""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":1,"per":"30d","calendar":{}}}],"quota_service":{"upstream":"q"}}"#,
+            r#"rules[0].limit.calendar: needs per "day", "week" or "month""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"day","calendar":{}}}]}"#,
+            r#"rules[0].limit.calendar: a calendar quota is counted by the quota service: the rule needs "scope": "global""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":1,"per":"week","calendar":{"time_zone":"Europe/Atlantis"}}}],"quota_service":{"upstream":"q"}}"#,
+            r#"rules[0].limit.calendar.time_zone: "Europe/Atlantis" is not an IANA time zone name"#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":1,"per":"week","calendar":{"zone":"UTC"}}}],"quota_service":{"upstream":"q"}}"#,
+            "rules[0].limit.calendar.zone: unknown field `zone`, expected `time_zone`",
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","burst":2,"limit":{"requests":1,"per":"week","calendar":{}}}],"quota_service":{"upstream":"q"}}"#,
+            "rules[0].burst: a calendar quota's bucket holds its requests",
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","algorithm":"fixed_window","limit":{"requests":1,"per":"week","calendar":{}}}],"quota_service":{"upstream":"q"}}"#,
+            "rules[0].limit.calendar: a calendar quota is requests per period",
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":1,"per":"month","calendar":{}}}],"quota_service":{"upstream":"q","failure_mode":"local"}}"#,
+            r#"rules[0].limit.calendar: a calendar quota has no local stand-in: quota_service.failure_mode "local""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","scope":"global","limit":{"requests":1,"per":"month","calendar":{}}}],"quota_service":{"upstream":"q","first_lease":"provisional"}}"#,
+            r#"rules[0].limit.calendar: a calendar quota has no local stand-in: quota_service.first_lease "provisional""#,
+        ),
+        (
+            r#"{"rules":[{"name":"r","key":["header:x-user"],"limit":{"requests":1,"per":"1s"},"overrides":[{"values":["a"],"limit":{"requests":1,"per":"day","calendar":{}}}]}]}"#,
+            "rules[0].overrides[0].limit.calendar: a calendar quota is a global rule's own limit",
         ),
     ];
     for (input, want) in cases {

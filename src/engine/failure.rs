@@ -109,6 +109,8 @@ impl Engine {
             .rules
             .get(rule)
             .and_then(|r| r.global())
+            // (A calendar quota's tokens come back at its period's end: ask again in a second.)
+            .filter(|g| g.calendar.is_none())
             .map_or(1_000, |g| g.per_ms.div_ceil(g.requests));
         Refusal {
             rule,

@@ -186,8 +186,10 @@ impl Engine {
             self.stats.bump(rule, RuleStat::Limited);
             let global = self.config.rules.get(rule).and_then(|r| r.global());
             // The time `cost` tokens take to come back.
-            let wait_ms = global.map_or(1_000, |gl| {
-                g.cost.max(1).saturating_mul(gl.per_ms) / gl.requests
+            // (A calendar quota's: when its period ends.)
+            let wait_ms = global.map_or(1_000, |gl| match gl.calendar {
+                Some(_) => grant.reset_ms,
+                None => g.cost.max(1).saturating_mul(gl.per_ms) / gl.requests,
             });
             refusal = Some(Refusal {
                 rule,

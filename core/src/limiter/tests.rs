@@ -337,6 +337,7 @@ fn a_race_lost_to_the_last_leased_token_leaves_the_request_undecided() {
         global_burst: 0,
         global_interval_ns: 0,
         global_rate_mtps: 0,
+        calendar: false,
     };
     let g = rule_with(&inner, "g", Limit::Lease(lease), 4);
     // Key "k" holds one leased token.
@@ -452,6 +453,7 @@ fn a_key_waiting_for_its_first_lease_is_evicted_last() {
         global_burst: 0,
         global_interval_ns: 0,
         global_rate_mtps: 0,
+        calendar: false,
     };
     let r = rule_with(&store, "g", Limit::Lease(lease), 1); // one group of four
     let key = r.table.store_key(0);
@@ -496,6 +498,7 @@ fn global_rules_wait_for_a_claimed_refill_without_charging_the_others() {
         global_burst: 0,
         global_interval_ns: 0,
         global_rate_mtps: 0,
+        calendar: false,
     };
     let global = rule_with(&store, "global", Limit::Lease(lease), 4);
     let both = |store: &MemoryStore| {

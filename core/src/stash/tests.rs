@@ -200,6 +200,7 @@ fn a_leased_allowance_is_stashed_and_spent_exactly() {
         global_burst: 0,
         global_interval_ns: 0,
         global_rate_mtps: 0,
+        calendar: false,
     };
     w.limit = Limit::Lease(lease);
     let slot = w.table.locate(b"k");

@@ -58,6 +58,7 @@ impl Setup {
             global_burst: self.burst,
             global_interval_ns: self.per_ms * 1_000_000 / self.requests,
             global_rate_mtps: rate_mtps(self.requests, self.per_ms),
+            calendar: false,
         }
     }
 

@@ -46,6 +46,7 @@ fn with_proxy_tokens_on(store: Store, max_instances: usize) -> Arc<Service> {
         lease_ttl_ms: 10_000,
         metrics: Metrics::default(),
         body_timeout: Duration::from_secs(5),
+        calendar: Default::default(),
     })
 }
 
@@ -355,6 +356,7 @@ async fn a_holder_of_the_shared_token_at_the_instance_cap_cannot_lock_out_proxie
         lease_ttl_ms: 10_000,
         metrics: Metrics::default(),
         body_timeout: Duration::from_secs(5),
+        calendar: Default::default(),
     });
     let (shared, own) = (Some("Bearer shared-token"), Some("Bearer aaaaaaaaaaaaaaaa"));
     // The holder keeps as many names live as the cap allows the shared token.

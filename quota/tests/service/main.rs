@@ -4,6 +4,7 @@
 mod admin;
 mod api;
 mod binary;
+mod calendar;
 mod lost_state;
 mod memory_store;
 mod permits;
@@ -52,6 +53,7 @@ fn service(store: Store, token: Option<&str>) -> Arc<Service> {
         lease_ttl_ms: 10_000,
         metrics: Metrics::default(),
         body_timeout: Duration::from_secs(5),
+        calendar: Default::default(),
     })
 }
 

@@ -6,6 +6,7 @@ pub use super::json::PaceBody;
 use super::period::format_duration;
 pub use super::syntax::{FailureMode, FirstLease, HeaderFormat, KeyPart, LogLevel, MissingKey};
 use tollgate_core::slot::KeyPlacement;
+use tollgate_core::calendar::CalendarUnit;
 use tollgate_core::{Limit, SlotTable};
 
 /// Slots per rule when `max_keys` is not given.
@@ -85,6 +86,14 @@ pub struct QuotaService {
     pub key_secret: Option<[u8; 16]>,
 }
 
+/// A calendar quota's period: a day, a week or a month in a time zone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Calendar {
+    pub unit: CalendarUnit,
+    /// An IANA name (checked against [`tollgate_core::calendar::TIME_ZONES`]).
+    pub time_zone: String,
+}
+
 /// What a global rule sends the quota service, and its local stand-in.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GlobalRule {
@@ -93,6 +102,8 @@ pub struct GlobalRule {
     pub burst: u64,
     /// Fingerprint of the limit: different configurations never share global state.
     pub limit_id: String,
+    /// A calendar quota: `requests` per calendar period, counted by the quota service.
+    pub calendar: Option<Calendar>,
     /// The rule at `limit / instances_hint`, used by `failure_mode: local` and provisional quota.
     pub fallback: Quota,
 }
@@ -497,13 +508,22 @@ impl Config {
                     "{} ({}, {} slots{}{settles}{plans}{body}{})",
                     r.name,
                     match (r.global(), &quota.limit) {
-                        (Some(g), Limit::Lease(l)) => format!(
-                            "global token_bucket {} per {}, burst {}, leases of {}",
-                            g.requests,
-                            format_duration(g.per_ms * 1_000_000),
-                            g.burst,
-                            l.lease_size
-                        ),
+                        (Some(g), Limit::Lease(l)) => match &g.calendar {
+                            Some(c) => format!(
+                                "global calendar quota {} per {} ({}), leases of {}",
+                                g.requests,
+                                c.unit.as_str(),
+                                c.time_zone,
+                                l.lease_size
+                            ),
+                            None => format!(
+                                "global token_bucket {} per {}, burst {}, leases of {}",
+                                g.requests,
+                                format_duration(g.per_ms * 1_000_000),
+                                g.burst,
+                                l.lease_size
+                            ),
+                        },
                         (None, Limit::TokenBucket(tb)) => match r.pace {
                             Some(p) => p.describe(tb),
                             None => describe(&quota.limit),

@@ -1,10 +1,13 @@
 //! Global rules: the quota service's settings, and a rule made global or a global concurrency rule.
 
-use crate::config::json::{QuotaMode, RawQuotaService};
+use crate::config::json::{Algorithm, QuotaMode, RawQuotaService, RawRule, Scope};
 use crate::config::model::{
-    FirstLease, GlobalRule, Quota, QuotaService, Rule, RuleKind, MAX_INSTANCES_HINT,
+    Calendar, FailureMode, FirstLease, GlobalRule, Quota, QuotaService, Rule, RuleKind,
+    MAX_INSTANCES_HINT,
 };
+use crate::config::period::Per;
 use crate::config::{err, ConfigError};
+use tollgate_core::calendar::is_time_zone;
 use std::num::NonZeroU64;
 use tollgate_core::global::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
 use tollgate_core::{Concurrency, LeaseAllowance, Limit, PermitAllowance, TokenBucket};
@@ -70,13 +73,67 @@ impl RawQuotaService {
     }
 }
 
+/// A calendar quota's period, if the rule's limit counts per calendar period: only a global
+/// token bucket of requests (no warmup) may.
+pub(super) fn calendar_of(raw: &RawRule, path: &str) -> Result<Option<Calendar>, ConfigError> {
+    let Some(limit) = &raw.limit else {
+        return Ok(None);
+    };
+    let Some(calendar) = &limit.calendar else {
+        return Ok(None);
+    };
+    let field = format!("{path}.limit.calendar");
+    if raw.scope != Scope::Global {
+        return Err(err(
+            field,
+            "a calendar quota is counted by the quota service: the rule needs \"scope\": \
+             \"global\"",
+        ));
+    }
+    let requests = limit.requests.map(std::num::NonZeroU64::get);
+    if raw.algorithm != Algorithm::TokenBucket
+        || raw.warmup.is_some()
+        || limit.bytes.is_some()
+        || requests.is_none()
+        || raw.limit_from.is_some()
+    {
+        return Err(err(
+            field,
+            "a calendar quota is requests per period — {\"requests\": N, \"per\": \"month\", \
+             \"calendar\": {…}} — of algorithm \"token_bucket\" without warmup or limit_from",
+        ));
+    }
+    let Some(Per::Calendar(unit)) = limit.per else {
+        return Err(err(field, "needs per \"day\", \"week\" or \"month\""));
+    };
+    let time_zone = calendar.time_zone.clone().unwrap_or_else(|| "UTC".into());
+    if !is_time_zone(&time_zone) {
+        return Err(err(
+            format!("{field}.time_zone"),
+            format!(
+                "{time_zone:?} is not an IANA time zone name (\"Europe/Berlin\", \
+                 \"America/New_York\", \"UTC\", spelt exactly)"
+            ),
+        ));
+    }
+    if raw.burst.is_some() && raw.burst != requests {
+        return Err(err(
+            format!("{path}.burst"),
+            "a calendar quota's bucket holds its requests for the period: leave burst out",
+        ));
+    }
+    Ok(Some(Calendar { unit, time_zone }))
+}
+
 impl Rule {
-    /// Turn a validated local token-bucket rule into a global one.
+    /// Turn a validated local token-bucket rule into a global one (`calendar`: counting per
+    /// calendar period).
     pub(super) fn make_global(
         &mut self,
         path: &str,
         qs: &QuotaService,
         lease_size: Option<u64>,
+        calendar: Option<Calendar>,
     ) -> Result<(), ConfigError> {
         let Some(local) = self.quota().map(|q| q.limit) else {
             return Err(err(
@@ -112,6 +169,27 @@ impl Rule {
             ));
         }
         let (requests, per_ms, burst) = (tb.requests(), tb.period_ns() / 1_000_000, tb.burst());
+        if calendar.is_some() {
+            // Nothing local can count a calendar period (a stand-in would start each proxy's
+            // own quota afresh).
+            let stand_in = if qs.failure_mode == FailureMode::Local {
+                Some("quota_service.failure_mode \"local\"")
+            } else if qs.first_lease == FirstLease::Provisional {
+                Some("quota_service.first_lease \"provisional\"")
+            } else {
+                None
+            };
+            if let Some(setting) = stand_in {
+                return Err(err(
+                    format!("{path}.limit.calendar"),
+                    format!(
+                        "a calendar quota has no local stand-in: {setting} would count each \
+                         proxy's own period; use failure_mode \"allow\" or \"deny\" and \
+                         first_lease \"wait\""
+                    ),
+                ));
+            }
+        }
         if requests > MAX_COUNT || burst > MAX_COUNT {
             return Err(err(
                 format!("{path}.limit"),
@@ -125,9 +203,11 @@ impl Rule {
             ));
         }
         // A refill covers a slice of the burst each proxy may hold: small enough to share, large
-        // enough that calls stay rare.
-        let lease_size =
-            lease_size.unwrap_or_else(|| (burst / (4 * qs.instances_hint)).clamp(1, 1_000));
+        // enough that calls stay rare. A calendar quota's a smaller one: a proxy holds it until
+        // the period ends (none else may spend it; a restart loses it).
+        let slices = if calendar.is_some() { 32 } else { 4 };
+        let lease_size = lease_size
+            .unwrap_or_else(|| (burst / (slices * qs.instances_hint)).clamp(1, 1_000));
         let lease = LeaseAllowance {
             lease_size,
             low_water: lease_size.div_ceil(2),
@@ -135,18 +215,31 @@ impl Rule {
             claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
             global_burst: burst,
             global_interval_ns: tb.period_ns() / requests,
-            global_rate_mtps: rate_mtps(requests, per_ms),
+            // A calendar quota leases no rate: nothing refills it within its period.
+            global_rate_mtps: if calendar.is_some() {
+                0
+            } else {
+                rate_mtps(requests, per_ms)
+            },
+            calendar: calendar.is_some(),
         };
         let share = |n: u64| (n / qs.instances_hint).max(1);
         let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))
             .map(Limit::TokenBucket)
             .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))?;
+        let limit = match &calendar {
+            Some(c) => format!("{requests}/{}@{}", c.unit.as_str(), c.time_zone),
+            None => format!("{requests}/{per_ms}/{burst}"),
+        };
         self.go_global(
             (requests, per_ms, burst),
-            &format!("{requests}/{per_ms}/{burst}"),
+            &limit,
             fallback_limit,
             (Limit::Lease(lease), "lease"),
         );
+        if let RuleKind::Global(_, global) = &mut self.kind {
+            global.calendar = calendar;
+        }
         Ok(())
     }
 
@@ -171,6 +264,7 @@ impl Rule {
             per_ms,
             burst,
             limit_id: format!("{fingerprint:016x}"),
+            calendar: None,
             fallback: Quota::new(stand_in, &format!("{}.local", self.name), max_keys),
         };
         let mut quota = Quota::new(leased, &format!("{}.{suffix}", self.name), max_keys);

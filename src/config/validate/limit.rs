@@ -1,6 +1,7 @@
 //! A rule's algorithm settings, applied to its own limit and its overrides' limits.
 
 use crate::config::json::{Algorithm, Delay, RawLimit};
+use crate::config::period::Per;
 use crate::config::{err, ConfigError};
 use tollgate_core::{
     Concurrency, FixedWindow, LeakyBucket, Limit, SlidingWindow, TokenBucket, WarmUp,
@@ -12,6 +13,29 @@ pub(super) struct LimitParams {
     pub(super) delay: Option<Delay>,
     pub(super) max_delay_ns: u64,
     pub(super) warmup_ns: Option<u64>,
+}
+
+/// A limit's `per` (ns): a calendar period only with `calendar` beside it, `calendar` only with a
+/// calendar period (the calendar's own rules are the global rule's: [`super::global`]).
+fn per_ns(raw: &RawLimit, path: &str) -> Result<u64, ConfigError> {
+    let per = raw
+        .per
+        .ok_or_else(|| err(format!("{path}.limit.per"), "required"))?;
+    match (per, &raw.calendar) {
+        (Per::Calendar(unit), None) => Err(err(
+            format!("{path}.limit.per"),
+            format!(
+                "\"{}\" is a calendar period: give \"calendar\": {{\"time_zone\": \"UTC\"}} \
+                 beside it (a global rule), or a duration such as \"1d\"",
+                unit.as_str()
+            ),
+        )),
+        (Per::Duration(_), Some(_)) => Err(err(
+            format!("{path}.limit.calendar"),
+            "needs per \"day\", \"week\" or \"month\"",
+        )),
+        _ => Ok(per.ns()),
+    }
 }
 
 impl LimitParams {
@@ -69,7 +93,7 @@ impl LimitParams {
             if self.algorithm != Algorithm::TokenBucket || self.warmup_ns.is_some() {
                 return Err(err(format!("{path}.{given}"), what));
             }
-            let per = raw.per.ok_or_else(|| err(field("per"), "required"))?.ns;
+            let per = per_ns(raw, path)?;
             let burst = burst.unwrap_or(bytes.get());
             if burst == 0 {
                 return Err(err(format!("{path}.burst"), "must be at least 1"));
@@ -82,7 +106,7 @@ impl LimitParams {
             .requests
             .ok_or_else(|| err(field("requests"), "required"))?
             .get();
-        let per = raw.per.ok_or_else(|| err(field("per"), "required"))?.ns;
+        let per = per_ns(raw, path)?;
         let positive = || err(format!("{path}.limit"), "must be positive");
         let zero_burst = || err(format!("{path}.burst"), "must be at least 1");
         match self.algorithm {

@@ -37,6 +37,7 @@ impl RawConfig {
                 ));
             }
             let global = raw.scope == Scope::Global;
+            let calendar = global::calendar_of(&raw, &path)?;
             let mut rule = raw.validate(&path, self.dry_run, &client_ip)?;
             if global {
                 let Some((qs, lease_size)) = &quota_service else {
@@ -45,7 +46,7 @@ impl RawConfig {
                         "\"global\" needs a top-level quota_service",
                     ));
                 };
-                rule.make_global(&path, qs, *lease_size)?;
+                rule.make_global(&path, qs, *lease_size, calendar)?;
             }
             rules.push(rule);
         }

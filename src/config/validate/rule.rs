@@ -249,6 +249,13 @@ impl RawRule {
             }
             let action = match (o.limit, o.unlimited, o.block) {
                 (Some(l), false, false) => {
+                    if l.calendar.is_some() {
+                        return Err(err(
+                            format!("{at}.limit.calendar"),
+                            "a calendar quota is a global rule's own limit (global rules have \
+                             no overrides)",
+                        ));
+                    }
                     let limit = params.limit(&l, o.burst, &at)?;
                     OverrideAction::Limit(Quota::new(limit, &format!("{name}.o{j}"), 1))
                 }

@@ -204,12 +204,17 @@ impl Engine {
     ) -> Option<LeaseItem> {
         let rule = self.config.rules.get(rule)?;
         let global = rule.global()?;
-        Some(ask.item(
+        let mut item = ask.item(
             rule.name.clone(),
             global.limit_id.clone(),
             format!("{:032x}", self.service_key(key)),
             (global.requests, global.per_ms, global.burst),
-        ))
+        );
+        if let Some(c) = &global.calendar {
+            item.calendar = Some(c.unit.as_str().to_owned());
+            item.time_zone = Some(c.time_zone.clone());
+        }
+        Some(item)
     }
 
     /// The name of a client key at the quota service: its hash, keyed by the deployment's

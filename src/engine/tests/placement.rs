@@ -133,13 +133,13 @@ fn an_operator_names_a_clients_bucket_at_the_service_as_the_filter_does() {
     let config = crate::config::Config::parse(json.as_bytes()).unwrap();
     // Another address of the same /24: the same bucket.
     let named = config
-        .service_bucket("g", &[b"10.1.2.200", b"Acme \xff"])
+        .service_bucket("g", &[b"10.1.2.200", b"Acme \xff"], &|_, _| None)
         .unwrap();
     assert_eq!(named.0, format!("{}.100.60000.40", sent.limit_id));
     assert_eq!(named.1, sent.key);
     assert_ne!(
         config
-            .service_bucket("g", &[b"10.1.3.1", b"Acme \xff"])
+            .service_bucket("g", &[b"10.1.3.1", b"Acme \xff"], &|_, _| None)
             .unwrap()
             .1,
         sent.key
@@ -149,7 +149,7 @@ fn an_operator_names_a_clients_bucket_at_the_service_as_the_filter_does() {
         ("g", &[&b"1.2.3.4"[..]][..], "2 key part(s), 1 value(s)"),
         ("g", &[&b"not-an-ip"[..], b"x"][..], "not an IP address"),
     ] {
-        let e = config.service_bucket(rule, values).unwrap_err();
+        let e = config.service_bucket(rule, values, &|_, _| None).unwrap_err();
         assert!(e.contains(why), "{e}");
     }
 }

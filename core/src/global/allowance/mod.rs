@@ -77,7 +77,15 @@ pub struct LeaseAllowance {
     pub global_interval_ns: u64,
     /// The global refill rate (milli-tokens per second): what a lease that ran dry asks for.
     pub global_rate_mtps: u64,
+    /// A calendar quota: the service's leases last until the period ends (their `until`), which
+    /// is when the global bucket is full again; no rate is leased.
+    pub calendar: bool,
 }
+
+/// An exhausted calendar quota's key asks the service again this often at most while requests
+/// come (its answer's retry is the period's end; tokens given back or an operator's reset come
+/// sooner).
+const CALENDAR_RECHECK_MS: u64 = 1_000;
 
 /// What a refill asks the service for, from the key's state when the call goes out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -139,6 +147,7 @@ impl Ask {
             share: self.share_mtps as f64 / 1_000.0,
             share_ms: self.share_ms,
             returned: self.returned,
+            ..LeaseItem::default()
         }
     }
 }
@@ -468,10 +477,7 @@ impl LeaseAllowance {
                 // remaining tokens plus what this proxy still holds of them; and the time the
                 // global bucket takes to be full from there.
                 remaining: left.saturating_add(reported),
-                reset_ns: self
-                    .global_burst
-                    .saturating_sub(reported)
-                    .saturating_mul(self.global_interval_ns),
+                reset_ns: self.full_in_ns(&p, now_ms, reported),
                 delay_ns: 0,
             };
         }
@@ -520,11 +526,16 @@ impl LeaseAllowance {
             .saturating_sub(p.reported)
             .max(1)
             .unsigned_abs();
-        let refilled_ms = u64::try_from(
-            (u128::from(missing) * u128::from(self.global_interval_ns)).div_ceil(1_000_000),
-        )
-        .unwrap_or(u64::MAX);
-        let token_back_ms = p.base.saturating_add(refilled_ms).saturating_sub(now_ms);
+        let token_back_ms = if self.calendar {
+            // Its tokens come back with the next period, when its last lease ends.
+            p.until.saturating_sub(now_ms)
+        } else {
+            let refilled_ms = u64::try_from(
+                (u128::from(missing) * u128::from(self.global_interval_ns)).div_ceil(1_000_000),
+            )
+            .unwrap_or(u64::MAX);
+            p.base.saturating_add(refilled_ms).saturating_sub(now_ms)
+        };
         // Exhausted until the mark; or the last answer had nothing for this key, the next is on
         // its way, and by the last the tokens cannot be back yet: refuse rather than hold
         // requests for what is most likely nothing again. (Once they can be, the requests wait
@@ -677,6 +688,17 @@ impl LeaseAllowance {
         (known_ms, remaining, p.reported.min(0).unsigned_abs())
     }
 
+    /// Nanoseconds until the global bucket is full again, by the last answer (`reported`
+    /// tokens left then): at the refill rate; a calendar quota's when its period ends.
+    fn full_in_ns(&self, p: &Parts, now_ms: u64, reported: u64) -> u64 {
+        if self.calendar {
+            return p.until.saturating_sub(now_ms).saturating_mul(1_000_000);
+        }
+        self.global_burst
+            .saturating_sub(reported)
+            .saturating_mul(self.global_interval_ns)
+    }
+
     /// The tokens held now (accrual included).
     pub fn allowance(&self, state: &State, now_ms: u64) -> u64 {
         parts(state).available(now_ms, self.claim_ms)
@@ -735,7 +757,12 @@ impl LeaseAllowance {
             // Within a sixteenth of a lease: a share may free up at others' renewals (every
             // eighth of theirs), and this key's demand is known there now.
             mark: if nothing {
-                now_ms + g.retry_ms.min(g.ttl_ms / 16).max(1)
+                let recheck_ms = if self.calendar {
+                    CALENDAR_RECHECK_MS
+                } else {
+                    g.ttl_ms / 16
+                };
+                now_ms + g.retry_ms.min(recheck_ms).max(1)
             } else {
                 0
             },

@@ -13,6 +13,7 @@ fn lease() -> LeaseAllowance {
         global_burst: 0,
         global_interval_ns: 0,
         global_rate_mtps: 100_000,
+        calendar: false,
     }
 }
 
@@ -442,6 +443,7 @@ fn calls_carry_what_the_proxy_last_heard_of_the_bucket_while_it_matters() {
         global_burst: 100,
         global_interval_ns: 36_000 * MS,
         global_rate_mtps: 27,
+        calendar: false,
         ..lease()
     };
     let fresh = [0; STATE_BYTES];
@@ -567,4 +569,53 @@ fn any_charge_is_a_defined_debt_and_rate_leases_give_back_their_surplus() {
     g.returned = 7;
     let s3 = l.grant(&s2, T0 + 191, &g);
     assert_eq!(l.allowance(&s3, T0 + 191), 10);
+}
+
+#[test]
+fn a_calendar_quota_says_its_periods_end_and_asks_again_within_a_second_when_exhausted() {
+    let l = LeaseAllowance {
+        calendar: true,
+        global_rate_mtps: 0,
+        global_burst: 10,
+        global_interval_ns: 31 * 86_400_000 * MS / 10,
+        ..lease()
+    };
+    // 3 days before the period ends: 4 tokens, 6 left in the bucket, the lease until its end.
+    let left_ms = 3 * 86_400_000;
+    let g = Grant {
+        remaining: 6,
+        ..grant(4, 0, T0, left_ms)
+    };
+    let s = l.grant(&[0; 32], T0, &g);
+    match l.decide(&s, (T0 + 1_000) * MS, 1) {
+        // The headers' reset: the period's end, not a refill of the 6 missing.
+        Decision::Admit { remaining, reset_ns, .. } => {
+            assert_eq!((remaining, reset_ns), (3 + 6, (left_ms - 1_000) * MS));
+        }
+        d => panic!("{d:?}"),
+    }
+    // The bucket had nothing more: refused until the period ends (not a token's refill
+    // time), asking the service again a second later at most.
+    let none = Grant {
+        retry_ms: left_ms,
+        asked: Ask {
+            wanted: 10,
+            ..Ask::default()
+        },
+        ..grant(0, 0, T0, left_ms)
+    };
+    let s = l.grant(&[0; 32], T0, &none);
+    match l.decide(&s, (T0 + 10) * MS, 1) {
+        Decision::Refuse { retry_after_ns, reset_ns, .. } => {
+            assert_eq!(retry_after_ns, (left_ms - 10) * MS);
+            assert_eq!(reset_ns, retry_after_ns);
+        }
+        d => panic!("{d:?}"),
+    }
+    // A second on, a request claims a refill: tokens may have been given back, or the bucket
+    // reset by an operator.
+    assert!(matches!(
+        l.decide(&s, (T0 + 1_000) * MS, 1),
+        Decision::Wait { claim: Some(_) }
+    ));
 }

@@ -1,6 +1,7 @@
 //! The lease API's wire types (`POST /v1/lease`) and the checks every call passes before any
 //! item is served.
 
+use crate::calendar::{is_time_zone, CalendarUnit};
 use serde::{Deserialize, Serialize};
 
 /// At most this many items in one lease call.
@@ -89,6 +90,18 @@ pub struct LeaseItem {
     /// instance was granted and has not given back yet. 0 (or absent): none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub returned: u64,
+    /// A calendar quota: `requests` (= `burst`) per calendar `day`, `week` (from Monday) or
+    /// `month` in `time_zone`, full again when the next one begins; none: a token bucket
+    /// refilling at `requests / per_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calendar: Option<String>,
+    /// The calendar's time zone, an IANA name; `UTC` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
+    /// A calendar item's period as the service serves it (its first ms and the next period's,
+    /// since the Unix epoch): set by the service, never on the wire.
+    #[serde(skip)]
+    pub period: Option<(u64, u64)>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -190,9 +203,62 @@ impl LeaseItem {
         mtps(self.share)
     }
 
+    /// The refill rate, tokens per ms: none for a calendar quota (it is full again when its next
+    /// period begins).
+    pub fn rate_per_ms(&self) -> f64 {
+        if self.period.is_some() {
+            0.0
+        } else {
+            self.requests as f64 / self.per_ms as f64
+        }
+    }
+
+    /// The refill rate in milli-tokens per second (none for a calendar quota).
+    pub fn rate_mtps(&self) -> u64 {
+        if self.period.is_some() {
+            0
+        } else {
+            super::bucket::rate_mtps(self.requests, self.per_ms)
+        }
+    }
+
+    /// Tokens kept for instances within their fair share ([`newcomers_reserve`]): none for a
+    /// calendar quota, which nothing refills within its period.
+    pub fn reserve(&self) -> u64 {
+        if self.period.is_some() {
+            0
+        } else {
+            newcomers_reserve(self.burst)
+        }
+    }
+
+    /// The item's calendar unit and time zone, if it is a calendar quota, or why it cannot be.
+    pub fn calendar(&self) -> Result<Option<(CalendarUnit, &str)>, String> {
+        let zone = self.time_zone.as_deref();
+        let Some(unit) = self.calendar.as_deref() else {
+            return match zone {
+                Some(_) => Err("time_zone needs calendar".into()),
+                None => Ok(None),
+            };
+        };
+        let unit = CalendarUnit::parse(unit)
+            .ok_or_else(|| format!("calendar must be \"day\", \"week\" or \"month\", not {unit:?}"))?;
+        let zone = zone.unwrap_or("UTC");
+        if !is_time_zone(zone) {
+            return Err(format!("time_zone {zone:?} is not an IANA time zone name"));
+        }
+        if self.burst != self.requests {
+            return Err("a calendar item's burst is its requests".into());
+        }
+        Ok(Some((unit, zone)))
+    }
+
     /// Why the service cannot serve this item, if it cannot.
     pub fn problem(&self) -> Option<String> {
         if let Some(p) = names_problem(&self.rule, &self.limit_id, &self.key) {
+            return Some(p);
+        }
+        if let Err(p) = self.calendar() {
             return Some(p);
         }
         if self.requests == 0 || self.per_ms == 0 || self.burst == 0 {
@@ -232,15 +298,18 @@ impl LeaseItem {
         if self.known_ms == 0 {
             return None;
         }
-        let rate = self.requests as f64 / self.per_ms as f64;
         // A bucket in debt told everyone the debt; one with tokens told an instance with a share
         // what it held above the reserve.
         let known = if self.known_debt > 0 {
             -(self.known_debt.min(MAX_DEBT) as f64)
         } else {
-            (self.known_remaining + newcomers_reserve(self.burst)) as f64
+            (self.known_remaining + self.reserve()) as f64
         };
-        Some(known + 1.0 + rate * self.known_ms as f64)
+        // (A calendar quota's tokens are whole: nothing flows in but at a new period.)
+        if self.period.is_some() {
+            return Some(known);
+        }
+        Some(known + 1.0 + self.rate_per_ms() * self.known_ms as f64)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The global bucket of one key and its lease step: fair shares of the burst and of the refill
 //! rate among the instances that hold it, reservations, give-backs, cold starts and clock steps.
 
-use super::api::{newcomers_reserve, LeaseGrant, LeaseItem, MAX_DEBT, RESET_TOKENS};
+use super::api::{LeaseGrant, LeaseItem, MAX_DEBT, RESET_TOKENS};
 use crate::global::fair_share::max_min_fair_from;
 
 /// Rate shares are reserved only if they accrue at least two tokens within a lease TTL (in
@@ -105,7 +105,15 @@ impl ColdStart {
 impl GlobalBucket {
     /// A bucket the store does not know, first asked for at `now_ms` (`cold` as resolved by
     /// [`ColdStart::for_new`]; `Auto` starts full).
+    /// A calendar quota's bucket starts full whatever `cold` says: nothing would refill one
+    /// started empty before its period ends. A store that lost it learns what was spent from
+    /// the proxies' evidence ([`GlobalBucket::reconcile`]).
     pub fn new(item: &LeaseItem, now_ms: u64, ttl_ms: u64, cold: ColdStart) -> Self {
+        let cold = if item.period.is_some() {
+            ColdStart::Full
+        } else {
+            cold
+        };
         match cold {
             ColdStart::Full | ColdStart::Auto { .. } => Self {
                 tokens: item.burst as f64,
@@ -120,12 +128,12 @@ impl GlobalBucket {
             // the epoch: full, as if never lost).
             ColdStart::Conservative { epoch_ms } => Self {
                 tokens: 0.0,
-                reserve: newcomers_reserve(item.burst) as f64,
+                reserve: item.reserve() as f64,
                 updated_ms: epoch_ms.min(now_ms),
                 holders: vec![Holder {
                     instance: String::new(),
                     // Rounded up: all of the refill, never a fraction less.
-                    share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+                    share: item.rate_mtps().saturating_add(1),
                     asked_ms: epoch_ms,
                     until_ms: epoch_ms.saturating_add(ttl_ms),
                     ..Holder::default()
@@ -140,7 +148,7 @@ impl GlobalBucket {
         // Updated after now: the clock stepped back. The step counts as no time (else nothing
         // would flow in until the clock caught up).
         self.updated_ms = self.updated_ms.min(now_ms);
-        let rate = item.requests as f64 / item.per_ms as f64;
+        let rate = item.rate_per_ms();
         let elapsed = now_ms.saturating_sub(self.updated_ms) as f64;
         let reserved: f64 = self
             .holders
@@ -163,7 +171,7 @@ impl GlobalBucket {
             self.tokens += repaid;
             n -= repaid;
         }
-        let room = (newcomers_reserve(item.burst) as f64 - self.reserve).max(0.0);
+        let room = (item.reserve() as f64 - self.reserve).max(0.0);
         let kept = n.min(room);
         self.reserve += kept;
         self.tokens = (self.tokens + n - kept).min(item.burst as f64 - self.reserve);
@@ -216,6 +224,9 @@ impl GlobalBucket {
         {
             return false;
         }
+        if item.period.is_some() {
+            return self.reconcile_calendar(bound, now_ms, ttl_ms);
+        }
         // The rate is already held for the holders of before: this loss is known.
         let holding = self
             .holders
@@ -232,7 +243,7 @@ impl GlobalBucket {
         // the evidence says it owed (less the refill since); never more than it held.
         let tokens = self.tokens + self.reserve;
         self.tokens = bound.min(0.0).min(tokens).max(-(MAX_DEBT as f64));
-        let reserve = newcomers_reserve(item.burst) as f64;
+        let reserve = item.reserve() as f64;
         self.reserve = if bound < 0.0 || tokens < 0.0 {
             0.0
         } else if holding {
@@ -244,7 +255,7 @@ impl GlobalBucket {
         if !holding {
             let before = Holder {
                 instance: String::new(),
-                share: rate_mtps(item.requests, item.per_ms).saturating_add(1),
+                share: item.rate_mtps().saturating_add(1),
                 asked_ms: now_ms,
                 until_ms: now_ms.saturating_add(ttl_ms),
                 ..Holder::default()
@@ -254,6 +265,19 @@ impl GlobalBucket {
                 _ => self.holders.insert(0, before),
             }
         }
+        self.idle_at_ms = self.idle_at_ms.max(now_ms.saturating_add(ttl_ms));
+        true
+    }
+
+    /// A calendar quota's bucket holding more than the evidence allows (the store lost it, or
+    /// writes to it, within its period): it holds what the evidence says was left. Not emptied,
+    /// as a refilling bucket is: nothing would refill it before its period ends.
+    fn reconcile_calendar(&mut self, bound: f64, now_ms: u64, ttl_ms: u64) -> bool {
+        if self.tokens + self.reserve <= bound {
+            return false;
+        }
+        self.tokens = bound.max(-(MAX_DEBT as f64));
+        self.reserve = 0.0;
         self.idle_at_ms = self.idle_at_ms.max(now_ms.saturating_add(ttl_ms));
         true
     }
@@ -277,7 +301,7 @@ impl GlobalBucket {
         now_ms: u64,
         ttl_ms: u64,
     ) -> LeaseGrant {
-        let rate_mtps = rate_mtps(item.requests, item.per_ms);
+        let rate_mtps = item.rate_mtps();
         // Asked after now, or reserved for more than a term from now: the clock stepped back.
         // A term from now at most (else the share stays reserved for the step's length).
         for h in &mut self.holders {
@@ -343,7 +367,7 @@ impl GlobalBucket {
         // The reserve for newcomers: while the bucket holds less than it, shares are cut so that
         // part of the refill flows in to fill it (not while it holds the rate for the holders
         // of before a loss: their renewals come first).
-        let reserve = newcomers_reserve(item.burst);
+        let reserve = item.reserve();
         let after_loss = self
             .holders
             .first()
@@ -433,7 +457,15 @@ impl GlobalBucket {
         }
         let asked = item.wanted > 0 || demand > 0;
         let nothing = asked && granted == 0 && share == 0;
-        let (reset_ms, retry_ms) = self.timing(item, now_ms, ttl_ms, nothing, light);
+        let (reset_ms, retry_ms) = match item.period {
+            // Full again when the next period begins, and nothing comes before (but tokens given
+            // back, or an operator's reset: the proxies ask again within a second).
+            Some((_, end_ms)) => {
+                let left = end_ms.saturating_sub(now_ms).max(1);
+                (left, if nothing { left } else { 0 })
+            }
+            None => self.timing(item, now_ms, ttl_ms, nothing, light),
+        };
         self.idle_at_ms = self
             .holders
             .iter()
@@ -441,7 +473,8 @@ impl GlobalBucket {
             .fold(now_ms.saturating_add(reset_ms), u64::max);
         LeaseGrant {
             granted,
-            ttl_ms,
+            // A calendar quota's tokens are the instance's until its period ends.
+            ttl_ms: item.period.map_or(ttl_ms, |_| reset_ms),
             remaining: reachable(self).floor() as u64,
             reset_ms,
             rate: share as f64 / 1_000.0,
@@ -524,8 +557,8 @@ impl GlobalBucket {
         got_nothing: bool,
         light: bool,
     ) -> (u64, u64) {
-        let rate = item.requests as f64 / item.per_ms as f64;
-        let rate_mtps = rate_mtps(item.requests, item.per_ms);
+        let rate = item.rate_per_ms();
+        let rate_mtps = item.rate_mtps();
         let reserved = self.reserved_at(now_ms);
         let free = (rate - reserved as f64 / 1e6).max(0.0);
         let last_until = self

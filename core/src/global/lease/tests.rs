@@ -377,3 +377,63 @@ fn a_reset_bucket_is_full_at_its_next_call_its_debt_forgiven_its_holders_kept() 
     assert_eq!(b.tokens_at(&item(0), 2_000), 120.0);
     assert_eq!(b.holders.len(), 1);
 }
+
+/// A calendar quota of 10 per month, in a period that ends at `END`.
+const END: u64 = 2_000_000;
+
+fn monthly(wanted: u64) -> LeaseItem {
+    LeaseItem {
+        requests: 10,
+        per_ms: 31 * 86_400_000,
+        burst: 10,
+        calendar: Some("month".into()),
+        period: Some((0, END)),
+        ..item(wanted)
+    }
+}
+
+#[test]
+fn a_calendar_quota_never_refills_within_its_period_and_leases_until_its_end() {
+    // Started full, whatever the cold-start mode says: nothing would refill it.
+    let epoch = ColdStart::Conservative { epoch_ms: 500_000 };
+    let mut b = GlobalBucket::new(&monthly(0), 500_000, 10_000, epoch);
+    let g = b.lease("a", &monthly(4), 500_000, 10_000);
+    // Its tokens are the instance's until the period ends, when the bucket is full again.
+    assert_eq!((g.granted, g.remaining, g.ttl_ms, g.reset_ms), (4, 6, 1_500_000, 1_500_000));
+    // No rate, whatever is asked: the bucket has none.
+    let g = b.lease("b", &LeaseItem { demand: 1_000.0, ..monthly(10) }, 600_000, 10_000);
+    assert_eq!((g.granted, g.rate, g.remaining), (6, 0.0, 0));
+    // Later, still empty: told to ask again when the period ends.
+    let g = b.lease("a", &monthly(1), 1_900_000, 10_000);
+    assert_eq!((g.granted, g.retry_ms, g.reset_ms), (0, 100_000, 100_000));
+}
+
+#[test]
+fn a_calendar_bucket_a_store_lost_holds_what_the_evidence_says_was_left() {
+    // A store that does not know the bucket starts it full; a caller that was told 3 were left
+    // (and not served since) brings it down to 3 — not to nothing, as a refilling bucket.
+    let seen = LeaseItem {
+        known_ms: 2_000,
+        known_remaining: 3,
+        ..monthly(5)
+    };
+    let mut b = GlobalBucket::new(&seen, 100_000, 10_000, ColdStart::Full);
+    assert!(b.reconcile("a", &seen, 100_000, 10_000));
+    let g = b.lease("a", &seen, 100_000, 10_000);
+    assert_eq!((g.granted, g.remaining), (3, 0));
+    // A debt the evidence shows is owed again.
+    let owing = LeaseItem {
+        known_ms: 2_000,
+        known_debt: 7,
+        ..monthly(1)
+    };
+    let mut b = GlobalBucket::new(&owing, 100_000, 10_000, ColdStart::Full);
+    assert!(b.reconcile("b", &owing, 100_000, 10_000));
+    assert_eq!(b.lease("b", &owing, 100_000, 10_000).debt, 7);
+    // Evidence of as many as it holds, or of an instance it served since, changes nothing.
+    let mut b = GlobalBucket::new(&seen, 100_000, 10_000, ColdStart::Full);
+    b.lease("a", &monthly(7), 100_000, 10_000);
+    assert!(!b.reconcile("c", &seen, 100_000, 10_000));
+    let fresh = LeaseItem { known_ms: 1, known_remaining: 0, ..monthly(1) };
+    assert!(!b.reconcile("a", &fresh, 100_001, 10_000));
+}

@@ -3,13 +3,14 @@
 -- core/src/global/lease/bucket.rs, with the same arithmetic in the same order, so both stores
 -- grant alike.
 -- ARGV: ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items, when the
---   run was sent in this Redis's clock (ms; 0: not known), then four per item: the bucket's key, the epoch marker of the item's slot, 13 numbers as little-endian doubles (one string, read
---   with struct.unpack: cheaper than 13 arguments): requests, per_ms, burst, wanted, demand
+--   run was sent in this Redis's clock (ms; 0: not known), then four per item: the bucket's key, the epoch marker of the item's slot, 14 numbers as little-endian doubles (one string, read
+--   with struct.unpack: cheaper than 14 arguments): requests, per_ms, burst, wanted, demand
 --   (milli-tokens per second), known_ms, known_remaining, known_debt (the caller's evidence of
 --   the bucket; 0: none), returned, owed (what it spent beyond its grants: charged now), held
 --   (what it holds unspent: taken back while the bucket owes), share (milli-tokens per second)
---   and share_ms (the caller's evidence of its own reservation), and the calling instance (items
---   of several calls may run together).
+--   and share_ms (the caller's evidence of its own reservation), period_end (a calendar quota's
+--   period's end, ms: no refill, full again then; 0: none), and the calling instance (items of
+--   several calls may run together).
 -- A bucket is one string, set with its expiry: three little-endian doubles, `tokens` in
 --   millionths (below zero in debt), `reserve` (the tokens kept for instances within their fair
 --   share) in millionths and `updated`; then per holder, sorted by name (bytewise), its name's
@@ -103,10 +104,14 @@ local function read_string(v)
 end
 
 local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand, known, kr, kd,
-                     returned, owed, held_by, claimed, claimed_ms)
+                     returned, owed, held_by, claimed, claimed_ms, period_end)
   local rate = requests / per
   local rate_mtps = floor(requests * 1000000 / per)
   local reserve = floor(burst / 8)
+  -- A calendar quota: no refill and no reserve; it starts full (whatever the cold-start mode:
+  -- nothing would refill it before its period ends), and the evidence says what is left.
+  local calendar = period_end > 0
+  if calendar then rate, rate_mtps, reserve = 0, 0, 0 end
   local tokens, updated
   local kept = 0
   n = 0
@@ -157,7 +162,9 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
       call('SET', mkey, format('%d', epoch) .. (lose and 'L' or ''))
     end
     kept = 0
-    if cold == '1' or (cold == '2' and (lost or known > 0)) then
+    if calendar then
+      tokens, updated = burst, now
+    elseif cold == '1' or (cold == '2' and (lost or known > 0)) then
       tokens, updated, kept = 0, min(epoch, now), reserve
       n = 1
       N[1], W[1], D[1], A[1], S[1], U[1], O[1] = '', 0, 0, epoch, rate_mtps + 1, epoch + ttl, 0
@@ -212,7 +219,15 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   for i = 1, n do
     if N[i] == instance and A[i] >= now - known - evidence_transit_ms then served_since = true end
   end
-  if checks and known > 0 and not served_since then
+  if calendar and known > 0 and not served_since then
+    -- (GlobalBucket::reconcile_calendar: what the evidence says was left, not emptied.)
+    local bound = kr
+    if kd > 0 then bound = -min(kd, max_debt) end
+    if tokens + kept > bound then
+      tokens, kept = max(bound, -max_debt), 0
+      reconciled = true
+    end
+  elseif checks and known > 0 and not served_since then
     local bound
     if kd > 0 then
       bound = -min(kd, max_debt) + 1 + rate * known
@@ -379,7 +394,9 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   local free = max(rate - held / 1e6, 0)
   local missing_full = max(burst - tokens - kept, 0)
   local reset
-  if missing_full == 0 then
+  if calendar then
+    reset = max(period_end - now, 1)
+  elseif missing_full == 0 then
     reset = 0
   elseif free > 0 and missing_full / free <= last_until then
     reset = missing_full / free
@@ -388,7 +405,9 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   end
   reset = ceil(reset)
   local retry = 0
-  if granted == 0 and share == 0 and (wanted > 0 or demand > 0) then
+  if calendar then
+    if granted == 0 and (wanted > 0 or demand > 0) then retry = reset end
+  elseif granted == 0 and share == 0 and (wanted > 0 or demand > 0) then
     local need
     if tokens < 0 then
       need = 1 - tokens
@@ -464,12 +483,12 @@ end
 for i = 0, items - 1 do
   local a = 5 + i * 4
   local requests, per, burst, wanted, demand, known, kr, kd, returned, owed, held_by, claimed,
-        claimed_ms = unpack_numbers('<ddddddddddddd', ARGV[a + 2])
+        claimed_ms, period_end = unpack_numbers('<dddddddddddddd', ARGV[a + 2])
   if known > 0 then known = known + late end
   instance = ARGV[a + 3]
   local b = buckets[i]
   if b == nil then b = read_bucket(ARGV[a]) end
   lease(ARGV[a], ARGV[a + 1], b, markers[i], requests, per, burst, wanted, demand, known, kr, kd,
-        returned, owed, held_by, claimed, claimed_ms)
+        returned, owed, held_by, claimed, claimed_ms, period_end)
 end
 return out

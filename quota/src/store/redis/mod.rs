@@ -329,9 +329,11 @@ impl ScriptRunner {
             .await?;
         Ok(answers
             .into_iter()
-            .map(|a| LeaseGrant {
+            .zip(items)
+            .map(|(a, item)| LeaseGrant {
                 granted: a[0],
-                ttl_ms,
+                // A calendar quota's tokens are the instance's until its period ends.
+                ttl_ms: item.period.map_or(ttl_ms, |_| a[2]),
                 remaining: a[1],
                 reset_ms: a[2],
                 rate: a[3] as f64 / 1_000.0,

@@ -65,12 +65,14 @@ impl Scripted for LeaseItem {
             cap(self.held),
             self.share_mtps(),
             self.share_ms,
+            // A calendar quota's period's end (0: none, a refilling bucket).
+            self.period.map_or(0, |(_, end_ms)| end_ms),
         ];
-        // One argument of 13 little-endian doubles, which the script reads with one
+        // One argument of 14 little-endian doubles, which the script reads with one
         // `struct.unpack`: Redis makes a Lua string of every argument, and the script read each
         // with `tonumber` — 13 of each per item were a sixth of the script's time. (The numbers
         // become the same doubles `tonumber` made of their decimal text.)
-        let mut packed = [0u8; 13 * 8];
+        let mut packed = [0u8; 14 * 8];
         for (place, n) in packed.chunks_exact_mut(8).zip(numbers) {
             place.copy_from_slice(&(n as f64).to_le_bytes());
         }

@@ -1,0 +1,51 @@
+//! Calendar quotas: the period each calendar item is served in, by the service's clock, and the
+//! bucket that period counts in.
+
+use crate::service::bound_limit_id;
+use tollgate_core::calendar::period_at;
+use tollgate_core::global::lease::{LeaseItem, EVIDENCE_TRANSIT_MS};
+
+/// The calendar's clock: the store's, moved by `offset_ms` (`--calendar-clock`: to try a
+/// period's end without waiting for it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CalendarClock {
+    pub offset_ms: i64,
+}
+
+impl CalendarClock {
+    /// A clock that reads `at_ms` (ms since the Unix epoch) when the store's reads `now_ms`.
+    pub fn reading(at_ms: u64, now_ms: u64) -> Self {
+        Self {
+            offset_ms: i64::try_from(i128::from(at_ms) - i128::from(now_ms)).unwrap_or(0),
+        }
+    }
+
+    /// Put a calendar item into the period the calendar is in at `now_ms` (the store's clock),
+    /// its bounds in the store's clock: the bucket it counts in is that period's
+    /// (`<limit_id>.<requests>.<per_ms>.<burst>.<start>.<end>`), full when the period begins.
+    /// The caller's evidence counts only if it is of this period and younger than a lease TTL
+    /// (`ttl_ms`): older, it may be of the bucket before an operator's reset, or of the period
+    /// before. Why it cannot be served, if it cannot (a time beyond the zone's calendar).
+    pub fn place(&self, item: &mut LeaseItem, now_ms: u64, ttl_ms: u64) -> Result<(), String> {
+        let Some((unit, zone)) = item.calendar()? else {
+            return Ok(());
+        };
+        let shift = |ms: u64, by: i64| u64::try_from(i128::from(ms) + i128::from(by)).ok();
+        let (start, end) = shift(now_ms, self.offset_ms)
+            .and_then(|at| period_at(unit, zone, at))
+            .and_then(|(s, e)| Some((shift(s, -self.offset_ms)?, shift(e, -self.offset_ms)?)))
+            .ok_or_else(|| format!("no {} in {zone} now", unit.as_str()))?;
+        let age = item.known_ms.saturating_add(EVIDENCE_TRANSIT_MS);
+        if age >= ttl_ms.min(now_ms.saturating_sub(start)) {
+            item.known_ms = 0;
+            item.known_remaining = 0;
+            item.known_debt = 0;
+        }
+        item.limit_id = bound_limit_id(
+            &item.limit_id,
+            &[item.requests, item.per_ms, item.burst, start, end],
+        );
+        item.period = Some((start, end));
+        Ok(())
+    }
+}
