@@ -22,7 +22,8 @@ impl CalendarClock {
 
     /// Put a calendar item into the period the calendar is in at `now_ms` (the store's clock),
     /// its bounds in the store's clock: the bucket it counts in is that period's
-    /// (`<limit_id>.<requests>.<per_ms>.<burst>.<start>.<end>`), full when the period begins.
+    /// (`<limit_id>.<requests>.<per_ms>.<burst>.<start>.<end>`, the calendar's ms since the
+    /// epoch), full when the period begins.
     /// The caller's evidence counts only if it is of this period and younger than a lease TTL
     /// (`ttl_ms`): older, it may be of the bucket before an operator's reset, or of the period
     /// before. Why it cannot be served, if it cannot (a time beyond the zone's calendar).
@@ -31,19 +32,24 @@ impl CalendarClock {
             return Ok(());
         };
         let shift = |ms: u64, by: i64| u64::try_from(i128::from(ms) + i128::from(by)).ok();
-        let (start, end) = shift(now_ms, self.offset_ms)
+        let no_period = || format!("no {} in {zone} now", unit.as_str());
+        let (first, next) = shift(now_ms, self.offset_ms)
             .and_then(|at| period_at(unit, zone, at))
-            .and_then(|(s, e)| Some((shift(s, -self.offset_ms)?, shift(e, -self.offset_ms)?)))
-            .ok_or_else(|| format!("no {} in {zone} now", unit.as_str()))?;
+            .ok_or_else(no_period)?;
+        let (start, end) = shift(first, -self.offset_ms)
+            .zip(shift(next, -self.offset_ms))
+            .ok_or_else(no_period)?;
         let age = item.known_ms.saturating_add(EVIDENCE_TRANSIT_MS);
         if age >= ttl_ms.min(now_ms.saturating_sub(start)) {
             item.known_ms = 0;
             item.known_remaining = 0;
             item.known_debt = 0;
         }
+        // Named by the calendar's own bounds: a service restarted with another clock offset
+        // finds the same period's bucket.
         item.limit_id = bound_limit_id(
             &item.limit_id,
-            &[item.requests, item.per_ms, item.burst, start, end],
+            &[item.requests, item.per_ms, item.burst, first, next],
         );
         item.period = Some((start, end));
         Ok(())

@@ -234,7 +234,7 @@ fn errors_name_the_field_and_the_reason() {
         ),
         (
             r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"1s"}},{"name":"s","limit":{"requests":1,"per":"5x"}}]}"#,
-            r#"rules[1].limit.per: invalid per "5x""#,
+            r#"rules[1].limit.per: invalid duration "5x""#,
         ),
         (
             r#"{"rules":[{"name":"r","limit":{"requests":0,"per":"1s"}}]}"#,

@@ -9,6 +9,7 @@ mod harness;
 mod algorithms;
 mod answers;
 mod bandwidth;
+mod calendar;
 mod cluster;
 mod concurrency;
 mod config;

@@ -276,6 +276,46 @@ fn a_burst_back_to_back_on_fresh_connections_is_admitted_in_full() {
 }
 
 #[test]
+fn a_daily_calendar_quota_in_tokyo_is_spent_refused_until_midnight_and_full_again() {
+    nginx_or_skip!();
+    // The service's calendar reads 10 s before midnight in Tokyo (nginx takes a few to load the
+    // module).
+    let started = Instant::now();
+    let quota = Quota::start(&["--calendar-clock", "2026-11-28T23:59:50+09:00"]);
+    let midnight = started + Duration::from_secs(10);
+    let nginx = Nginx::start(&global(
+        json!({"name": "daily", "scope": "global", "key": ["header:x-user"],
+               "limit": {"requests": 4, "per": "day", "calendar": {"time_zone": "Asia/Tokyo"}}}),
+        // (nginx: failure_mode allow, as first_lease wait needs there.)
+        json!({"upstream": format!("127.0.0.1:{}", quota.port)}),
+    ));
+    let send = || Client::new().get(&nginx.url("/"), &[("x-user", "ann")]);
+    let codes: Vec<u16> = (0..6).map(|_| send().status).collect();
+    assert!(Instant::now() < midnight, "the day ended before it was spent: too slow a machine");
+    assert_eq!(count(&codes, 200), 4, "{codes:?}");
+    let refused = send();
+    assert_eq!(refused.status, 429);
+    let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+    let left = midnight.saturating_duration_since(Instant::now()).as_secs();
+    assert!(wait <= 10 && wait + 1 >= left, "retry-after {wait}, {left} s to midnight");
+    // From midnight: 4 more, a day's worth.
+    let mut first = None;
+    while first.is_none() && started.elapsed() < Duration::from_secs(18) {
+        let reply = send();
+        if reply.status == 200 {
+            assert!(Instant::now() >= midnight, "admitted before midnight");
+            first = Some(reply);
+        } else {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    assert!(first.is_some(), "still refused 8 s after midnight");
+    let more = (0..6).filter(|_| send().status == 200).count();
+    assert_eq!(more, 3, "the new day's 4");
+    assert!(nginx.workers_healthy(), "{}", nginx.log());
+}
+
+#[test]
 fn over_a_global_rate_nginx_admits_its_share_and_refuses_at_once() {
     nginx_or_skip!();
     let quota = Quota::start(&[]);
