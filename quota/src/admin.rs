@@ -13,7 +13,6 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use tollgate_core::bearer::{bearer_token, constant_time_eq};
-use tollgate_core::global::lease::LeaseItem;
 
 /// The admin API's own token: at least this long.
 pub const MIN_ADMIN_TOKEN: usize = 16;
@@ -151,15 +150,7 @@ fn view(admin: &Admin, limit_id: String, key: String, state: BucketState) -> Buc
         &state.bucket,
         admin.service.metrics.busiest.limit(&limit_id),
     ) {
-        (Some(bucket), Some((requests, per_ms, burst))) => {
-            let item = LeaseItem {
-                requests,
-                per_ms,
-                burst,
-                ..LeaseItem::default()
-            };
-            Some(bucket.tokens_at(&item, now))
-        }
+        (Some(bucket), Some(item)) => Some(bucket.tokens_at(&item, now)),
         _ => None,
     };
     BucketView {

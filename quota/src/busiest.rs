@@ -73,6 +73,8 @@ struct LimitSeen {
     requests: u64,
     per_ms: u64,
     burst: u64,
+    /// A calendar quota's period (it does not refill within it).
+    period: Option<(u64, u64)>,
     started_ms: u64,
     current: Window,
     previous: Window,
@@ -142,12 +144,15 @@ impl Busiest {
         }
     }
 
-    /// The limit `limit_id` as last seen: `(requests, per_ms, burst)`.
-    pub fn limit(&self, limit_id: &str) -> Option<(u64, u64, u64)> {
-        self.lock()
-            .seen
-            .get(limit_id)
-            .map(|l| (l.requests, l.per_ms, l.burst))
+    /// The limit `limit_id` as last seen, as an item of it asking for nothing.
+    pub fn limit(&self, limit_id: &str) -> Option<LeaseItem> {
+        self.lock().seen.get(limit_id).map(|l| LeaseItem {
+            requests: l.requests,
+            per_ms: l.per_ms,
+            burst: l.burst,
+            period: l.period,
+            ..LeaseItem::default()
+        })
     }
 
     /// Every limit seen in the last two windows (or the one named), each with its `top` busiest
@@ -241,6 +246,7 @@ impl Recorder<'_> {
             seen.rule.clone_from(&item.rule);
         }
         (seen.requests, seen.per_ms, seen.burst) = (item.requests, item.per_ms, item.burst);
+        seen.period = item.period;
         // As the service's `denials`: asked (tokens or a rate) and got neither.
         let asked = item.wanted > 0 || item.demand_mtps() > 0;
         let denied = u64::from(asked && grant.granted == 0 && grant.rate == 0.0);

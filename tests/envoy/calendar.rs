@@ -55,8 +55,10 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
         match reply.status {
             200 => {
                 admitted += 1;
-                // The quota resets at midnight, not when 5 a month would refill a token.
+                // The quota resets at midnight, not when 5 a month would refill a token; the
+                // policy's window is the month's nominal 31 days.
                 let t = reset_secs(reply.header("ratelimit"));
+                assert_eq!(reply.header("ratelimit-policy"), Some("\"monthly\";q=5;w=2678400"));
                 assert!(t <= 10 && t + 1 >= left, "t={t}, {left} s to midnight");
             }
             429 => {
@@ -95,7 +97,10 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
     // The service restarts (its calendar five minutes into December): Redis kept December's
     // count, so acme is refused by a third Envoy that never saw it, told to come back when
     // December ends; another tenant has its 5.
-    quota.restart_with(&["--redis", &redis.url(), "--calendar-clock", "2026-12-01T00:05:00+01:00"]);
+    quota.restart_with(&[
+        "--redis", &redis.url(), "--calendar-clock", "2026-12-01T00:05:00+01:00",
+        "--admin-token", "operator-token-0123456789",
+    ]);
     let third = Envoy::start_with(&plugin, &options);
     third.wait_for_quota_healthy(port);
     let ask = |tenant: &str| Client::new().get(&third.url("/"), &[("x-tenant", tenant)]);
@@ -107,4 +112,43 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
     }
     let globex = (0..8).filter(|_| ask("globex").status == 200).count();
     assert_eq!(globex, 5);
+
+    // The operator names December's bucket of acme as `tollgate quota-key` does (by the
+    // service's calendar: December), finds it spent and resets it: acme has 5 again.
+    let config = tollgate::config::Config::parse(plugin.to_string().as_bytes()).unwrap();
+    let in_december = |unit, zone: &str| {
+        let mid_december = 1_797_000_000_000; // 2026-12-12
+        tollgate_core::calendar::period_at(unit, zone, mid_december)
+    };
+    let (limit_id, key) = config
+        .service_bucket("monthly", &[b"acme"], &in_december)
+        .unwrap();
+    let admin = |method: &str, path: &str| {
+        let reply = Client::new()
+            .try_send_body(
+                method,
+                &format!("http://127.0.0.1:{port}{path}"),
+                &[("authorization", "Bearer operator-token-0123456789")],
+                Some(b""),
+            )
+            .unwrap();
+        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        (reply.status, body)
+    };
+    let bucket = format!("/admin/v1/buckets/{limit_id}/{key}");
+    let (status, b) = admin("GET", &bucket);
+    assert_eq!(status, 200, "{b}");
+    assert_eq!((b["found"].clone(), b["tokens"].clone()), (true.into(), 0.0.into()), "{b}");
+    let (status, b) = admin("POST", &format!("{bucket}/reset"));
+    assert_eq!(status, 200, "{b}");
+    let mut again = 0;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while again == 0 && Instant::now() < deadline {
+        again += usize::from(ask("acme").status == 200);
+        if again == 0 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    again += (0..8).filter(|_| ask("acme").status == 200).count();
+    assert_eq!(again, 5, "a reset gives December's 5 again, once");
 }
