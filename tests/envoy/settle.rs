@@ -384,10 +384,18 @@ fn a_client_that_cuts_a_stream_at_any_event_pays_at_least_what_it_got() {
 /// and 20 concurrent streams spread over them, each reserving `reserve`.
 /// (The quota service is returned too: without it the failure mode would decide.)
 fn global_streams(reserve: &str) -> (Vec<Envoy>, crate::harness::Quota, u64, f64, usize) {
+    global_streams_of(json!({"requests": 10000, "per": "1m"}), reserve)
+}
+
+/// The same with another `limit`.
+fn global_streams_of(
+    limit: Value,
+    reserve: &str,
+) -> (Vec<Envoy>, crate::harness::Quota, u64, f64, usize) {
     let quota = crate::harness::Quota::start(&[]);
     let app = Upstream::start(&["--capacity", "100"]);
     let plugin = json!({"rules": [{"name": "llm", "scope": "global", "key": ["header:x-api-key"],
-            "limit": {"requests": 10000, "per": "1m"},
+            "limit": limit,
             "cost": {"header": "x-max-tokens", "default": 500, "max": 2000},
             "settle": {"usage": "total"}}],
         "quota_service": {"upstream": "quota", "instances_hint": 3, "lease_size": 2500}});
@@ -444,6 +452,32 @@ fn three_envoys_with_small_reservations_overshoot_by_their_excess_at_most() {
             &[("x-api-key", "team-a"), ("x-max-tokens", "300")],
         );
         assert_eq!(reply.status, 429, "{}", reply.body);
+    }
+}
+
+#[test]
+fn three_envoys_keep_a_monthly_token_budget_and_its_debt_under_concurrent_streams() {
+    // 10 000 tokens a calendar month: nothing refills it, so what the streams used is bounded by
+    // the budget and what they used beyond their reservations, whatever the time.
+    let monthly = json!({"requests": 10000, "per": "month", "calendar": {"time_zone": "UTC"}});
+    let (envoys, _quota, used, _, admitted) = global_streams_of(monthly, "300");
+    let excess: u64 = (0..20)
+        .map(|i| (usage_of(i).0 + usage_of(i).1).saturating_sub(300))
+        .sum();
+    eprintln!("monthly, reserving 300: {admitted} of 20 admitted, {used} tokens used");
+    assert!(used <= 10_000 + excess, "{used} > 10 000 + {excess}");
+    let charged: u64 = envoys.iter().map(|e| e.counter("llm", "charged")).sum();
+    assert_eq!(charged, used - 300 * admitted as u64, "every excess charged");
+    // The month's budget is spent and owed beyond: every Envoy refuses, told to come back when
+    // the month ends (not when a token would refill).
+    for e in &envoys {
+        let reply = Client::new().get(
+            &e.url("/app/llm/chat"),
+            &[("x-api-key", "team-a"), ("x-max-tokens", "300")],
+        );
+        assert_eq!(reply.status, 429, "{}", reply.body);
+        let wait: u64 = reply.header("retry-after").unwrap().parse().unwrap();
+        assert!(wait > 60, "retry-after {wait}: the month's end");
     }
 }
 
