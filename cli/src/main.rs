@@ -102,7 +102,7 @@ fn quota_key(path: PathBuf, rule: &str, values: &[std::ffi::OsString]) -> ExitCo
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let period_of = |unit, zone: &str| tollgate_core::calendar::period_at(unit, zone, now_ms);
+    let period_of = move |unit, zone: &str| tollgate_core::calendar::period_at(unit, zone, now_ms);
     match config.service_bucket(rule, &values, &period_of) {
         Ok((limit_id, key)) => {
             println!("limit_id: {limit_id}");

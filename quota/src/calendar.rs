@@ -1,7 +1,6 @@
 //! Calendar quotas: the period each calendar item is served in, by the service's clock, and the
 //! bucket that period counts in.
 
-use crate::service::bound_limit_id;
 use tollgate_core::calendar::period_at;
 use tollgate_core::global::lease::{LeaseItem, EVIDENCE_TRANSIT_MS};
 
@@ -21,15 +20,20 @@ impl CalendarClock {
     }
 
     /// Put a calendar item into the period the calendar is in at `now_ms` (the store's clock),
-    /// its bounds in the store's clock: the bucket it counts in is that period's
-    /// (`<limit_id>.<requests>.<per_ms>.<burst>.<start>.<end>`, the calendar's ms since the
-    /// epoch), full when the period begins.
+    /// its bounds in the store's clock; and say the period's bounds by the calendar, which name
+    /// the bucket it counts in (full when the period begins; a service restarted with another
+    /// offset finds it).
     /// The caller's evidence counts only if it is of this period and younger than a lease TTL
     /// (`ttl_ms`): older, it may be of the bucket before an operator's reset, or of the period
     /// before. Why it cannot be served, if it cannot (a time beyond the zone's calendar).
-    pub fn place(&self, item: &mut LeaseItem, now_ms: u64, ttl_ms: u64) -> Result<(), String> {
+    pub fn place(
+        &self,
+        item: &mut LeaseItem,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> Result<Option<(u64, u64)>, String> {
         let Some((unit, zone)) = item.calendar()? else {
-            return Ok(());
+            return Ok(None);
         };
         let shift = |ms: u64, by: i64| u64::try_from(i128::from(ms) + i128::from(by)).ok();
         let no_period = || format!("no {} in {zone} now", unit.as_str());
@@ -45,13 +49,7 @@ impl CalendarClock {
             item.known_remaining = 0;
             item.known_debt = 0;
         }
-        // Named by the calendar's own bounds: a service restarted with another clock offset
-        // finds the same period's bucket.
-        item.limit_id = bound_limit_id(
-            &item.limit_id,
-            &[item.requests, item.per_ms, item.burst, first, next],
-        );
         item.period = Some((start, end));
-        Ok(())
+        Ok(Some((first, next)))
     }
 }

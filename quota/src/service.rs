@@ -232,19 +232,21 @@ async fn lease(State(service): State<Arc<Service>>, headers: HeaderMap, body: Bo
     let mut items = request.items;
     let now_ms = crate::store::now_ms();
     for (item, problem) in items.iter_mut().zip(problems.iter_mut()) {
-        if problem.is_none() {
-            if let Err(e) = service.calendar.place(item, now_ms, service.lease_ttl_ms) {
-                *problem = Some(e);
+        if problem.is_some() {
+            continue;
+        }
+        let limit = [item.requests, item.per_ms, item.burst];
+        match service.calendar.place(item, now_ms, service.lease_ttl_ms) {
+            Err(e) => *problem = Some(e),
+            // A calendar quota's bucket is its period's.
+            Ok(Some((start, end))) => {
+                item.limit_id =
+                    bound_limit_id(&item.limit_id, &[&limit[..], &[start, end]].concat());
             }
+            Ok(None) => item.limit_id = bound_limit_id(&item.limit_id, &limit),
         }
     }
-    let served = serve(items, &problems, |item| {
-        // (A calendar item's name is bound to its period too, by `place`.)
-        if item.period.is_none() {
-            item.limit_id =
-                bound_limit_id(&item.limit_id, &[item.requests, item.per_ms, item.burst]);
-        }
-    });
+    let served = serve(items, &problems, |_| {});
     let result = if served.is_empty() {
         Ok(Answers::from(Vec::new()))
     } else {

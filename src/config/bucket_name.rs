@@ -6,6 +6,10 @@ use super::model::Config;
 use super::syntax::KeyPart;
 use tollgate_core::calendar::CalendarUnit;
 
+/// The bounds (ms since the epoch) of the period of a unit in a time zone now: the quota
+/// service's calendar, which the filter does not carry.
+pub type PeriodOf = dyn Fn(CalendarUnit, &str) -> Option<(u64, u64)>;
+
 impl Config {
     /// Rule `rule`'s key for a client whose key parts are `values` (one per part of the rule's
     /// `key`, as the request carries them), as the filter makes it: the rule's index and the key.
@@ -59,7 +63,7 @@ impl Config {
         &self,
         rule: &str,
         values: &[&[u8]],
-        period_of: &dyn Fn(CalendarUnit, &str) -> Option<(u64, u64)>,
+        period_of: &PeriodOf,
     ) -> Result<(String, String), String> {
         let (index, key) = self.key_of(rule, values)?;
         let global = self.rules[index]

@@ -2,8 +2,8 @@
 //! and a limit's `per`, a duration or a calendar period.
 
 use serde::de::{self, Deserializer};
-use tollgate_core::calendar::CalendarUnit;
 use serde::Deserialize;
+use tollgate_core::calendar::CalendarUnit;
 
 /// The longest accepted duration.
 const MAX_NS: u64 = 366 * 86_400_000_000_000;

@@ -39,15 +39,18 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
     let started = Instant::now();
     let mut quota = Quota::start_on(
         port,
-        &["--redis", &redis.url(), "--calendar-clock", "2026-11-30T23:59:50+01:00"],
+        &[
+            "--redis",
+            &redis.url(),
+            "--calendar-clock",
+            "2026-11-30T23:59:50+01:00",
+        ],
     );
     let midnight = started + Duration::from_secs(10);
     for e in &envoys {
         e.wait_for_quota_healthy(port);
     }
-    let send = |i: usize| {
-        Client::new().get(&envoys[i % 2].url("/"), &[("x-tenant", "acme")])
-    };
+    let send = |i: usize| Client::new().get(&envoys[i % 2].url("/"), &[("x-tenant", "acme")]);
     let mut admitted = 0;
     for i in 0..12 {
         let reply = send(i);
@@ -58,18 +61,27 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
                 // The quota resets at midnight, not when 5 a month would refill a token; the
                 // policy's window is the month's nominal 31 days.
                 let t = reset_secs(reply.header("ratelimit"));
-                assert_eq!(reply.header("ratelimit-policy"), Some("\"monthly\";q=5;w=2678400"));
+                assert_eq!(
+                    reply.header("ratelimit-policy"),
+                    Some("\"monthly\";q=5;w=2678400")
+                );
                 assert!(t <= 10 && t + 1 >= left, "t={t}, {left} s to midnight");
             }
             429 => {
                 let wait: u64 = reply.header("retry-after").unwrap().parse().unwrap();
-                assert!(wait <= 10 && wait + 1 >= left, "retry-after {wait}, {left} s left");
+                assert!(
+                    wait <= 10 && wait + 1 >= left,
+                    "retry-after {wait}, {left} s left"
+                );
             }
             s => panic!("status {s}: {}", reply.body),
         }
     }
     assert_eq!(admitted, 5, "November's 5 over both Envoys");
-    assert!(Instant::now() < midnight, "November ended before it was spent: too slow a machine");
+    assert!(
+        Instant::now() < midnight,
+        "November ended before it was spent: too slow a machine"
+    );
 
     // Refused until midnight; admitted from then on, 5 in December over both Envoys.
     let mut december = 0;
@@ -98,8 +110,12 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
     // count, so acme is refused by a third Envoy that never saw it, told to come back when
     // December ends; another tenant has its 5.
     quota.restart_with(&[
-        "--redis", &redis.url(), "--calendar-clock", "2026-12-01T00:05:00+01:00",
-        "--admin-token", "operator-token-0123456789",
+        "--redis",
+        &redis.url(),
+        "--calendar-clock",
+        "2026-12-01T00:05:00+01:00",
+        "--admin-token",
+        "operator-token-0123456789",
     ]);
     let third = Envoy::start_with(&plugin, &options);
     third.wait_for_quota_healthy(port);
@@ -108,7 +124,10 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
         let reply = ask("acme");
         assert_eq!(reply.status, 429, "after the restart: {}", reply.body);
         let wait: u64 = reply.header("retry-after").unwrap().parse().unwrap();
-        assert!((30 * 86_400..31 * 86_400).contains(&wait), "retry-after {wait}");
+        assert!(
+            (30 * 86_400..31 * 86_400).contains(&wait),
+            "retry-after {wait}"
+        );
     }
     let globex = (0..8).filter(|_| ask("globex").status == 200).count();
     assert_eq!(globex, 5);
@@ -138,7 +157,11 @@ fn a_monthly_quota_over_two_envoys_begins_again_at_midnight_in_berlin_and_surviv
     let bucket = format!("/admin/v1/buckets/{limit_id}/{key}");
     let (status, b) = admin("GET", &bucket);
     assert_eq!(status, 200, "{b}");
-    assert_eq!((b["found"].clone(), b["tokens"].clone()), (true.into(), 0.0.into()), "{b}");
+    assert_eq!(
+        (b["found"].clone(), b["tokens"].clone()),
+        (true.into(), 0.0.into()),
+        "{b}"
+    );
     let (status, b) = admin("POST", &format!("{bucket}/reset"));
     assert_eq!(status, 200, "{b}");
     let mut again = 0;

@@ -57,7 +57,9 @@ fn an_operator_finds_a_refused_tenant_inspects_and_resets_its_global_bucket() {
 
     // The operator's view: acme first among the rule's busiest keys, refused.
     let config = tollgate::config::Config::parse(plugin.to_string().as_bytes()).unwrap();
-    let (limit_id, key) = config.service_bucket("per-tenant", &[b"acme"], &|_, _| None).unwrap();
+    let (limit_id, key) = config
+        .service_bucket("per-tenant", &[b"acme"], &|_, _| None)
+        .unwrap();
     let (status, limits) = admin(&quota, "GET", "/admin/v1/limits");
     assert_eq!(status, 200, "{limits}");
     let limit = &limits["limits"][0];

@@ -467,7 +467,11 @@ fn three_envoys_keep_a_monthly_token_budget_and_its_debt_under_concurrent_stream
     eprintln!("monthly, reserving 300: {admitted} of 20 admitted, {used} tokens used");
     assert!(used <= 10_000 + excess, "{used} > 10 000 + {excess}");
     let charged: u64 = envoys.iter().map(|e| e.counter("llm", "charged")).sum();
-    assert_eq!(charged, used - 300 * admitted as u64, "every excess charged");
+    assert_eq!(
+        charged,
+        used - 300 * admitted as u64,
+        "every excess charged"
+    );
     // The month's budget is spent and owed beyond: every Envoy refuses, told to come back when
     // the month ends (not when a token would refill).
     for e in &envoys {

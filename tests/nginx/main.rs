@@ -291,13 +291,19 @@ fn a_daily_calendar_quota_in_tokyo_is_spent_refused_until_midnight_and_full_agai
     ));
     let send = || Client::new().get(&nginx.url("/"), &[("x-user", "ann")]);
     let codes: Vec<u16> = (0..6).map(|_| send().status).collect();
-    assert!(Instant::now() < midnight, "the day ended before it was spent: too slow a machine");
+    assert!(
+        Instant::now() < midnight,
+        "the day ended before it was spent: too slow a machine"
+    );
     assert_eq!(count(&codes, 200), 4, "{codes:?}");
     let refused = send();
     assert_eq!(refused.status, 429);
     let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
     let left = midnight.saturating_duration_since(Instant::now()).as_secs();
-    assert!(wait <= 10 && wait + 1 >= left, "retry-after {wait}, {left} s to midnight");
+    assert!(
+        wait <= 10 && wait + 1 >= left,
+        "retry-after {wait}, {left} s to midnight"
+    );
     // From midnight: 4 more, a day's worth.
     let mut first = None;
     while first.is_none() && started.elapsed() < Duration::from_secs(18) {

@@ -44,15 +44,41 @@ async fn calendar_buckets_answer_alike_in_memory_and_on_redis() {
     let steps: Vec<(&str, LeaseItem)> = vec![
         ("a", monthly("k", 4)),
         // A rate asked for: none granted (nothing refills the bucket).
-        ("b", LeaseItem { demand: 50.0, ..monthly("k", 10) }),
+        (
+            "b",
+            LeaseItem {
+                demand: 50.0,
+                ..monthly("k", 10)
+            },
+        ),
         ("a", monthly("k", 1)),
         // Given back: the bucket has them again.
-        ("b", LeaseItem { returned: 2, ..monthly("k", 0) }),
+        (
+            "b",
+            LeaseItem {
+                returned: 2,
+                ..monthly("k", 0)
+            },
+        ),
         ("a", monthly("k", 5)),
         // Charged beyond: a debt, and what the caller holds taken back toward it.
-        ("b", LeaseItem { owed: 3, held: 1, ..monthly("k", 1) }),
+        (
+            "b",
+            LeaseItem {
+                owed: 3,
+                held: 1,
+                ..monthly("k", 1)
+            },
+        ),
         // A bucket the store does not know, and a caller told 2 were left a moment ago: 2.
-        ("c", LeaseItem { known_ms: 100, known_remaining: 2, ..monthly("lost", 5) }),
+        (
+            "c",
+            LeaseItem {
+                known_ms: 100,
+                known_remaining: 2,
+                ..monthly("lost", 5)
+            },
+        ),
         ("c", monthly("lost", 5)),
     ];
     let mut answers = Vec::new();
@@ -60,7 +86,16 @@ async fn calendar_buckets_answer_alike_in_memory_and_on_redis() {
         let items = [placed(i)];
         let m = memory.lease(who, &items, 10_000).await.unwrap()[0];
         let r = on_redis.lease(who, &items, 10_000).await.unwrap()[0];
-        let same = |g: &LeaseGrant| (g.granted, g.remaining, g.rate, g.returned, g.debt, g.revoked);
+        let same = |g: &LeaseGrant| {
+            (
+                g.granted,
+                g.remaining,
+                g.rate,
+                g.returned,
+                g.debt,
+                g.revoked,
+            )
+        };
         assert_eq!(same(&m), same(&r), "step {n} ({who})");
         // Both until the period ends (the two clocks a few ms apart).
         for g in [m, r] {
@@ -141,7 +176,10 @@ async fn a_calendar_month_begins_full_at_midnight_in_its_zone_on_both_stores() {
         assert_eq!((december_grant.granted, december_grant.remaining), (5, 0));
         // Until December ends: 31 days.
         let left = december_grant.reset_ms;
-        assert!(left > 31 * DAY_MS - 5_000 && left <= 31 * DAY_MS, "{december_grant:?}");
+        assert!(
+            left > 31 * DAY_MS - 5_000 && left <= 31 * DAY_MS,
+            "{december_grant:?}"
+        );
     }
 }
 
@@ -150,25 +188,36 @@ async fn calendar_items_out_of_range_are_refused_alone_naming_the_field() {
     let svc = service(Store::Memory(MemoryStore::new(100, ColdStart::Full)), None);
     let cases = [
         (
-            LeaseItem { time_zone: Some("Europe/Atlantis".into()), ..monthly("k", 1) },
+            LeaseItem {
+                time_zone: Some("Europe/Atlantis".into()),
+                ..monthly("k", 1)
+            },
             "time_zone \"Europe/Atlantis\" is not an IANA time zone name",
         ),
         (
-            LeaseItem { calendar: Some("year".into()), ..monthly("k", 1) },
+            LeaseItem {
+                calendar: Some("year".into()),
+                ..monthly("k", 1)
+            },
             "calendar must be \"day\", \"week\" or \"month\", not \"year\"",
         ),
         (
-            LeaseItem { burst: 9, ..monthly("k", 1) },
+            LeaseItem {
+                burst: 9,
+                ..monthly("k", 1)
+            },
             "a calendar item's burst is its requests",
         ),
         (
-            LeaseItem { calendar: None, ..monthly("k", 1) },
+            LeaseItem {
+                calendar: None,
+                ..monthly("k", 1)
+            },
             "time_zone needs calendar",
         ),
     ];
     for (bad, error) in cases {
-        let (status, body) =
-            call(&svc, lease_body("p", vec![bad, monthly("ok", 1)]), None).await;
+        let (status, body) = call(&svc, lease_body("p", vec![bad, monthly("ok", 1)]), None).await;
         assert_eq!(status, StatusCode::OK, "{body}");
         let answer: LeaseResponse = serde_json::from_str(&body).unwrap();
         assert_eq!(answer.errors.len(), 1, "{body}");
@@ -176,7 +225,11 @@ async fn calendar_items_out_of_range_are_refused_alone_naming_the_field() {
         assert_eq!(answer.items[1].granted, 1, "{body}");
     }
     // Without a time zone: UTC.
-    let utc = LeaseItem { time_zone: None, calendar: Some("day".into()), ..monthly("u", 1) };
+    let utc = LeaseItem {
+        time_zone: None,
+        calendar: Some("day".into()),
+        ..monthly("u", 1)
+    };
     let (_, body) = call(&svc, lease_body("p", vec![utc]), None).await;
     let g = grants(&body)[0];
     let now = tollgate_quota::store::now_ms();

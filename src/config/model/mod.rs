@@ -5,8 +5,8 @@ pub mod overload;
 pub use super::json::PaceBody;
 use super::period::format_duration;
 pub use super::syntax::{FailureMode, FirstLease, HeaderFormat, KeyPart, LogLevel, MissingKey};
-use tollgate_core::slot::KeyPlacement;
 use tollgate_core::calendar::CalendarUnit;
+use tollgate_core::slot::KeyPlacement;
 use tollgate_core::{Limit, SlotTable};
 
 /// Slots per rule when `max_keys` is not given.

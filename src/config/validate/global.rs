@@ -7,8 +7,8 @@ use crate::config::model::{
 };
 use crate::config::period::Per;
 use crate::config::{err, ConfigError};
-use tollgate_core::calendar::is_time_zone;
 use std::num::NonZeroU64;
+use tollgate_core::calendar::is_time_zone;
 use tollgate_core::global::lease::{rate_mtps, MAX_COUNT, MAX_PER_MS};
 use tollgate_core::{Concurrency, LeaseAllowance, Limit, PermitAllowance, TokenBucket};
 
@@ -206,8 +206,8 @@ impl Rule {
         // enough that calls stay rare. A calendar quota's a smaller one: a proxy holds it until
         // the period ends (none else may spend it; a restart loses it).
         let slices = if calendar.is_some() { 32 } else { 4 };
-        let lease_size = lease_size
-            .unwrap_or_else(|| (burst / (slices * qs.instances_hint)).clamp(1, 1_000));
+        let lease_size =
+            lease_size.unwrap_or_else(|| (burst / (slices * qs.instances_hint)).clamp(1, 1_000));
         let lease = LeaseAllowance {
             lease_size,
             low_water: lease_size.div_ceil(2),

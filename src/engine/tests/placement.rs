@@ -149,7 +149,9 @@ fn an_operator_names_a_clients_bucket_at_the_service_as_the_filter_does() {
         ("g", &[&b"1.2.3.4"[..]][..], "2 key part(s), 1 value(s)"),
         ("g", &[&b"not-an-ip"[..], b"x"][..], "not an IP address"),
     ] {
-        let e = config.service_bucket(rule, values, &|_, _| None).unwrap_err();
+        let e = config
+            .service_bucket(rule, values, &|_, _| None)
+            .unwrap_err();
         assert!(e.contains(why), "{e}");
     }
 }

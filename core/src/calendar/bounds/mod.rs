@@ -11,14 +11,15 @@ use chrono_tz::Tz;
 /// calendar.
 pub fn period_at(unit: CalendarUnit, zone: &str, now_ms: u64) -> Option<(u64, u64)> {
     let tz: Tz = zone.parse().ok()?;
-    let now = tz.timestamp_millis_opt(i64::try_from(now_ms).ok()?).single()?;
+    let now = tz
+        .timestamp_millis_opt(i64::try_from(now_ms).ok()?)
+        .single()?;
     let today = now.date_naive();
     let (first, next) = match unit {
         CalendarUnit::Day => (today, today.checked_add_days(Days::new(1))?),
         CalendarUnit::Week => {
-            let monday = today.checked_sub_days(Days::new(u64::from(
-                today.weekday().num_days_from_monday(),
-            )))?;
+            let monday = today
+                .checked_sub_days(Days::new(u64::from(today.weekday().num_days_from_monday())))?;
             (monday, monday.checked_add_days(Days::new(7))?)
         }
         CalendarUnit::Month => {
@@ -41,7 +42,11 @@ fn day_start(tz: Tz, date: NaiveDate) -> Option<u64> {
             // A gap's first instant: the quarter before was skipped, so its start is where the
             // new offset begins; step back within the quarter to the gap's end.
             let ms = at.timestamp_millis();
-            let ms = if quarter == 0 { ms } else { gap_end(tz, date, ms) };
+            let ms = if quarter == 0 {
+                ms
+            } else {
+                gap_end(tz, date, ms)
+            };
             return u64::try_from(ms).ok();
         }
     }

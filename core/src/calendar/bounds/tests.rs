@@ -21,15 +21,55 @@ fn local(zone: &str, ms: u64) -> chrono::DateTime<Tz> {
 fn months_of_every_length_and_both_changes_of_offset() {
     let cases = [
         // Berlin's spring change (29 March 2026, 02:00 → 03:00): one hour short.
-        ("Europe/Berlin", "2026-03-15T12:00:00+01:00", "2026-03-01T00:00:00+01:00", 31 * D - H),
+        (
+            "Europe/Berlin",
+            "2026-03-15T12:00:00+01:00",
+            "2026-03-01T00:00:00+01:00",
+            31 * D - H,
+        ),
         // Its autumn change (25 October 2026): one hour long.
-        ("Europe/Berlin", "2026-10-31T23:59:59+01:00", "2026-10-01T00:00:00+02:00", 31 * D + H),
-        ("Europe/Berlin", "2026-11-30T23:59:59.999+01:00", "2026-11-01T00:00:00+01:00", 30 * D),
-        ("Europe/Berlin", "2026-12-01T00:00:00+01:00", "2026-12-01T00:00:00+01:00", 31 * D),
-        ("UTC", "2028-02-29T23:00:00Z", "2028-02-01T00:00:00Z", 29 * D),
-        ("UTC", "2027-02-10T00:00:00Z", "2027-02-01T00:00:00Z", 28 * D),
-        ("America/New_York", "2026-11-01T01:30:00-05:00", "2026-11-01T00:00:00-04:00", 30 * D + H),
-        ("Asia/Kolkata", "2026-01-31T23:59:00+05:30", "2026-01-01T00:00:00+05:30", 31 * D),
+        (
+            "Europe/Berlin",
+            "2026-10-31T23:59:59+01:00",
+            "2026-10-01T00:00:00+02:00",
+            31 * D + H,
+        ),
+        (
+            "Europe/Berlin",
+            "2026-11-30T23:59:59.999+01:00",
+            "2026-11-01T00:00:00+01:00",
+            30 * D,
+        ),
+        (
+            "Europe/Berlin",
+            "2026-12-01T00:00:00+01:00",
+            "2026-12-01T00:00:00+01:00",
+            31 * D,
+        ),
+        (
+            "UTC",
+            "2028-02-29T23:00:00Z",
+            "2028-02-01T00:00:00Z",
+            29 * D,
+        ),
+        (
+            "UTC",
+            "2027-02-10T00:00:00Z",
+            "2027-02-01T00:00:00Z",
+            28 * D,
+        ),
+        (
+            "America/New_York",
+            "2026-11-01T01:30:00-05:00",
+            "2026-11-01T00:00:00-04:00",
+            30 * D + H,
+        ),
+        (
+            "Asia/Kolkata",
+            "2026-01-31T23:59:00+05:30",
+            "2026-01-01T00:00:00+05:30",
+            31 * D,
+        ),
     ];
     for (zone, now, start, len) in cases {
         let (s, e) = period_at(CalendarUnit::Month, zone, at(now)).unwrap();
@@ -40,13 +80,26 @@ fn months_of_every_length_and_both_changes_of_offset() {
 #[test]
 fn days_and_weeks() {
     // The day of Berlin's spring change has 23 hours, of its autumn change 25.
-    let (s, e) = period_at(CalendarUnit::Day, "Europe/Berlin", at("2026-03-29T12:00:00+02:00")).unwrap();
+    let (s, e) = period_at(
+        CalendarUnit::Day,
+        "Europe/Berlin",
+        at("2026-03-29T12:00:00+02:00"),
+    )
+    .unwrap();
     assert_eq!((s, e - s), (at("2026-03-29T00:00:00+01:00"), 23 * H));
-    let (s, e) = period_at(CalendarUnit::Day, "Europe/Berlin", at("2026-10-25T12:00:00+01:00")).unwrap();
+    let (s, e) = period_at(
+        CalendarUnit::Day,
+        "Europe/Berlin",
+        at("2026-10-25T12:00:00+01:00"),
+    )
+    .unwrap();
     assert_eq!((s, e - s), (at("2026-10-25T00:00:00+02:00"), 25 * H));
     // 27 November 2026 is a Friday: its week began on Monday the 23rd.
     let (s, e) = period_at(CalendarUnit::Week, "UTC", at("2026-11-27T10:00:00Z")).unwrap();
-    assert_eq!((s, e), (at("2026-11-23T00:00:00Z"), at("2026-11-30T00:00:00Z")));
+    assert_eq!(
+        (s, e),
+        (at("2026-11-23T00:00:00Z"), at("2026-11-30T00:00:00Z"))
+    );
     // A Monday's first and a Sunday's last millisecond.
     let (s, _) = period_at(CalendarUnit::Week, "UTC", at("2026-11-30T00:00:00Z")).unwrap();
     assert_eq!(s, at("2026-11-30T00:00:00Z"));
@@ -58,9 +111,19 @@ fn days_and_weeks() {
 fn a_day_whose_midnight_is_skipped_begins_when_the_clock_jumps() {
     // Cuba moves its clocks from 00:00 to 01:00 on the second Sunday of March: 8 March 2026
     // begins at 01:00 (−04:00), and the day before ends then.
-    let (s, e) = period_at(CalendarUnit::Day, "America/Havana", at("2026-03-08T12:00:00-04:00")).unwrap();
+    let (s, e) = period_at(
+        CalendarUnit::Day,
+        "America/Havana",
+        at("2026-03-08T12:00:00-04:00"),
+    )
+    .unwrap();
     assert_eq!((s, e - s), (at("2026-03-08T01:00:00-04:00"), 23 * H));
-    let (_, e) = period_at(CalendarUnit::Day, "America/Havana", at("2026-03-07T12:00:00-05:00")).unwrap();
+    let (_, e) = period_at(
+        CalendarUnit::Day,
+        "America/Havana",
+        at("2026-03-07T12:00:00-05:00"),
+    )
+    .unwrap();
     assert_eq!(e, at("2026-03-08T01:00:00-04:00"));
 }
 

@@ -589,7 +589,11 @@ fn a_calendar_quota_says_its_periods_end_and_asks_again_within_a_second_when_exh
     let s = l.grant(&[0; 32], T0, &g);
     match l.decide(&s, (T0 + 1_000) * MS, 1) {
         // The headers' reset: the period's end, not a refill of the 6 missing.
-        Decision::Admit { remaining, reset_ns, .. } => {
+        Decision::Admit {
+            remaining,
+            reset_ns,
+            ..
+        } => {
             assert_eq!((remaining, reset_ns), (3 + 6, (left_ms - 1_000) * MS));
         }
         d => panic!("{d:?}"),
@@ -606,7 +610,11 @@ fn a_calendar_quota_says_its_periods_end_and_asks_again_within_a_second_when_exh
     };
     let s = l.grant(&[0; 32], T0, &none);
     match l.decide(&s, (T0 + 10) * MS, 1) {
-        Decision::Refuse { retry_after_ns, reset_ns, .. } => {
+        Decision::Refuse {
+            retry_after_ns,
+            reset_ns,
+            ..
+        } => {
             assert_eq!(retry_after_ns, (left_ms - 10) * MS);
             assert_eq!(reset_ns, retry_after_ns);
         }

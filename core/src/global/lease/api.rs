@@ -13,6 +13,12 @@ pub const MAX_NAME: usize = 128;
 pub const MAX_COUNT: u64 = 1_000_000_000;
 /// Longest accepted `per_ms`: 366 days.
 pub const MAX_PER_MS: u64 = 366 * 86_400_000;
+/// Milli-tokens per second: the unit rate shares are divided in (whole numbers, so that the
+/// memory and Redis stores round alike).
+pub fn rate_mtps(requests: u64, per_ms: u64) -> u64 {
+    u64::try_from(u128::from(requests) * 1_000_000 / u128::from(per_ms.max(1))).unwrap_or(u64::MAX)
+}
+
 /// Tokens of a bucket's burst kept for instances within their fair share (newcomers above all):
 /// instances that want more, holding rate shares, take only what is above them.
 pub fn newcomers_reserve(burst: u64) -> u64 {
@@ -218,7 +224,7 @@ impl LeaseItem {
         if self.period.is_some() {
             0
         } else {
-            super::bucket::rate_mtps(self.requests, self.per_ms)
+            rate_mtps(self.requests, self.per_ms)
         }
     }
 
@@ -241,8 +247,9 @@ impl LeaseItem {
                 None => Ok(None),
             };
         };
-        let unit = CalendarUnit::parse(unit)
-            .ok_or_else(|| format!("calendar must be \"day\", \"week\" or \"month\", not {unit:?}"))?;
+        let unit = CalendarUnit::parse(unit).ok_or_else(|| {
+            format!("calendar must be \"day\", \"week\" or \"month\", not {unit:?}")
+        })?;
         let zone = zone.unwrap_or("UTC");
         if !is_time_zone(zone) {
             return Err(format!("time_zone {zone:?} is not an IANA time zone name"));

@@ -17,12 +17,6 @@ pub const EVIDENCE_TRANSIT_MS: u64 = 250;
 /// then its worker's tick and the call).
 const RENEWAL_MARGIN_MS: f64 = 20.0;
 
-/// Milli-tokens per second: the unit rate shares are divided in (whole numbers, so that the
-/// memory and Redis stores round alike).
-pub fn rate_mtps(requests: u64, per_ms: u64) -> u64 {
-    u64::try_from(u128::from(requests) * 1_000_000 / u128::from(per_ms.max(1))).unwrap_or(u64::MAX)
-}
-
 /// An instance's standing at one bucket: what it last asked for, and the refill rate reserved for
 /// it. Sorted by instance; the empty name stands for the proxies of before a cold start.
 #[derive(Debug, Clone, PartialEq, Default)]

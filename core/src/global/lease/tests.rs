@@ -399,9 +399,20 @@ fn a_calendar_quota_never_refills_within_its_period_and_leases_until_its_end() {
     let mut b = GlobalBucket::new(&monthly(0), 500_000, 10_000, epoch);
     let g = b.lease("a", &monthly(4), 500_000, 10_000);
     // Its tokens are the instance's until the period ends, when the bucket is full again.
-    assert_eq!((g.granted, g.remaining, g.ttl_ms, g.reset_ms), (4, 6, 1_500_000, 1_500_000));
+    assert_eq!(
+        (g.granted, g.remaining, g.ttl_ms, g.reset_ms),
+        (4, 6, 1_500_000, 1_500_000)
+    );
     // No rate, whatever is asked: the bucket has none.
-    let g = b.lease("b", &LeaseItem { demand: 1_000.0, ..monthly(10) }, 600_000, 10_000);
+    let g = b.lease(
+        "b",
+        &LeaseItem {
+            demand: 1_000.0,
+            ..monthly(10)
+        },
+        600_000,
+        10_000,
+    );
     assert_eq!((g.granted, g.rate, g.remaining), (6, 0.0, 0));
     // Later, still empty: told to ask again when the period ends.
     let g = b.lease("a", &monthly(1), 1_900_000, 10_000);
@@ -434,6 +445,10 @@ fn a_calendar_bucket_a_store_lost_holds_what_the_evidence_says_was_left() {
     let mut b = GlobalBucket::new(&seen, 100_000, 10_000, ColdStart::Full);
     b.lease("a", &monthly(7), 100_000, 10_000);
     assert!(!b.reconcile("c", &seen, 100_000, 10_000));
-    let fresh = LeaseItem { known_ms: 1, known_remaining: 0, ..monthly(1) };
+    let fresh = LeaseItem {
+        known_ms: 1,
+        known_remaining: 0,
+        ..monthly(1)
+    };
     assert!(!b.reconcile("a", &fresh, 100_001, 10_000));
 }
