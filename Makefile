@@ -19,6 +19,7 @@ build: setup
 lint: setup
 	cargo fmt --all -- --check
 	python3 scripts/import-cycles.py
+	python3 scripts/check-links.py
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy -p tollgate --test nginx -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
@@ -32,6 +33,7 @@ quota:
 check: setup-rust
 	cargo fmt --all -- --check
 	python3 scripts/import-cycles.py
+	python3 scripts/check-links.py
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
 	cargo test --workspace --lib -q

@@ -76,8 +76,8 @@ impl<'de> Deserialize<'de> for Per {
         Period::parse(&s).map(Self::Duration).ok_or_else(|| {
             de::Error::custom(format!(
                 "invalid duration {s:?} (expected a positive whole number and a unit: ms, s, m, h or \
-                 d, at most 366d, e.g. \"1s\", \"1m\"; or a calendar period, \"day\", \"week\" \
-                 or \"month\", with \"calendar\")"
+                 d, at most 366d, e.g. \"250ms\", \"1m\"; or, with \"calendar\", \"day\", \
+                 \"week\" or \"month\")"
             ))
         })
     }
