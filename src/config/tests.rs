@@ -187,7 +187,13 @@ fn global_rules() {
 #[test]
 fn documented_examples_parse() {
     let mut seen = 0;
-    for doc in ["README.md", "docs/configuration.md", "docs/llm-budgets.md"] {
+    for doc in [
+        "README.md",
+        "docs/configuration.md",
+        "docs/llm-budgets.md",
+        "docs/global.md",
+        "docs/semantics.md",
+    ] {
         let path = format!("{}/{doc}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
         for block in text.split("```json").skip(1) {

@@ -338,3 +338,41 @@ fn a_local_burst_back_to_back_on_fresh_connections_is_admitted_in_full() {
         assert_eq!(admitted, 20, "round {round}: {codes:?}");
     }
 }
+
+/// The README's LLM token budget exactly as written: a request reserves its maxima and its body's
+/// bytes, and settles what the provider reported; what does not fit is refused with a true
+/// `Retry-After`.
+#[test]
+fn the_readme_llm_budget_reserves_a_requests_maxima_and_settles_its_usage() {
+    let plugin = readme_json("### An LLM token budget");
+    let usage = r#"{"usage":{"prompt_tokens":100,"completion_tokens":900,"total_tokens":1000}}"#;
+    let opts = Options {
+        routes: vec![json!({
+            "match": {"prefix": "/v1/chat"},
+            "direct_response": {"status": 200, "body": {"inline_string": usage}},
+            "response_headers_to_add": [{"header": {"key": "content-type",
+                                                    "value": "application/json"}}]
+        })],
+        // (The README says so: rules that read the body need it in Envoy.)
+        body_readable: true,
+        ..Options::default()
+    };
+    let envoy = Envoy::start_with(&plugin, &opts);
+    let client = Client::new();
+    let url = envoy.url("/v1/chat");
+    let key = [
+        ("x-api-key", "team-a"),
+        ("content-type", "application/json"),
+    ];
+    let body = |max: u64| format!(r#"{{"model":"m","max_tokens":{max},"messages":[]}}"#);
+    // 6 000 reserved, 1 000 used: 9 000 left.
+    let first = client.post(&url, &key, body(6_000).as_bytes());
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(envoy.counter("tokens-per-key", "settled"), 1_000);
+    // 9 000 and the body's bytes do not fit; 8 000 and them do.
+    let refused = client.post(&url, &key, body(9_000).as_bytes());
+    assert_eq!(refused.status, 429);
+    let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&wait), "retry-after {wait}");
+    assert_eq!(client.post(&url, &key, body(8_000).as_bytes()).status, 200);
+}
