@@ -46,6 +46,10 @@ enum Command {
         /// The global rule.
         #[arg(long)]
         rule: String,
+        /// A calendar quota's period at this time (RFC 3339, `2026-12-01T00:05:00+01:00`) rather
+        /// than now: for a quota service run with `--calendar-clock`, or a period gone by.
+        #[arg(long)]
+        at: Option<String>,
         /// The client's value for each part of the rule's `key`, in order, as requests carry them
         /// (an IP address for `client_ip`, a header's value, a path, …).
         #[arg(required = true)]
@@ -74,8 +78,9 @@ fn main() -> ExitCode {
         Command::QuotaKey {
             config,
             rule,
+            at,
             values,
-        } => quota_key(config, &rule, &values),
+        } => quota_key(config, &rule, at.as_deref(), &values),
     }
 }
 
@@ -92,16 +97,35 @@ fn load(path: &PathBuf) -> Result<Config, ExitCode> {
     })
 }
 
-fn quota_key(path: PathBuf, rule: &str, values: &[std::ffi::OsString]) -> ExitCode {
+fn quota_key(
+    path: PathBuf,
+    rule: &str,
+    at: Option<&str>,
+    values: &[std::ffi::OsString],
+) -> ExitCode {
     use std::os::unix::ffi::OsStrExt;
     let config = match load(&path) {
         Ok(config) => config,
         Err(code) => return code,
     };
     let values: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let now_ms = match at {
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        Some(at) => {
+            match chrono::DateTime::parse_from_rfc3339(at)
+                .ok()
+                .and_then(|t| u64::try_from(t.timestamp_millis()).ok())
+            {
+                Some(ms) => ms,
+                None => {
+                    eprintln!("--at {at:?} is not an RFC 3339 time after 1970 (2026-12-01T00:05:00+01:00)");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    };
     let period_of = move |unit, zone: &str| tollgate_core::calendar::period_at(unit, zone, now_ms);
     match config.service_bucket(rule, &values, &period_of) {
         Ok((limit_id, key)) => {

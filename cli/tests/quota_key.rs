@@ -10,12 +10,16 @@ const GLOBAL: &str = r#"{"rules":[{"name":"per-tenant","scope":"global","key":["
   "quota_service":{"upstream":"quota","key_secret":"0123456789abcdef0123456789abcdef"}}"#;
 
 fn quota_key(args: &[&str]) -> (bool, String, String) {
+    quota_key_of(GLOBAL, args)
+}
+
+fn quota_key_of(config: &str, args: &[&str]) -> (bool, String, String) {
     let dir = std::env::temp_dir().join(format!("tollgate-quota-key-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let path = dir.join(format!("plugin-{n}.json"));
-    std::fs::write(&path, GLOBAL).unwrap();
+    std::fs::write(&path, config).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .arg("quota-key")
         .arg(&path)
@@ -94,5 +98,53 @@ fn the_docs_example_prints_what_the_docs_show() {
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim_end(),
         output.trim_end()
+    );
+}
+
+#[test]
+fn a_calendar_quotas_bucket_is_its_periods_now_or_at_a_given_time() {
+    let monthly = r#"{"rules":[{"name":"monthly","scope":"global","key":["header:x-tenant"],
+      "limit":{"requests":10,"per":"month","calendar":{"time_zone":"Europe/Berlin"}}}],
+      "quota_service":{"upstream":"quota","key_secret":"0123456789abcdef0123456789abcdef"}}"#;
+    // December 2026 in Berlin: from 1 December 00:00 (+01:00) to 1 January 00:00.
+    let (ok, out, err) = quota_key_of(
+        monthly,
+        &[
+            "--rule",
+            "monthly",
+            "--at",
+            "2026-12-01T00:05:00+01:00",
+            "acme",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(".10.2678400000.10.1796079600000.1798758000000\n"),
+        "{out}"
+    );
+    // A minute before: November's.
+    let (_, before, _) = quota_key_of(
+        monthly,
+        &[
+            "--rule",
+            "monthly",
+            "--at",
+            "2026-11-30T23:59:00+01:00",
+            "acme",
+        ],
+    );
+    assert!(
+        before.contains(".1793487600000.1796079600000\n"),
+        "{before}"
+    );
+    // Now: the period this machine's clock is in (whichever it is, it is named by two bounds).
+    let (ok, now, _) = quota_key_of(monthly, &["--rule", "monthly", "acme"]);
+    assert!(ok);
+    let limit_id = now.lines().next().unwrap();
+    assert_eq!(limit_id.split('.').count(), 6, "{limit_id}");
+    let (ok, _, err) = quota_key_of(monthly, &["--rule", "monthly", "--at", "soon", "acme"]);
+    assert!(
+        !ok && err.contains("--at \"soon\" is not an RFC 3339 time"),
+        "{err}"
     );
 }

@@ -215,6 +215,21 @@ async fn calendar_items_out_of_range_are_refused_alone_naming_the_field() {
             },
             "time_zone needs calendar",
         ),
+        // Not echoed: the error goes to the log and the answer.
+        (
+            LeaseItem {
+                time_zone: Some("A".repeat(200_000)),
+                ..monthly("k", 1)
+            },
+            "time_zone must be at most 64 bytes",
+        ),
+        (
+            LeaseItem {
+                calendar: Some("y".repeat(200_000)),
+                ..monthly("k", 1)
+            },
+            "calendar must be \"day\", \"week\" or \"month\"",
+        ),
     ];
     for (bad, error) in cases {
         let (status, body) = call(&svc, lease_body("p", vec![bad, monthly("ok", 1)]), None).await;

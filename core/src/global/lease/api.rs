@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub const MAX_ITEMS: usize = 1_000;
 /// Longest accepted `rule`, `limit_id`, `key` and `instance` strings.
 pub const MAX_NAME: usize = 128;
+/// Longest accepted `time_zone` (IANA names are at most 32 bytes).
+pub const MAX_TIME_ZONE: usize = 64;
 /// Largest accepted `requests`, `burst` and `wanted`: limits beyond are not rate limits, and both
 /// stores compute exactly within them.
 pub const MAX_COUNT: u64 = 1_000_000_000;
@@ -241,6 +243,17 @@ impl LeaseItem {
     /// The item's calendar unit and time zone, if it is a calendar quota, or why it cannot be.
     pub fn calendar(&self) -> Result<Option<(CalendarUnit, &str)>, String> {
         let zone = self.time_zone.as_deref();
+        // (Never echoed beyond a zone name's length: the error goes to the log and the answer.)
+        if zone.is_some_and(|z| z.len() > MAX_TIME_ZONE) {
+            return Err(format!("time_zone must be at most {MAX_TIME_ZONE} bytes"));
+        }
+        if self
+            .calendar
+            .as_ref()
+            .is_some_and(|c| c.len() > MAX_TIME_ZONE)
+        {
+            return Err("calendar must be \"day\", \"week\" or \"month\"".into());
+        }
         let Some(unit) = self.calendar.as_deref() else {
             return match zone {
                 Some(_) => Err("time_zone needs calendar".into()),
