@@ -277,7 +277,6 @@ impl<H: Host> Plugin<H> {
         self.pass_on(bodies);
         let due = self.queues.borrow_mut().due(now);
         for id in due {
-            self.add(ProcessStat::QueueHeld, -1);
             // The stream may be gone already; then there is nothing to resume.
             if self.host.set_effective_context(id).is_ok() {
                 if let Err(s) = self.host.continue_request() {
@@ -291,7 +290,6 @@ impl<H: Host> Plugin<H> {
     /// Let held bodies go on (taken out of the queue already).
     fn pass_on(&self, bodies: Vec<(u32, PaceBody)>) {
         for (id, body) in bodies {
-            self.add(ProcessStat::BodiesHeld, -1);
             if self.host.set_effective_context(id).is_ok() {
                 let resumed = match body {
                     PaceBody::Response => self.host.continue_response(),
@@ -406,10 +404,7 @@ impl<H: Host> Plugin<H> {
                 .evaluate(&self.host, &mut w.inputs, now, timed_out);
             match step {
                 Step::Wait => self.queues.borrow_mut().wait(w),
-                step => {
-                    self.add(ProcessStat::QuotaWaiting, -1);
-                    self.finish_paused(w.context_id, step, now);
-                }
+                step => self.finish_paused(w.context_id, step, now),
             }
         }
     }
@@ -432,7 +427,6 @@ impl<H: Host> Plugin<H> {
                     self.queues
                         .borrow_mut()
                         .hold(now.saturating_add(delay), context_id);
-                    self.add(ProcessStat::QueueHeld, 1);
                 } else if let Err(s) = self.host.continue_request() {
                     debug!("cannot resume request {context_id}: {s}");
                 }
@@ -450,13 +444,11 @@ impl<H: Host> Plugin<H> {
         self.pass_on(bodies);
         let (held, waiting) = self.queues.borrow_mut().drain();
         for id in held {
-            self.add(ProcessStat::QueueHeld, -1);
             if self.host.set_effective_context(id).is_ok() {
                 let _ = self.host.continue_request();
             }
         }
         for mut w in waiting {
-            self.add(ProcessStat::QuotaWaiting, -1);
             let step =
                 self.engine
                     .borrow_mut()
@@ -472,6 +464,9 @@ impl<H: Host> Plugin<H> {
 
     /// Hand the worker's stat changes to the host.
     pub fn flush_stats(&self) {
+        for (gauge, change) in self.queues.borrow_mut().gauge_changes() {
+            self.add(gauge, change);
+        }
         let mut changes: smallvec::SmallVec<[(Stat, i64); 16]> = smallvec::SmallVec::new();
         self.engine
             .borrow_mut()

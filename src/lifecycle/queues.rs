@@ -4,6 +4,7 @@
 
 use crate::config::PaceBody;
 use crate::engine::{Admitted, Inputs, Refill};
+use crate::stats::ProcessStat;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 
@@ -26,9 +27,31 @@ pub struct Queues {
     in_flight: FxHashMap<u32, (bool, Vec<Refill>)>,
     /// (due time ns, context id, which body) of bodies held by byte limits.
     bodies: BTreeSet<(u64, u32, PaceBody)>,
+    /// What the gauges of held requests, waiting requests and held bodies were last told of
+    /// these queues (the gauges are process-wide: each queue adds its own changes).
+    reported: [usize; 3],
 }
 
+/// The process-wide gauges that count what these queues hold, in the order of `reported`.
+const GAUGES: [ProcessStat; 3] = [
+    ProcessStat::QueueHeld,
+    ProcessStat::QuotaWaiting,
+    ProcessStat::BodiesHeld,
+];
+
 impl Queues {
+    /// How the gauges of what these queues hold changed since the last call: the queues are
+    /// the only count, so no hold or release anywhere moves a gauge by hand.
+    pub fn gauge_changes(&mut self) -> impl Iterator<Item = (ProcessStat, i64)> {
+        let now = [self.held.len(), self.waiting.len(), self.bodies.len()];
+        let before = std::mem::replace(&mut self.reported, now);
+        GAUGES
+            .into_iter()
+            .zip(now.into_iter().zip(before))
+            .filter(|(_, (n, b))| n != b)
+            .map(|(g, (n, b))| (g, n as i64 - b as i64))
+    }
+
     pub fn hold(&mut self, due_ns: u64, context_id: u32) {
         self.held.insert((due_ns, context_id));
     }

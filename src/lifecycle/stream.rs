@@ -362,7 +362,6 @@ impl<H: Host> Stream<H> {
             deadline_ms: now / 1_000_000 + timeout_ms + WAIT_GRACE_MS,
             inputs,
         });
-        plugin.add(ProcessStat::QuotaWaiting, 1);
         Action::Pause
     }
 
@@ -444,7 +443,6 @@ impl<H: Host> Stream<H> {
                     let due = now.saturating_add(a.delay_ns);
                     plugin.queues.borrow_mut().hold(due, self.id);
                     self.held_until = Some(due);
-                    plugin.add(ProcessStat::QueueHeld, 1);
                     return Action::Pause;
                 }
                 if paused {
@@ -625,9 +623,6 @@ impl<H: Host> Stream<H> {
             .borrow_mut()
             .hold_body(held, until, self.id, body);
         *last = Some(until);
-        if held.is_none() {
-            plugin.add(ProcessStat::BodiesHeld, 1);
-        }
         // The time it is held for, as scheduled (what the tick's resolution adds is not).
         let added = until.saturating_sub(held.unwrap_or(now).max(now));
         plugin.engine.borrow_mut().held(&self.pacers, body, added);
@@ -675,7 +670,6 @@ impl<H: Host> Stream<H> {
             // Still queued means the client went away while its body was held: the bytes charged
             // for it that never left go back to the key.
             if plugin.queues.borrow_mut().unhold_body(at, self.id, body) {
-                plugin.add(ProcessStat::BodiesHeld, -1);
                 let unpassed = std::mem::take(&mut self.unpassed[hold_index(body)]);
                 let now = plugin.host.now_ns().unwrap_or(0);
                 plugin
@@ -685,14 +679,10 @@ impl<H: Host> Stream<H> {
             }
         }
         if let Some(due) = self.held_until.take() {
-            // Still queued means the client went away while held.
-            if plugin.queues.borrow_mut().unhold(due, self.id) {
-                plugin.add(ProcessStat::QueueHeld, -1);
-            }
+            // (Still queued: the client went away while held.)
+            plugin.queues.borrow_mut().unhold(due, self.id);
         }
-        if plugin.queues.borrow_mut().leave_waiting(self.id) {
-            plugin.add(ProcessStat::QuotaWaiting, -1);
-        }
+        plugin.queues.borrow_mut().leave_waiting(self.id);
         if let Some((token, _)) = self.own_call.take() {
             callers.forget(token);
         }
