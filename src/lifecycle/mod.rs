@@ -4,6 +4,7 @@
 
 mod calls;
 mod contexts;
+mod holdings;
 mod host;
 mod plugin;
 mod queues;

@@ -3,15 +3,13 @@
 //! own; at the end of the stream it gives back what the request held.
 
 use super::calls::Callers;
+use super::holdings::{hold_index, Holdings};
 use super::host::{Action, Host, HostRequest};
 use super::plugin::Plugin;
 use super::queues::Waiting;
 use super::quota_call;
 use crate::config::PaceBody;
-use crate::engine::{
-    Holds, Inputs, Pacers, QuotaReport, Reservations, ResponseSeen, Seats, Step, Strict,
-    WAIT_GRACE_MS,
-};
+use crate::engine::{Inputs, QuotaReport, ResponseSeen, Step, Strict, WAIT_GRACE_MS};
 use crate::number::whole_number;
 use crate::request::Request;
 use crate::request_body::RequestBody;
@@ -26,28 +24,14 @@ pub struct Stream<H: Host> {
     plugin: Option<Rc<Plugin<H>>>,
     /// The quota to describe in the upstream's response headers.
     report: Option<QuotaReport>,
-    /// Quota held until the stream ends (concurrency rules).
-    holds: Holds,
-    /// What it reserved of rules that settle after the response, and what the response showed.
-    reservations: Reservations,
+    /// What it holds until it ends, let go of once.
+    holdings: Holdings,
+    /// What the response showed of the cost its reservations settle.
     seen: ResponseSeen,
     /// Reads the response body for the usage or fields reservations settle by.
     body_reader: Option<UsageReader>,
-    /// Set while the request is held by a leaky bucket.
-    held_until: Option<u64>,
-    /// The call this request waits for, with its checks.
-    own_call: Option<(u32, Strict)>,
-    /// What the request holds of overload rules while in flight.
-    seats: Seats,
     /// Set once the request was let through to the upstream (a response without it is ours).
     forwarded: bool,
-    /// Byte limits that pace its bodies, and until when each body was last held (request,
-    /// response).
-    pacers: Pacers,
-    body_holds: [Option<u64>; 2],
-    /// Per body, the bytes charged to byte limits while it is held, not passed on yet: given
-    /// back if the stream ends before they are.
-    unpassed: [u64; 2],
     /// The decision waits for the request body (a rule that applies reads it), kept here as it
     /// comes (at most `max_request_body_bytes`), and how many bytes came.
     awaiting_body: bool,
@@ -64,17 +48,10 @@ impl<H: Host> Stream<H> {
             id,
             plugin,
             report: None,
-            holds: Holds::new(),
-            reservations: Reservations::new(),
+            holdings: Holdings::default(),
             seen: ResponseSeen::default(),
             body_reader: None,
-            held_until: None,
-            own_call: None,
-            seats: Seats::new(),
             forwarded: false,
-            pacers: Pacers::new(),
-            body_holds: [None; 2],
-            unpassed: [0; 2],
             awaiting_body: false,
             request_body: Vec::new(),
             request_body_bytes: 0,
@@ -131,8 +108,8 @@ impl<H: Host> Stream<H> {
             // request is still paused by that decision (Envoy calls this while a request paused
             // on its headers waits, when `allow_on_headers_stop_iteration` is set), or paced.
             // (A request let through and not held needs no look at the queues.)
-            let going =
-                (self.forwarded && self.held_until.is_none()) || !self.still_paused(&plugin);
+            let going = (self.forwarded && self.holdings.held_until.is_none())
+                || !self.still_paused(&plugin);
             return if going {
                 self.pace_upload(&plugin, size)
             } else {
@@ -206,7 +183,12 @@ impl<H: Host> Stream<H> {
 
     /// `size` bytes of the request body are about to go on: paced by byte limits of uploads.
     fn pace_upload(&mut self, plugin: &Plugin<H>, size: usize) -> Action {
-        if !self.pacers.iter().any(|p| p.body == PaceBody::Request) {
+        if !self
+            .holdings
+            .pacers
+            .iter()
+            .any(|p| p.body == PaceBody::Request)
+        {
             return Action::Continue;
         }
         self.pace(plugin, PaceBody::Request, size)
@@ -283,16 +265,17 @@ impl<H: Host> Stream<H> {
         if let Some(answered) = super::status::serve(&plugin, &request) {
             return answered;
         }
-        self.pacers = plugin.engine.borrow().pacers(&request);
+        self.holdings.pacers = plugin.engine.borrow().pacers(&request);
         let mut now = None;
         if plugin.engine.borrow().has_guards() {
             now = plugin.host.now_ns();
             if let Some(t) = now {
-                let shed =
-                    plugin
-                        .engine
-                        .borrow_mut()
-                        .guard(&plugin.host, &request, t, &mut self.seats);
+                let shed = plugin.engine.borrow_mut().guard(
+                    &plugin.host,
+                    &request,
+                    t,
+                    &mut self.holdings.seats,
+                );
                 if let Some(refusal) = shed {
                     plugin.refuse(&refusal);
                     return Action::Pause;
@@ -389,7 +372,7 @@ impl<H: Host> Stream<H> {
         match plugin.call(&request) {
             Some(token) => {
                 callers.register(token, self.id);
-                self.own_call = Some((token, strict));
+                self.holdings.own_call = Some((token, strict));
                 Action::Pause
             }
             None => {
@@ -405,11 +388,15 @@ impl<H: Host> Stream<H> {
 
     /// The answer to this request's own call.
     pub fn on_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
-        let ours = self.own_call.as_ref().is_some_and(|(t, _)| *t == token);
+        let ours = self
+            .holdings
+            .own_call
+            .as_ref()
+            .is_some_and(|(t, _)| *t == token);
         let (Some(plugin), true) = (self.plugin.clone(), ours) else {
             return;
         };
-        let Some((_, strict)) = self.own_call.take() else {
+        let Some((_, strict)) = self.holdings.own_call.take() else {
             return;
         };
         let answer = quota_call::answer(&plugin.host, num_headers, body_size, strict.globals.len());
@@ -435,14 +422,14 @@ impl<H: Host> Stream<H> {
             Step::Admit(a) => {
                 self.forwarded = true;
                 self.report = a.report;
-                self.holds.extend(a.holds);
-                self.reservations.extend(a.reservations);
+                self.holdings.holds.extend(a.holds);
+                self.holdings.reservations.extend(a.reservations);
                 // The configuration was checked against the host: only hosts that can resume
                 // from the timer get delays.
                 if a.delay_ns > 0 && plugin.caps.resume_from_timer {
                     let due = now.saturating_add(a.delay_ns);
                     plugin.queues.borrow_mut().hold(due, self.id);
-                    self.held_until = Some(due);
+                    self.holdings.held_until = Some(due);
                     return Action::Pause;
                 }
                 if paused {
@@ -470,17 +457,17 @@ impl<H: Host> Stream<H> {
             plugin.add_quota_headers(report);
         }
         // The status, read once, for whichever needs it.
-        let learns = !self.seats.is_empty() && self.forwarded;
-        let status = (learns || !self.reservations.is_empty())
+        let learns = !self.holdings.seats.is_empty() && self.forwarded;
+        let status = (learns || !self.holdings.reservations.is_empty())
             .then(|| {
                 let status = plugin.host.response_header(":status")?;
                 std::str::from_utf8(&status).ok()?.trim().parse().ok()
             })
             .flatten();
-        if !self.reservations.is_empty() {
+        if !self.holdings.reservations.is_empty() {
             self.note_response(&plugin, status);
         }
-        if !self.seats.is_empty() {
+        if !self.holdings.seats.is_empty() {
             self.learn(&plugin, status);
         }
         Action::Continue
@@ -494,7 +481,7 @@ impl<H: Host> Stream<H> {
             return;
         }
         let now = plugin.host.now_ns().unwrap_or(0);
-        let seats = std::mem::take(&mut self.seats);
+        let seats = std::mem::take(&mut self.holdings.seats);
         plugin
             .engine
             .borrow_mut()
@@ -505,12 +492,7 @@ impl<H: Host> Stream<H> {
 
     /// Leave the overload rules' seats without an answer to learn from.
     fn give_up_seats(&mut self, plugin: &Plugin<H>) {
-        if self.seats.is_empty() {
-            return;
-        }
-        let now = plugin.host.now_ns().unwrap_or(0);
-        let seats = std::mem::take(&mut self.seats);
-        plugin.engine.borrow_mut().abandon(&plugin.host, seats, now);
+        self.holdings.give_up_seats(plugin);
     }
 
     /// Take over what a decision made on the tick left for this request.
@@ -522,11 +504,11 @@ impl<H: Host> Stream<H> {
         if let Some(a) = queues.take_resumed(self.id) {
             self.forwarded = true;
             self.report = a.report;
-            self.holds.extend(a.holds);
-            self.reservations.extend(a.reservations);
+            self.holdings.holds.extend(a.holds);
+            self.holdings.reservations.extend(a.reservations);
             if a.delay_ns > 0 {
                 // Its hold was queued by the tick.
-                self.held_until = queues.held_until(self.id);
+                self.holdings.held_until = queues.held_until(self.id);
             }
         }
     }
@@ -537,6 +519,7 @@ impl<H: Host> Stream<H> {
         self.seen.status = status;
         let engine = plugin.engine.borrow();
         self.seen.headers = self
+            .holdings
             .reservations
             .iter()
             .map(|r| {
@@ -545,7 +528,7 @@ impl<H: Host> Stream<H> {
                 whole_number(&value)
             })
             .collect();
-        if let Some(reading) = engine.body_reading(&self.reservations) {
+        if let Some(reading) = engine.body_reading(&self.holdings.reservations) {
             let content_type = plugin.host.response_header("content-type");
             self.body_reader = Some(UsageReader::with_fields(
                 content_type.as_deref(),
@@ -561,13 +544,13 @@ impl<H: Host> Stream<H> {
     /// bucket says so, else passed on at once. (While a body is held back, Envoy hands over each
     /// chunk as it comes, and passes them all on when the stream is continued.)
     pub fn on_response_body(&mut self, size: usize, end: bool) -> Action {
-        if self.reservations.is_empty() && self.pacers.is_empty() {
+        if self.holdings.reservations.is_empty() && self.holdings.pacers.is_empty() {
             return Action::Continue;
         }
         let Some(plugin) = self.plugin.clone() else {
             return Action::Continue;
         };
-        if !self.reservations.is_empty() {
+        if !self.holdings.reservations.is_empty() {
             self.seen.body_bytes = self
                 .seen
                 .body_bytes
@@ -585,7 +568,7 @@ impl<H: Host> Stream<H> {
             }
         }
         // A response of this filter's own (a refusal) is not paced.
-        if self.pacers.is_empty() || !self.forwarded {
+        if self.holdings.pacers.is_empty() || !self.forwarded {
             return Action::Continue;
         }
         self.pace(&plugin, PaceBody::Response, size)
@@ -599,15 +582,15 @@ impl<H: Host> Stream<H> {
         };
         let wait = plugin.engine.borrow_mut().pace(
             &plugin.host,
-            &mut self.pacers,
+            &mut self.holdings.pacers,
             body,
             u64::try_from(new).unwrap_or(u64::MAX),
             now,
         );
-        let last = &mut self.body_holds[hold_index(body)];
+        let last = &mut self.holdings.body_holds[hold_index(body)];
         // Still held unless the tick has let it go since.
         let held = last.filter(|&at| plugin.queues.borrow().body_held(at, self.id, body));
-        let unpassed = &mut self.unpassed[hold_index(body)];
+        let unpassed = &mut self.holdings.unpassed[hold_index(body)];
         if held.is_none() {
             // What was held before went on.
             *unpassed = 0;
@@ -625,28 +608,31 @@ impl<H: Host> Stream<H> {
         *last = Some(until);
         // The time it is held for, as scheduled (what the tick's resolution adds is not).
         let added = until.saturating_sub(held.unwrap_or(now).max(now));
-        plugin.engine.borrow_mut().held(&self.pacers, body, added);
+        plugin
+            .engine
+            .borrow_mut()
+            .held(&self.holdings.pacers, body, added);
         Action::HoldBody
     }
 
     /// Settle the reservations with what the response showed (exactly once).
     fn settle(&mut self) {
-        if self.reservations.is_empty() {
-            return;
-        }
         let Some(plugin) = self.plugin.clone() else {
             return;
         };
+        self.finish_reading();
+        self.holdings.settle(&plugin, &self.seen);
+    }
+
+    /// What the response body showed, once it is over.
+    fn finish_reading(&mut self) {
+        if self.holdings.reservations.is_empty() {
+            return;
+        }
         if let Some(reader) = self.body_reader.as_mut() {
             self.seen.usage = reader.finish();
             self.seen.fields = reader.fields();
         }
-        let reservations = std::mem::take(&mut self.reservations);
-        let now = plugin.host.now_ns().unwrap_or(0);
-        plugin
-            .engine
-            .borrow_mut()
-            .settle_costs(&plugin.host, reservations, &self.seen, now);
     }
 
     /// Give back held quota and leave the queues: however the stream ended, exactly once.
@@ -663,36 +649,8 @@ impl<H: Host> Stream<H> {
         }
         // (A client gone while its body was kept: the worker's room for waiting bodies is back.)
         drop(self.let_go_of_body(&plugin));
-        for body in [PaceBody::Request, PaceBody::Response] {
-            let Some(at) = self.body_holds[hold_index(body)].take() else {
-                continue;
-            };
-            // Still queued means the client went away while its body was held: the bytes charged
-            // for it that never left go back to the key.
-            if plugin.queues.borrow_mut().unhold_body(at, self.id, body) {
-                let unpassed = std::mem::take(&mut self.unpassed[hold_index(body)]);
-                let now = plugin.host.now_ns().unwrap_or(0);
-                plugin
-                    .engine
-                    .borrow_mut()
-                    .unpace(&plugin.host, &self.pacers, body, unpassed, now);
-            }
-        }
-        if let Some(due) = self.held_until.take() {
-            // (Still queued: the client went away while held.)
-            plugin.queues.borrow_mut().unhold(due, self.id);
-        }
-        plugin.queues.borrow_mut().leave_waiting(self.id);
-        if let Some((token, _)) = self.own_call.take() {
-            callers.forget(token);
-        }
-        self.give_up_seats(&plugin);
-        self.settle();
-        if !self.holds.is_empty() {
-            let now = plugin.host.now_ns().unwrap_or(0);
-            let holds = std::mem::take(&mut self.holds);
-            plugin.engine.borrow_mut().release(&plugin.host, holds, now);
-        }
+        self.finish_reading();
+        std::mem::take(&mut self.holdings).release(&plugin, self.id, callers, &self.seen);
     }
 }
 
@@ -718,13 +676,5 @@ fn hold_body<H: Host>(plugin: &Plugin<H>) -> Action {
         Action::HoldBody
     } else {
         Action::Pause
-    }
-}
-
-/// Where a stream keeps its hold of `body`.
-fn hold_index(body: PaceBody) -> usize {
-    match body {
-        PaceBody::Request => 0,
-        PaceBody::Response => 1,
     }
 }
