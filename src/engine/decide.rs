@@ -24,7 +24,7 @@ pub(super) fn stashed_quota(config: &Config, input: &CheckInput) -> Option<u32> 
 
 impl Engine {
     /// Decide `inputs` as one all-or-nothing outcome aligned with them. `None` if a quota is gone.
-    pub(super) fn decide<S: CasStore + ?Sized>(
+    pub(super) fn admit_checks<S: CasStore + ?Sized>(
         &mut self,
         store: &S,
         inputs: &[CheckInput],

@@ -3,6 +3,7 @@
 //! refuse or wait — global rules' leases, strict answers and failure modes included. The host
 //! layer only gathers what the engine asks for and carries out its answer.
 
+mod arrival;
 mod decide;
 mod dry_run;
 mod failure;
@@ -18,6 +19,7 @@ mod strict;
 mod tests;
 mod top;
 
+pub use arrival::Clock;
 pub use guard::{reported_cpu, Seat, Seats};
 pub use inspect::KeyState;
 pub use lease::{read_answer, read_permit_answer, Call, Refill};
@@ -130,13 +132,19 @@ pub struct Refusal {
     pub retry_after_secs: Option<u64>,
 }
 
-/// The decision for a request.
+/// The decision for a request: what the stream (or the tick, for a paused one) carries out.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Step {
     Admit(Admitted),
     Refuse(Refusal),
     /// Some global rule has no quota yet: decide again once it may have some.
     Wait,
+    /// No rule applies (or the host gave no time): the request goes on, unlimited.
+    Pass,
+    /// Strict mode: the request asks the quota service for its global checks itself, and is
+    /// decided by the answer. (Boxed: a step is moved on every request, and the checks of a
+    /// strict request are large; that request makes a call anyway.)
+    Call(Box<Strict>),
 }
 
 /// One configuration's decisions in one worker: the rules, the worker's stashes, its stats and
@@ -424,7 +432,7 @@ impl Engine {
         hold: bool,
     ) -> Step {
         loop {
-            let Some(outcome) = self.decide(store, inputs, now, hold) else {
+            let Some(outcome) = self.admit_checks(store, inputs, now, hold) else {
                 return Step::Admit(Admitted::default());
             };
             self.record_claims(inputs, &outcome, now);

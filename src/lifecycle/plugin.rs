@@ -432,7 +432,13 @@ impl<H: Host> Plugin<H> {
                 }
             }
             Step::Refuse(r) => self.refuse(&r),
-            Step::Wait => {}
+            Step::Pass => {
+                if let Err(s) = self.host.continue_request() {
+                    debug!("cannot resume request {context_id}: {s}");
+                }
+            }
+            // (Deciding a paused request again never makes a call of its own.)
+            Step::Wait | Step::Call(_) => {}
         }
     }
 

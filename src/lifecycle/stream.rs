@@ -9,13 +9,13 @@ use super::plugin::Plugin;
 use super::queues::Waiting;
 use super::quota_call;
 use crate::config::PaceBody;
-use crate::engine::{Inputs, QuotaReport, ResponseSeen, Step, Strict, WAIT_GRACE_MS};
+use crate::engine::{Clock, Inputs, QuotaReport, ResponseSeen, Step, Strict, WAIT_GRACE_MS};
 use crate::number::whole_number;
 use crate::request::Request;
 use crate::request_body::RequestBody;
 use crate::stats::ProcessStat;
 use crate::usage::UsageReader;
-use log::{debug, warn};
+use log::debug;
 use std::rc::Rc;
 use tollgate_core::global::lease::LeaseRequest;
 
@@ -266,62 +266,36 @@ impl<H: Host> Stream<H> {
             return answered;
         }
         self.holdings.pacers = plugin.engine.borrow().pacers(&request);
-        let mut now = None;
-        if plugin.engine.borrow().has_guards() {
-            now = plugin.host.now_ns();
-            if let Some(t) = now {
-                let shed = plugin.engine.borrow_mut().guard(
-                    &plugin.host,
-                    &request,
-                    t,
-                    &mut self.holdings.seats,
-                );
-                if let Some(refusal) = shed {
-                    plugin.refuse(&refusal);
-                    return Action::Pause;
-                }
-            }
-        }
+        let read = || plugin.host.now_ns();
+        let mut clock = Clock::new(&read);
         let mut inputs = Inputs::new();
-        let blocked = plugin.engine.borrow_mut().gather(&request, &mut inputs);
-        if let Some(refusal) = blocked {
-            self.give_up_seats(&plugin);
-            plugin.refuse(&refusal);
-            return Action::Pause;
-        }
-        if inputs.is_empty() {
-            self.forwarded = true;
-            return Action::Continue;
-        }
-        let Some(now) = now.or_else(|| plugin.host.now_ns()) else {
-            warn!("the host gave no usable time; request not limited");
-            self.forwarded = true;
-            return Action::Continue;
-        };
-        if plugin.engine.borrow().is_strict(&inputs) {
-            let strict = plugin.engine.borrow().split(inputs, now);
-            let refused =
-                plugin
-                    .engine
-                    .borrow_mut()
-                    .local_refusal(&plugin.host, &strict.locals, now);
-            if let Some(step) = refused {
-                return self.carry_out(&plugin, step, now, false);
+        let step = plugin.engine.borrow_mut().decide(
+            &plugin.host,
+            &request,
+            &mut clock,
+            &mut self.holdings.seats,
+            &mut inputs,
+        );
+        match step {
+            Step::Pass => {
+                self.forwarded = true;
+                Action::Continue
             }
-            return self.call_own(&plugin, callers, strict, now);
+            Step::Wait => {
+                let now = clock.now().unwrap_or(0);
+                self.wait(&plugin, callers, inputs, now)
+            }
+            Step::Call(strict) => {
+                let now = clock.now().unwrap_or(0);
+                self.call_own(&plugin, callers, *strict, now)
+            }
+            // (A refusal needs no time: a request blocked before any was read asks for none.)
+            Step::Refuse(_) => self.carry_out(&plugin, step, 0, false),
+            Step::Admit(_) => {
+                let now = clock.now().unwrap_or(0);
+                self.carry_out(&plugin, step, now, false)
+            }
         }
-        #[cfg(all(target_arch = "wasm32", feature = "probe"))]
-        let evaluating = crate::probe::start("evaluate");
-        let step = plugin
-            .engine
-            .borrow_mut()
-            .evaluate(&plugin.host, &mut inputs, now, false);
-        #[cfg(all(target_arch = "wasm32", feature = "probe"))]
-        drop(evaluating);
-        if step == Step::Wait {
-            return self.wait(&plugin, callers, inputs, now);
-        }
-        self.carry_out(&plugin, step, now, false)
     }
 
     /// Some global rule has no quota yet. Where the host can resume the request from the timer,
@@ -444,7 +418,15 @@ impl<H: Host> Stream<H> {
                 plugin.refuse(&r);
                 Action::Pause
             }
-            Step::Wait => Action::Pause,
+            // (Decided whole by `Stream::decide`, never here: a request that waits stays paused.)
+            Step::Wait | Step::Call(_) => Action::Pause,
+            Step::Pass => {
+                self.forwarded = true;
+                if paused {
+                    let _ = plugin.host.continue_request();
+                }
+                Action::Continue
+            }
         }
     }
 
