@@ -94,10 +94,19 @@ pub fn reported_cpu(value: &[u8], header: &CpuHeader) -> Option<u64> {
     (milli.is_finite() && milli >= 0.0).then(|| milli.min(u32::MAX as f64 / 2.0) as u64)
 }
 
+/// What the engine keeps of overload rules between requests.
+#[derive(Debug)]
+pub struct Guards {
+    /// Counts the throttle's draws (with the time, their seed).
+    pub(super) draws: u64,
+    /// Some rule is an overload rule.
+    pub(super) guarded: bool,
+}
+
 impl Engine {
     /// True if some rule is an overload rule.
     pub fn has_guards(&self) -> bool {
-        self.guarded
+        self.guards.guarded
     }
 
     /// The priority level of a request: its first matching class's, else the default.
@@ -159,8 +168,8 @@ impl Engine {
                     self.admit_adaptive(store, i, estimator, share, ask)
                 }
                 GuardKind::Throttle { throttle, .. } => {
-                    self.draws = self.draws.wrapping_add(1);
-                    let d = draw(now ^ self.draws.rotate_left(32));
+                    self.guards.draws = self.guards.draws.wrapping_add(1);
+                    let d = draw(now ^ self.guards.draws.rotate_left(32));
                     self.admit_throttled(store, i, throttle, d, ask)
                 }
             };

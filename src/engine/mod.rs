@@ -153,31 +153,16 @@ pub struct Engine {
     config: Config,
     stash: StashTable,
     stats: Stats,
-    /// Refills of keys already served (their lease runs low or ends): sent before `refills`.
-    renewals: Vec<Refill>,
-    /// Refills of keys with nothing in hand (new keys, leases that ran dry).
-    refills: Vec<Refill>,
-    /// Tokens strict requests were granted and will not spend, by rule and key: given back on
-    /// the next tick.
-    give_backs: rustc_hash::FxHashMap<(usize, u128), u64>,
+    /// Refills, give-backs and global concurrency keys: `lease/`'s.
+    leases: lease::Leases,
     /// What this worker last reported of its stashed tokens (the gauge is process-wide).
     stash_reported: i64,
-    /// After a request's own call failed, until when (ms) this worker's requests apply the
-    /// failure mode without calling (`quota_service.retry`).
-    calls_off_until_ms: u64,
-    /// Keys the service refused in answer to requests' own calls: not asked for again for
-    /// `retry`.
-    refused_keys: refused::RefusedKeys,
-    /// Counts the throttle's draws (with the time, their seed).
-    draws: u64,
-    /// Some rule is an overload rule.
-    guarded: bool,
+    /// Requests' own calls (strict mode, and waiting requests on nginx): `strict.rs`'s.
+    strict_calls: strict::StrictCalls,
+    /// Overload rules: `guard.rs`'s.
+    guards: guard::Guards,
     /// Some rule is a byte limit.
     paces: bool,
-    /// Global concurrency keys this worker has had requests of (renewed on the tick).
-    permit_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
-    /// When the tick looks at them next (ms).
-    next_slot_scan_ms: u64,
     dry_run_log: dry_run::DryRunLog,
     /// Places client keys in slot groups and flows (the configured `placement_secret`, else the
     /// deployment's random one).
@@ -211,17 +196,11 @@ impl Engine {
             dry_run_log: dry_run::DryRunLog::new(config.rules.len()),
             config,
             stash: StashTable::default(),
-            renewals: Vec::new(),
-            refills: Vec::new(),
-            give_backs: rustc_hash::FxHashMap::default(),
+            leases: lease::Leases::default(),
             stash_reported: 0,
-            calls_off_until_ms: 0,
-            refused_keys: refused::RefusedKeys::default(),
-            draws: 0,
-            guarded,
+            strict_calls: strict::StrictCalls::default(),
+            guards: guard::Guards { draws: 0, guarded },
             paces,
-            permit_keys: rustc_hash::FxHashMap::default(),
-            next_slot_scan_ms: 0,
             placement,
             holds_for_stashes: false,
         }

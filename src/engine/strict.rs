@@ -12,6 +12,17 @@ use tollgate_core::global::lease::{LeaseItem, LeaseResponse};
 use tollgate_core::limiter::{preview, Check, SlotEvent, INLINE_RULES};
 use tollgate_core::{Ask, CasStore};
 
+/// What the engine keeps of requests' own calls between requests.
+#[derive(Default)]
+pub struct StrictCalls {
+    /// After a request's own call failed, until when (ms) this worker's requests apply the
+    /// failure mode without calling (`quota_service.retry`).
+    pub(super) calls_off_until_ms: u64,
+    /// Keys the service refused in answer to requests' own calls: not asked for again for
+    /// `retry`.
+    pub(super) refused_keys: super::refused::RefusedKeys,
+}
+
 /// A request waiting for its own call to the quota service.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Strict {
@@ -49,7 +60,11 @@ impl Engine {
             let rule = input.which.rule();
             if !self.is_global(&input) {
                 strict.locals.push(input);
-            } else if self.refused_keys.holds(rule, input.key, now_ms, retry_ms) {
+            } else if self
+                .strict_calls
+                .refused_keys
+                .holds(rule, input.key, now_ms, retry_ms)
+            {
                 strict.refused.push(input);
             } else {
                 strict.globals.push(input);
@@ -71,8 +86,8 @@ impl Engine {
         let now_ms = now / 1_000_000;
         let retry_ms = self.retry_ms();
         // Off further ahead than `retry` puts it: the clock stepped back; calls are on again.
-        now_ms >= self.calls_off_until_ms
-            || self.calls_off_until_ms
+        now_ms >= self.strict_calls.calls_off_until_ms
+            || self.strict_calls.calls_off_until_ms
                 > now_ms
                     .saturating_add(retry_ms)
                     .saturating_add(tollgate_core::state::CLOCK_SKEW_MS)
@@ -165,7 +180,8 @@ impl Engine {
         let (now_ms, retry_ms) = (now / 1_000_000, self.retry_ms());
         for (n, g) in globals.iter().enumerate() {
             if is_refused(answer, n) {
-                self.refused_keys
+                self.strict_calls
+                    .refused_keys
                     .keep(g.which.rule(), g.key, now_ms, retry_ms);
                 refused.push(*g);
             }
@@ -274,7 +290,8 @@ impl Engine {
         // lately) starts `retry` for the worker's calls.
         if self.may_call(now) && !globals.is_empty() {
             self.stats.add_process(ProcessStat::QuotaFailures, 1);
-            self.calls_off_until_ms = (now / 1_000_000).saturating_add(self.retry_ms());
+            self.strict_calls.calls_off_until_ms =
+                (now / 1_000_000).saturating_add(self.retry_ms());
         }
         match self.fail_over(globals.into_iter().chain(refused), &mut locals) {
             Some(r) => Step::Refuse(r),

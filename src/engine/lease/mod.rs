@@ -22,6 +22,23 @@ pub const CALLS_PER_TICK: usize = 8;
 /// are lost (stricter, never looser).
 const MAX_GIVE_BACKS: usize = ITEMS_PER_CALL;
 
+/// What the engine keeps of leases between requests: the refills they claimed, the tokens strict
+/// requests give back, and the global concurrency keys to renew.
+#[derive(Debug, Default)]
+pub struct Leases {
+    /// Refills of keys already served (their lease runs low or ends): sent before `refills`.
+    pub(in crate::engine) renewals: Vec<Refill>,
+    /// Refills of keys with nothing in hand (new keys, leases that ran dry).
+    pub(in crate::engine) refills: Vec<Refill>,
+    /// Tokens strict requests were granted and will not spend, by rule and key: given back on
+    /// the next tick.
+    pub(in crate::engine) give_backs: rustc_hash::FxHashMap<(usize, u128), u64>,
+    /// Global concurrency keys this worker has had requests of (renewed on the tick).
+    pub(in crate::engine) permit_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
+    /// When the tick looks at them next (ms).
+    pub(in crate::engine) next_slot_scan_ms: u64,
+}
+
 /// A call to the quota service a tick sends: the refills it is for, and its body; or tokens
 /// given back, whose answer changes nothing here.
 pub enum Call {
@@ -71,9 +88,9 @@ impl Engine {
                 let refill = Refill::claimed(input.which.rule(), input.slot, input.key, now);
                 // A request admitted from the lease it claims more for: a key already served.
                 if matches!(result.verdict, Verdict::Admitted { .. }) {
-                    self.renewals.push(refill);
+                    self.leases.renewals.push(refill);
                 } else {
-                    self.refills.push(refill);
+                    self.leases.refills.push(refill);
                 }
             }
         }
@@ -90,21 +107,27 @@ impl Engine {
         now: u64,
     ) -> Vec<Call> {
         let mut calls = Vec::new();
-        if self.refills.is_empty() && self.renewals.is_empty() && self.give_backs.is_empty() {
+        if self.leases.refills.is_empty()
+            && self.leases.renewals.is_empty()
+            && self.leases.give_backs.is_empty()
+        {
             return calls;
         }
         let now_ms = now / 1_000_000;
         // Past what a tick may send, refills wait for the next tick, renewals first: a flood of
         // new keys delays new keys, never the calls of keys already served.
         let cap = ITEMS_PER_CALL * CALLS_PER_TICK;
-        let mut refills = std::mem::take(&mut self.renewals);
+        let mut refills = std::mem::take(&mut self.leases.renewals);
         if refills.len() > cap {
-            self.renewals = refills.split_off(cap);
+            self.leases.renewals = refills.split_off(cap);
         }
         let room = cap - refills.len();
-        let later = self.refills.split_off(self.refills.len().min(room));
-        refills.append(&mut self.refills);
-        self.refills = later;
+        let later = self
+            .leases
+            .refills
+            .split_off(self.leases.refills.len().min(room));
+        refills.append(&mut self.leases.refills);
+        self.leases.refills = later;
         let (mut leases, mut slots) = (Vec::new(), Vec::new());
         let mut slot_items = Vec::new();
         for mut r in refills {
@@ -139,8 +162,8 @@ impl Engine {
             };
             calls.push(Call::Lease(chunk, request));
         }
-        if !self.give_backs.is_empty() {
-            let items = std::mem::take(&mut self.give_backs)
+        if !self.leases.give_backs.is_empty() {
+            let items = std::mem::take(&mut self.leases.give_backs)
                 .into_iter()
                 .filter_map(|((rule, key), tokens)| {
                     let ask = Ask {
@@ -171,7 +194,7 @@ impl Engine {
     /// Note a refill claimed outside a request's decision (a settlement that left the key owing,
     /// an answer that still leaves it owing): it goes out with the next tick, before new keys.
     pub(in crate::engine) fn renew(&mut self, refill: Refill) {
-        self.renewals.push(refill);
+        self.leases.renewals.push(refill);
     }
 
     /// Give back `tokens` of `rule`'s key `key` with the next tick's calls.
@@ -179,11 +202,11 @@ impl Engine {
         if tokens == 0 {
             return;
         }
-        let room = self.give_backs.len() < MAX_GIVE_BACKS;
-        if let Some(n) = self.give_backs.get_mut(&(rule, key)) {
+        let room = self.leases.give_backs.len() < MAX_GIVE_BACKS;
+        if let Some(n) = self.leases.give_backs.get_mut(&(rule, key)) {
             *n = n.saturating_add(tokens);
         } else if room {
-            self.give_backs.insert((rule, key), tokens);
+            self.leases.give_backs.insert((rule, key), tokens);
         }
     }
 

@@ -50,9 +50,10 @@ impl Engine {
 
     /// Keep a global concurrency key in view: its lease is renewed (or given back) on the tick.
     pub(in crate::engine) fn watch_permits(&mut self, rule: usize, slot: SlotId, key: u128) {
-        if self.permit_keys.len() < MAX_PERMIT_KEYS || self.permit_keys.contains_key(&(rule, slot))
+        if self.leases.permit_keys.len() < MAX_PERMIT_KEYS
+            || self.leases.permit_keys.contains_key(&(rule, slot))
         {
-            self.permit_keys.insert((rule, slot), key);
+            self.leases.permit_keys.insert((rule, slot), key);
         }
     }
 
@@ -61,14 +62,16 @@ impl Engine {
     pub fn renew_permits<S: CasStore + ?Sized>(&mut self, store: &S, now: u64) {
         let now_ms = now / 1_000_000;
         // A next scan further ahead than one period: the clock stepped back; scan now.
-        let stepped = self.next_slot_scan_ms > now_ms.saturating_add(PERMIT_SCAN_MS);
-        if self.permit_keys.is_empty() || (now_ms < self.next_slot_scan_ms && !stepped) {
+        let stepped = self.leases.next_slot_scan_ms > now_ms.saturating_add(PERMIT_SCAN_MS);
+        if self.leases.permit_keys.is_empty()
+            || (now_ms < self.leases.next_slot_scan_ms && !stepped)
+        {
             return;
         }
-        self.next_slot_scan_ms = now_ms + PERMIT_SCAN_MS;
+        self.leases.next_slot_scan_ms = now_ms + PERMIT_SCAN_MS;
         let mut idle = Vec::new();
         let mut claimed = Vec::new();
-        for (&(rule, slot), &key) in &self.permit_keys {
+        for (&(rule, slot), &key) in &self.leases.permit_keys {
             let quota = self.config.rules.get(rule).and_then(|r| r.quota());
             let (Some(allowance), Some(quota)) = (self.permit_allowance_of(rule).copied(), quota)
             else {
@@ -100,9 +103,9 @@ impl Engine {
             }
         }
         for k in idle {
-            self.permit_keys.remove(&k);
+            self.leases.permit_keys.remove(&k);
         }
-        self.renewals.extend(claimed);
+        self.leases.renewals.extend(claimed);
     }
 
     /// Write a slot call's answer (`None`: the call failed) into the keys' leases.
