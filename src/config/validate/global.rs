@@ -170,25 +170,7 @@ impl Rule {
         }
         let (requests, per_ms, burst) = (tb.requests(), tb.period_ns() / 1_000_000, tb.burst());
         if calendar.is_some() {
-            // Nothing local can count a calendar period (a stand-in would start each proxy's
-            // own quota afresh).
-            let stand_in = if qs.failure_mode == FailureMode::Local {
-                Some("quota_service.failure_mode \"local\"")
-            } else if qs.first_lease == FirstLease::Provisional {
-                Some("quota_service.first_lease \"provisional\"")
-            } else {
-                None
-            };
-            if let Some(setting) = stand_in {
-                return Err(err(
-                    format!("{path}.limit.calendar"),
-                    format!(
-                        "a calendar quota has no local stand-in: {setting} would count each \
-                         proxy's own period; use failure_mode \"allow\" or \"deny\" and \
-                         first_lease \"wait\""
-                    ),
-                ));
-            }
+            no_stand_in(qs, path)?;
         }
         if requests > MAX_COUNT || burst > MAX_COUNT {
             return Err(err(
@@ -319,4 +301,26 @@ impl Rule {
         );
         Ok(())
     }
+}
+
+/// A calendar quota's failure mode and first lease: nothing local can count a calendar period (a
+/// stand-in would start each proxy's own quota afresh).
+fn no_stand_in(qs: &QuotaService, path: &str) -> Result<(), ConfigError> {
+    let stand_in = if qs.failure_mode == FailureMode::Local {
+        Some("quota_service.failure_mode \"local\"")
+    } else if qs.first_lease == FirstLease::Provisional {
+        Some("quota_service.first_lease \"provisional\"")
+    } else {
+        None
+    };
+    if let Some(setting) = stand_in {
+        return Err(err(
+            format!("{path}.limit.calendar"),
+            format!(
+                "a calendar quota has no local stand-in: {setting} would count each proxy's \
+                 own period; use failure_mode \"allow\" or \"deny\" and first_lease \"wait\""
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -19,7 +19,7 @@ use std::num::NonZeroU32;
 
 impl RawRule {
     pub(super) fn validate(
-        self,
+        mut self,
         path: &str,
         dry_run_all: bool,
         client_ip: &ClientIp,
@@ -27,91 +27,29 @@ impl RawRule {
         if matches!(self.algorithm, Algorithm::Adaptive | Algorithm::SreThrottle) {
             return self.validate_guard(path, dry_run_all);
         }
-        let only = |given: bool, field: &str, algorithms: &str| {
-            if given {
-                Err(err(
-                    format!("{path}.{field}"),
-                    format!("only applies to {algorithms}"),
-                ))
-            } else {
-                Ok(())
-            }
-        };
         only(
             self.adaptive.is_some(),
+            path,
             "adaptive",
             "algorithm \"adaptive\"",
         )?;
         only(
             self.sre_throttle.is_some(),
+            path,
             "sre_throttle",
             "algorithm \"sre_throttle\"",
         )?;
-        let Some(raw_limit) = &self.limit else {
+        let Some(raw_limit) = self.limit.take() else {
             return Err(err(
                 format!("{path}.limit"),
                 "required: {\"requests\": N, \"per\": DURATION}, or {\"concurrent\": N}",
             ));
         };
-        let matcher = self.matcher.validate(&format!("{path}.match"))?;
-        let max_keys = self.max_keys.map_or(DEFAULT_MAX_KEYS, NonZeroU32::get);
-        if max_keys > MAX_MAX_KEYS {
-            return Err(err(
-                format!("{path}.max_keys"),
-                format!("{max_keys} is more than the maximum of {MAX_MAX_KEYS}"),
-            ));
-        }
+        let matcher = std::mem::take(&mut self.matcher).validate(&format!("{path}.match"))?;
+        let max_keys = self.max_keys_of(path)?;
+        self.check_algorithm_options(path)?;
+        let worker_batch = self.worker_batch_of(raw_limit.bytes.is_some(), path)?;
         let algorithm = self.algorithm;
-        only(
-            self.delay.is_some() && algorithm != Algorithm::LeakyBucket,
-            "delay",
-            "algorithm \"leaky_bucket\"",
-        )?;
-        only(
-            self.max_delay.is_some() && algorithm != Algorithm::LeakyBucket,
-            "max_delay",
-            "algorithm \"leaky_bucket\"",
-        )?;
-        only(
-            self.warmup.is_some() && algorithm != Algorithm::TokenBucket,
-            "warmup",
-            "algorithm \"token_bucket\"",
-        )?;
-        only(
-            self.worker_batch.is_some()
-                && (algorithm != Algorithm::TokenBucket || self.warmup.is_some()),
-            "worker_batch",
-            "algorithm \"token_bucket\" (no warmup)",
-        )?;
-        let own_buckets = self.settle.is_some() || self.limit_from.is_some();
-        if own_buckets && self.worker_batch.is_some_and(|n| n > 0) {
-            return Err(err(
-                format!("{path}.worker_batch"),
-                "a rule that settles after the response or takes limits from the request uses \
-                 its shared bucket for every request: worker_batch must be 0",
-            ));
-        }
-        let worker_batch = match self.worker_batch {
-            // Reservations, settlements and each key's own limit live in the shared bucket.
-            None if own_buckets => 0,
-            Some(n) if n > MAX_WORKER_BATCH => {
-                return Err(err(
-                    format!("{path}.worker_batch"),
-                    format!("{n} is more than the maximum of {MAX_WORKER_BATCH}"),
-                ))
-            }
-            Some(n) => n,
-            // A global rule's allowance is this proxy's part of the limit: a token stashed by one
-            // worker would be missing to another's request at the end of a burst, and the service
-            // would say there is no more (a refusal with budget left).
-            None if self.scope == Scope::Global => 0,
-            // A byte limit charges every chunk to the key's shared bucket.
-            None if self.limit.as_ref().is_some_and(|l| l.bytes.is_some()) => 0,
-            None if algorithm == Algorithm::TokenBucket && self.warmup.is_none() => {
-                DEFAULT_WORKER_BATCH
-            }
-            None => 0,
-        };
         if self.warmup.is_some() && self.burst.is_some() {
             return Err(err(
                 format!("{path}.burst"),
@@ -124,156 +62,30 @@ impl RawRule {
             max_delay_ns: self.max_delay.map_or(DEFAULT_MAX_DELAY_NS, |p| p.ns),
             warmup_ns: self.warmup.map(|p| p.ns),
         };
-        let name = self.name.0;
-        let limit = params.limit(raw_limit, self.burst, path)?;
-        let pace = pace_of(
-            raw_limit.bytes.is_some(),
-            (self.pace, self.after),
-            [
-                (self.cost.is_some(), "cost"),
-                (self.settle.is_some(), "settle"),
-                (self.limit_from.is_some(), "limit_from"),
-                (!self.overrides.is_empty(), "overrides"),
-                (self.worker_batch.is_some_and(|n| n > 0), "worker_batch"),
-                (self.scope == Scope::Global, "scope"),
-            ],
-            path,
-        )?;
+        let name = std::mem::take(&mut self.name.0);
+        let limit = params.limit(&raw_limit, self.burst, path)?;
+        let pace = self.pace_of(raw_limit.bytes.is_some(), path)?;
         let quota = Quota::new(limit, &name, max_keys);
         check_key(&self.key, path)?;
-        let cost = match self.cost {
+        let cost = match self.cost.take() {
             None => Cost::Fixed(1),
             Some(RawCost::Fixed(n)) => Cost::Fixed(n),
             Some(RawCost::From(c)) => cost_from(c, &format!("{path}.cost"))?,
         };
-        let limit_from = match self.limit_from {
-            None => None,
-            Some(raw) => {
-                let at = format!("{path}.limit_from");
-                if !matches!(limit, tollgate_core::Limit::TokenBucket(_)) {
-                    return Err(err(
-                        at,
-                        "only token_bucket rules (without warmup) take limits from the request",
-                    ));
-                }
-                if self.scope == Scope::Global {
-                    return Err(err(at, "not supported on global rules yet"));
-                }
-                if raw.max == 0 || raw.max > tollgate_core::global::lease::MAX_COUNT {
-                    return Err(err(
-                        format!("{at}.max"),
-                        format!("from 1 to {}", tollgate_core::global::lease::MAX_COUNT),
-                    ));
-                }
-                let source = match (raw.header, raw.metadata) {
-                    (Some(h), None) if is_token(&h) => KeyPart::Header(h.to_ascii_lowercase()),
-                    (Some(_), None) => {
-                        return Err(err(format!("{at}.header"), "not a header name"));
-                    }
-                    (None, Some(m)) => match crate::config::syntax::metadata_path(&m) {
-                        Some(p) => KeyPart::Metadata(p),
-                        None => {
-                            return Err(err(
-                                format!("{at}.metadata"),
-                                "expected NAMESPACE/FIELD[/FIELD…]",
-                            ))
-                        }
-                    },
-                    _ => return Err(err(at, "give exactly one of header or metadata")),
-                };
-                Some(LimitFrom {
-                    source,
-                    max: raw.max,
-                })
-            }
-        };
-        let settle = match self.settle {
-            None => None,
-            Some(raw) => {
-                if !matches!(limit, tollgate_core::Limit::TokenBucket(_)) {
-                    return Err(err(
-                        format!("{path}.settle"),
-                        "only token_bucket rules (without warmup) settle a cost after the response",
-                    ));
-                }
-                Some(raw.validate(&format!("{path}.settle"))?)
-            }
-        };
+        let limit_from = self
+            .limit_from
+            .map(|raw| limit_from_of(raw, &limit, self.scope, path))
+            .transpose()?;
+        let settle = self
+            .settle
+            .map(|raw| settle_of(raw, &limit, path))
+            .transpose()?;
         if algorithm == Algorithm::LeakyBucket && !matches!(cost, Cost::Fixed(1)) {
             // A held request's delay is decided for the whole cost at once; keep nginx's model.
             return Err(err(format!("{path}.cost"), "leaky_bucket requests cost 1"));
         }
 
-        let mut overrides = Vec::with_capacity(self.overrides.len());
-        let mut override_keys = HashSet::new();
-        for (j, o) in self.overrides.into_iter().enumerate() {
-            let at = format!("{path}.overrides[{j}]");
-            if o.values.len() != self.key.len() {
-                return Err(err(
-                    format!("{at}.values"),
-                    format!(
-                        "gives {} value(s) for a key of {} part(s)",
-                        o.values.len(),
-                        self.key.len()
-                    ),
-                ));
-            }
-            let mut values = Vec::with_capacity(o.values.len());
-            let mut networks = Vec::new();
-            for (k, (v, part)) in o.values.iter().zip(&self.key).enumerate() {
-                values.push(match part {
-                    KeyPart::ClientIp => {
-                        let at = format!("{at}.values[{k}]");
-                        let network = client_network(v, client_ip, &at)?;
-                        let keyed = if network.is_ipv4() {
-                            client_ip.ipv4_prefix
-                        } else {
-                            client_ip.ipv6_prefix
-                        };
-                        // A range of exactly the keys' length is one key: matched as bytes.
-                        if network.prefix() < keyed {
-                            networks.push((k, network));
-                        }
-                        network.text()
-                    }
-                    KeyPart::Host => v.to_ascii_lowercase(),
-                    _ => v.clone(),
-                });
-            }
-            let key = crate::key::encode_key(values.iter().map(|v| Some(v.as_bytes())));
-            if !override_keys.insert(key.clone()) {
-                return Err(err(
-                    format!("{at}.values"),
-                    "another override has the same values",
-                ));
-            }
-            let action = match (o.limit, o.unlimited, o.block) {
-                (Some(l), false, false) => {
-                    if l.calendar.is_some() {
-                        return Err(err(
-                            format!("{at}.limit.calendar"),
-                            "a calendar quota is a global rule's own limit (global rules have \
-                             no overrides)",
-                        ));
-                    }
-                    let limit = params.limit(&l, o.burst, &at)?;
-                    OverrideAction::Limit(Quota::new(limit, &format!("{name}.o{j}"), 1))
-                }
-                (None, true, false) if o.burst.is_none() => OverrideAction::Unlimited,
-                (None, false, true) if o.burst.is_none() => OverrideAction::Block,
-                _ => {
-                    return Err(err(
-                        at,
-                        "give exactly one of limit (with optional burst), unlimited or block",
-                    ))
-                }
-            };
-            overrides.push(Override {
-                key,
-                networks,
-                action,
-            });
-        }
+        let overrides = overrides_of(self.overrides, &self.key, client_ip, &params, &name, path)?;
         let response = self
             .response
             .map(|r| r.validate(&format!("{path}.response")))
@@ -538,4 +350,254 @@ fn pace_of(
         body: pace.unwrap_or_default(),
         after: after.unwrap_or(0),
     }))
+}
+
+impl RawRule {
+    /// Options given to a rule whose algorithm has no use for them.
+    fn check_algorithm_options(&self, path: &str) -> Result<(), ConfigError> {
+        let only =
+            |given: bool, field: &str, algorithms: &str| only(given, path, field, algorithms);
+        let algorithm = self.algorithm;
+        only(
+            self.delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.max_delay.is_some() && algorithm != Algorithm::LeakyBucket,
+            "max_delay",
+            "algorithm \"leaky_bucket\"",
+        )?;
+        only(
+            self.warmup.is_some() && algorithm != Algorithm::TokenBucket,
+            "warmup",
+            "algorithm \"token_bucket\"",
+        )?;
+        only(
+            self.worker_batch.is_some()
+                && (algorithm != Algorithm::TokenBucket || self.warmup.is_some()),
+            "worker_batch",
+            "algorithm \"token_bucket\" (no warmup)",
+        )?;
+        let own_buckets = self.settle.is_some() || self.limit_from.is_some();
+        if own_buckets && self.worker_batch.is_some_and(|n| n > 0) {
+            return Err(err(
+                format!("{path}.worker_batch"),
+                "a rule that settles after the response or takes limits from the request uses \
+                 its shared bucket for every request: worker_batch must be 0",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A byte limit's pacing, if the rule's limit is of bytes (the options it cannot take
+    /// refused).
+    fn pace_of(&self, byte_limit: bool, path: &str) -> Result<Option<Pace>, ConfigError> {
+        pace_of(
+            byte_limit,
+            (self.pace, self.after),
+            [
+                (self.cost.is_some(), "cost"),
+                (self.settle.is_some(), "settle"),
+                (self.limit_from.is_some(), "limit_from"),
+                (!self.overrides.is_empty(), "overrides"),
+                (self.worker_batch.is_some_and(|n| n > 0), "worker_batch"),
+                (self.scope == Scope::Global, "scope"),
+            ],
+            path,
+        )
+    }
+
+    /// Slots in the rule's table.
+    fn max_keys_of(&self, path: &str) -> Result<u32, ConfigError> {
+        let max_keys = self.max_keys.map_or(DEFAULT_MAX_KEYS, NonZeroU32::get);
+        if max_keys > MAX_MAX_KEYS {
+            return Err(err(
+                format!("{path}.max_keys"),
+                format!("{max_keys} is more than the maximum of {MAX_MAX_KEYS}"),
+            ));
+        }
+        Ok(max_keys)
+    }
+
+    /// The most tokens a worker stashes per key: given, or by the rule's kind.
+    fn worker_batch_of(&self, byte_limit: bool, path: &str) -> Result<u64, ConfigError> {
+        let algorithm = self.algorithm;
+        let own_buckets = self.settle.is_some() || self.limit_from.is_some();
+        Ok(match self.worker_batch {
+            // Reservations, settlements and each key's own limit live in the shared bucket.
+            None if own_buckets => 0,
+            Some(n) if n > MAX_WORKER_BATCH => {
+                return Err(err(
+                    format!("{path}.worker_batch"),
+                    format!("{n} is more than the maximum of {MAX_WORKER_BATCH}"),
+                ))
+            }
+            Some(n) => n,
+            // A global rule's allowance is this proxy's part of the limit: a token stashed by one
+            // worker would be missing to another's request at the end of a burst, and the service
+            // would say there is no more (a refusal with budget left).
+            None if self.scope == Scope::Global => 0,
+            // A byte limit charges every chunk to the key's shared bucket.
+            None if byte_limit => 0,
+            None if algorithm == Algorithm::TokenBucket && self.warmup.is_none() => {
+                DEFAULT_WORKER_BATCH
+            }
+            None => 0,
+        })
+    }
+}
+
+/// Each key's own `limit.requests`, from the request.
+fn limit_from_of(
+    raw: crate::config::json::RawLimitFrom,
+    limit: &tollgate_core::Limit,
+    scope: Scope,
+    path: &str,
+) -> Result<LimitFrom, ConfigError> {
+    let at = format!("{path}.limit_from");
+    if !matches!(limit, tollgate_core::Limit::TokenBucket(_)) {
+        return Err(err(
+            at,
+            "only token_bucket rules (without warmup) take limits from the request",
+        ));
+    }
+    if scope == Scope::Global {
+        return Err(err(at, "not supported on global rules yet"));
+    }
+    if raw.max == 0 || raw.max > tollgate_core::global::lease::MAX_COUNT {
+        return Err(err(
+            format!("{at}.max"),
+            format!("from 1 to {}", tollgate_core::global::lease::MAX_COUNT),
+        ));
+    }
+    let source = match (raw.header, raw.metadata) {
+        (Some(h), None) if is_token(&h) => KeyPart::Header(h.to_ascii_lowercase()),
+        (Some(_), None) => {
+            return Err(err(format!("{at}.header"), "not a header name"));
+        }
+        (None, Some(m)) => match crate::config::syntax::metadata_path(&m) {
+            Some(p) => KeyPart::Metadata(p),
+            None => {
+                return Err(err(
+                    format!("{at}.metadata"),
+                    "expected NAMESPACE/FIELD[/FIELD…]",
+                ))
+            }
+        },
+        _ => return Err(err(at, "give exactly one of header or metadata")),
+    };
+    Ok(LimitFrom {
+        source,
+        max: raw.max,
+    })
+}
+
+/// A rule's overrides: keys with their own limit, unlimited, or blocked.
+fn overrides_of(
+    raw: Vec<crate::config::json::RawOverride>,
+    key: &[KeyPart],
+    client_ip: &ClientIp,
+    params: &LimitParams,
+    name: &str,
+    path: &str,
+) -> Result<Vec<Override>, ConfigError> {
+    let mut overrides = Vec::with_capacity(raw.len());
+    let mut override_keys = HashSet::new();
+    for (j, o) in raw.into_iter().enumerate() {
+        let at = format!("{path}.overrides[{j}]");
+        if o.values.len() != key.len() {
+            return Err(err(
+                format!("{at}.values"),
+                format!(
+                    "gives {} value(s) for a key of {} part(s)",
+                    o.values.len(),
+                    key.len()
+                ),
+            ));
+        }
+        let mut values = Vec::with_capacity(o.values.len());
+        let mut networks = Vec::new();
+        for (k, (v, part)) in o.values.iter().zip(key).enumerate() {
+            values.push(match part {
+                KeyPart::ClientIp => {
+                    let at = format!("{at}.values[{k}]");
+                    let network = client_network(v, client_ip, &at)?;
+                    let keyed = if network.is_ipv4() {
+                        client_ip.ipv4_prefix
+                    } else {
+                        client_ip.ipv6_prefix
+                    };
+                    // A range of exactly the keys' length is one key: matched as bytes.
+                    if network.prefix() < keyed {
+                        networks.push((k, network));
+                    }
+                    network.text()
+                }
+                KeyPart::Host => v.to_ascii_lowercase(),
+                _ => v.clone(),
+            });
+        }
+        let key = crate::key::encode_key(values.iter().map(|v| Some(v.as_bytes())));
+        if !override_keys.insert(key.clone()) {
+            return Err(err(
+                format!("{at}.values"),
+                "another override has the same values",
+            ));
+        }
+        let action = match (o.limit, o.unlimited, o.block) {
+            (Some(l), false, false) => {
+                if l.calendar.is_some() {
+                    return Err(err(
+                        format!("{at}.limit.calendar"),
+                        "a calendar quota is a global rule's own limit (global rules have \
+                             no overrides)",
+                    ));
+                }
+                let limit = params.limit(&l, o.burst, &at)?;
+                OverrideAction::Limit(Quota::new(limit, &format!("{name}.o{j}"), 1))
+            }
+            (None, true, false) if o.burst.is_none() => OverrideAction::Unlimited,
+            (None, false, true) if o.burst.is_none() => OverrideAction::Block,
+            _ => {
+                return Err(err(
+                    at,
+                    "give exactly one of limit (with optional burst), unlimited or block",
+                ))
+            }
+        };
+        overrides.push(Override {
+            key,
+            networks,
+            action,
+        });
+    }
+    Ok(overrides)
+}
+
+/// `field` was given (`given`) to a rule whose algorithm has no use for it.
+fn only(given: bool, path: &str, field: &str, algorithms: &str) -> Result<(), ConfigError> {
+    if given {
+        Err(err(
+            format!("{path}.{field}"),
+            format!("only applies to {algorithms}"),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// A cost settled after the response: token buckets only.
+fn settle_of(
+    raw: RawSettle,
+    limit: &tollgate_core::Limit,
+    path: &str,
+) -> Result<Settle, ConfigError> {
+    if !matches!(limit, tollgate_core::Limit::TokenBucket(_)) {
+        return Err(err(
+            format!("{path}.settle"),
+            "only token_bucket rules (without warmup) settle a cost after the response",
+        ));
+    }
+    raw.validate(&format!("{path}.settle"))
 }
