@@ -1,5 +1,5 @@
 """What the benchmarks stand on: paths, processes, Envoy configurations, wrk, and the CPU a proxy
-spends. `run.py`, `sections.py`, `ab.py` and `flood.py` use it.
+spends. `run.py`, the `section_*.py` modules, `ab.py` and `flood.py` use it.
 """
 import json
 import os
