@@ -1,10 +1,12 @@
 //! Validation: the JSON shape into the model, with errors that name the field and the reason.
 
 mod clients;
+mod cost;
 mod global;
 mod limit;
 mod matching;
 mod overload;
+mod overrides;
 mod response;
 mod rule;
 mod status;
