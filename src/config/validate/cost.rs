@@ -83,7 +83,6 @@ impl RawSettle {
 }
 
 /// A cost read from the request: a header's number, or fields of its JSON body.
-
 pub(super) fn cost_from(c: RawCostFrom, path: &str) -> Result<Cost, ConfigError> {
     let max = c.max.get();
     if c.min > max {
