@@ -1,6 +1,7 @@
 //! Claims, grants, accrual, renewals and clock steps of a key's allowance.
 
 use super::*;
+use crate::state::STATE_BYTES;
 
 const MS: u64 = 1_000_000;
 const T0: u64 = 1_700_000_000_000; // ms
