@@ -1,6 +1,6 @@
 -- All items of one lease call (or, on a Redis Cluster, those whose keys share one slot),
 -- atomically: the same step as GlobalBucket::new, reconcile and lease in
--- core/src/global/lease/bucket.rs, with the same arithmetic in the same order, so both stores
+-- core/src/global/lease/bucket/, with the same arithmetic in the same order, so both stores
 -- grant alike.
 -- ARGV: ttl_ms, cold ("0": full, "1": conservative, "2": auto), the number of items, when the
 --   run was sent in this Redis's clock (ms; 0: not known), then four per item: the bucket's key, the epoch marker of the item's slot, 14 numbers as little-endian doubles (one string, read

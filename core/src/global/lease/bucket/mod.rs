@@ -1,6 +1,9 @@
 //! The global bucket of one key and its lease step: fair shares of the burst and of the refill
 //! rate among the instances that hold it, reservations, give-backs, cold starts and clock steps.
 
+mod evidence;
+mod timing;
+
 use super::api::{LeaseGrant, LeaseItem, MAX_DEBT, RESET_TOKENS};
 use crate::global::fair_share::max_min_fair_from;
 
@@ -188,92 +191,6 @@ impl GlobalBucket {
         let mut b = self.clone();
         b.refill(item, now_ms);
         b.tokens + b.reserve
-    }
-
-    /// Check the bucket against `instance`'s evidence at `now_ms` (unless the store has served
-    /// the instance since that evidence): if it holds more tokens than it can
-    /// ([`LeaseItem::evidence_bound`]), the store lost writes (or lost the bucket and made
-    /// it anew): it restarts empty (or in the debt the evidence shows), its whole rate held for
-    /// one lease TTL (for leases of before that only their holders know: each gets its own back
-    /// when it calls). True if so.
-    pub fn reconcile(
-        &mut self,
-        instance: &str,
-        item: &LeaseItem,
-        now_ms: u64,
-        ttl_ms: u64,
-    ) -> bool {
-        self.refill(item, now_ms);
-        let Some(bound) = item.evidence_bound() else {
-            return false;
-        };
-        // The store remembers serving the instance at least as recently as the answer its
-        // evidence is of: it lost nothing since (tokens others gave back or repaid meanwhile
-        // may well exceed the evidence).
-        let since_ms = now_ms.saturating_sub(item.known_ms.saturating_add(EVIDENCE_TRANSIT_MS));
-        if self
-            .holders
-            .iter()
-            .any(|h| h.instance == instance && h.asked_ms >= since_ms)
-        {
-            return false;
-        }
-        if item.period.is_some() {
-            return self.reconcile_calendar(bound, now_ms, ttl_ms);
-        }
-        // The rate is already held for the holders of before: this loss is known.
-        let holding = self
-            .holders
-            .first()
-            .is_some_and(|h| h.instance.is_empty() && h.until_ms > now_ms);
-        // A store that served the instance within a term remembers it (a holder is kept a term
-        // after it asked): one that does not lost the bucket since, however many tokens it
-        // holds now (a bucket made anew full may hold fewer than old evidence allows).
-        let forgot = !holding && item.known_ms.saturating_add(EVIDENCE_TRANSIT_MS) < ttl_ms;
-        if !forgot && self.tokens + self.reserve <= bound {
-            return false;
-        }
-        // Empty but for the reserve (as a store that lost the bucket starts it), or owing what
-        // the evidence says it owed (less the refill since); never more than it held.
-        let tokens = self.tokens + self.reserve;
-        self.tokens = bound.min(0.0).min(tokens).max(-(MAX_DEBT as f64));
-        let reserve = item.reserve() as f64;
-        self.reserve = if bound < 0.0 || tokens < 0.0 {
-            0.0
-        } else if holding {
-            // (One reserve per loss.)
-            self.reserve.min(reserve)
-        } else {
-            reserve
-        };
-        if !holding {
-            let before = Holder {
-                instance: String::new(),
-                share: item.rate_mtps().saturating_add(1),
-                asked_ms: now_ms,
-                until_ms: now_ms.saturating_add(ttl_ms),
-                ..Holder::default()
-            };
-            match self.holders.first_mut() {
-                Some(h) if h.instance.is_empty() => *h = before,
-                _ => self.holders.insert(0, before),
-            }
-        }
-        self.idle_at_ms = self.idle_at_ms.max(now_ms.saturating_add(ttl_ms));
-        true
-    }
-
-    /// A calendar quota's bucket holding more than the evidence allows (the store lost it, or
-    /// writes to it, within its period): it holds what the evidence says was left. Not emptied,
-    /// as a refilling bucket is: nothing would refill it before its period ends.
-    fn reconcile_calendar(&mut self, bound: f64, now_ms: u64, ttl_ms: u64) -> bool {
-        if self.tokens + self.reserve <= bound {
-            return false;
-        }
-        self.tokens = bound.max(-(MAX_DEBT as f64));
-        self.reserve = 0.0;
-        self.idle_at_ms = self.idle_at_ms.max(now_ms.saturating_add(ttl_ms));
-        true
     }
 
     /// Forget holders that neither asked within `ttl_ms` nor hold a reservation.
@@ -502,35 +419,6 @@ impl GlobalBucket {
         }
     }
 
-    /// An instance with evidence of its own reservation (a live lease at `share` tokens per
-    /// second) calls a bucket that holds the rate for holders it does not know (a store that lost
-    /// the bucket starts so): that much of it is the instance's again, to renew now, rather than
-    /// held back from it for a lease TTL. Only rate nobody has claimed stays held.
-    /// Returns what it took (milli-tokens per second).
-    fn restore(&mut self, instance: &str, item: &LeaseItem, now_ms: u64) -> u64 {
-        let claimed = item.share_mtps();
-        if claimed == 0 || item.share_ms == 0 {
-            return 0;
-        }
-        let known = self
-            .holders
-            .iter()
-            .any(|h| h.instance == instance && h.share > 0 && h.until_ms > now_ms);
-        if known {
-            return 0;
-        }
-        let Some(before) = self
-            .holders
-            .first_mut()
-            .filter(|h| h.instance.is_empty() && h.until_ms > now_ms)
-        else {
-            return 0;
-        };
-        let taken = claimed.min(before.share);
-        before.share -= taken;
-        taken
-    }
-
     /// The refill rate reserved at `now_ms` (milli-tokens per second).
     fn reserved_at(&self, now_ms: u64) -> u64 {
         self.holders
@@ -538,85 +426,6 @@ impl GlobalBucket {
             .filter(|h| h.until_ms > now_ms)
             .map(|h| h.share)
             .sum()
-    }
-
-    /// Milliseconds until the bucket is full (its unreserved refill first, its whole rate once
-    /// the reservations end), and, for an instance that got nothing, until asking again can get
-    /// something (a token flows in, or a reservation ends).
-    fn timing(
-        &self,
-        item: &LeaseItem,
-        now_ms: u64,
-        ttl_ms: u64,
-        got_nothing: bool,
-        light: bool,
-    ) -> (u64, u64) {
-        let rate = item.rate_per_ms();
-        let rate_mtps = item.rate_mtps();
-        let reserved = self.reserved_at(now_ms);
-        let free = (rate - reserved as f64 / 1e6).max(0.0);
-        let last_until = self
-            .holders
-            .iter()
-            .map(|h| h.until_ms.saturating_sub(now_ms))
-            .max()
-            .unwrap_or(0);
-        let missing = (item.burst as f64 - self.tokens - self.reserve).max(0.0);
-        let reset = if missing == 0.0 {
-            0.0
-        } else if free > 0.0 && missing / free <= last_until as f64 {
-            missing / free
-        } else {
-            let by_then = free * last_until as f64;
-            last_until as f64 + (missing - by_then).max(0.0) / rate
-        };
-        let retry = if got_nothing {
-            // To the next whole token (in debt: the debt repaid, and a token).
-            let need = if self.tokens < 0.0 {
-                1.0 - self.tokens
-            } else {
-                1.0 - self.tokens.fract()
-            };
-            let token = need / rate;
-            let first_free = if free > 0.0 {
-                need / free
-            } else {
-                f64::INFINITY
-            };
-            let ends = self
-                .holders
-                .iter()
-                .filter(|h| h.until_ms > now_ms && h.share > 0)
-                .map(|h| (h.until_ms - now_ms) as f64)
-                .fold(f64::INFINITY, f64::min);
-            // One within its fair share is short of it only until a holder capped by fairness
-            // renews (they do every sixteenth of a term) and leaves it its share.
-            let renews = if light {
-                self.holders
-                    .iter()
-                    .filter(|h| {
-                        let capped = h.share < h.demand || h.demand >= rate_mtps;
-                        h.share > 0 && capped && h.until_ms > now_ms
-                    })
-                    .map(|h| {
-                        let at = h.asked_ms.saturating_add(ttl_ms / 16).max(now_ms);
-                        (at - now_ms) as f64 + RENEWAL_MARGIN_MS
-                    })
-                    .fold(f64::INFINITY, f64::min)
-            } else {
-                f64::INFINITY
-            };
-            let soonest = first_free.min(ends).min(renews);
-            let retry = if soonest.is_finite() {
-                soonest.max(token)
-            } else {
-                token
-            };
-            retry.ceil().max(1.0)
-        } else {
-            0.0
-        };
-        (reset.ceil() as u64, retry as u64)
     }
 
     /// True once nothing distinguishes it from a new bucket: it can go.
