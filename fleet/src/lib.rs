@@ -4,297 +4,16 @@
 //! key that claims, take a round trip, may be lost; the service may lose what it knew, proxies may
 //! crash, a part of the fleet may be cut off. Deterministic for a seed; no sleeping.
 
-use serde::Serialize;
+mod load;
+mod scenario;
+
+use load::{KeyPicker, Levels, Rng};
+pub use scenario::{Event, Keys, Report, Scenario};
 use std::collections::HashMap;
 use tollgate_core::global::lease::{
-    newcomers_reserve, rate_mtps, ColdStart, GlobalBucket, LeaseGrant, LeaseItem,
+    newcomers_reserve, ColdStart, GlobalBucket, LeaseGrant, LeaseItem,
 };
 use tollgate_core::{Ask, Decision, Grant, LeaseAllowance, State};
-
-/// How a request picks its key.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub enum Keys {
-    /// Each of `n` keys alike.
-    Uniform(u32),
-    /// Zipf with exponent `s` over `n` keys (key 0 the busiest).
-    Zipf { n: u32, s: f64 },
-    /// One key for every request.
-    Hot,
-}
-
-/// Something that happens to the fleet.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub enum Event {
-    /// This share of the proxies (the first ones) restarts at `at_ms`: what they held is gone.
-    Crash { at_ms: u64, share: f64 },
-    /// The service loses every bucket at `at_ms` (a memory store restarted).
-    StoreLoss { at_ms: u64 },
-    /// Calls from this share of the proxies (the last ones) fail from `from_ms` to `until_ms`.
-    Partition {
-        from_ms: u64,
-        until_ms: u64,
-        share: f64,
-    },
-}
-
-/// One run.
-#[derive(Debug, Clone, Serialize)]
-pub struct Scenario {
-    pub name: String,
-    pub proxies: usize,
-    /// Workers per proxy: a request goes to one of them at random, and each worker sends the
-    /// claims its requests made on its own tick (its calls hold only those).
-    pub workers: u64,
-    pub keys: Keys,
-    /// Each key's limit: `requests` per `per_ms`, `burst`.
-    pub requests: u64,
-    pub per_ms: u64,
-    pub burst: u64,
-    /// Requests per second over the whole fleet (Poisson at each proxy).
-    pub fleet_rate: f64,
-    pub seconds: u64,
-    /// Demand moves between proxies every this many ms (0: never): half the fleet sends four
-    /// times what the other half does, and the halves swap.
-    pub shift_ms: u64,
-    /// Every this many ms (0: never) the fleet sends `burst_factor` times its rate for 500 ms.
-    pub bursts_ms: u64,
-    pub burst_factor: f64,
-    pub events: Vec<Event>,
-    pub ttl_ms: u64,
-    /// `quota_service.lease_size` (none: its default with `instances_hint` = `proxies`).
-    pub lease_size: Option<u64>,
-    pub tick_ms: u64,
-    pub timeout_ms: u64,
-    pub retry_ms: u64,
-    pub rtt_ms: u64,
-    /// Each call's round trip is `rtt_ms` plus up to this much more (uniform), under the timeout.
-    pub rtt_jitter_ms: u64,
-    /// Chance that a call is lost (it fails after its timeout).
-    pub call_loss: f64,
-    pub seed: u64,
-}
-
-impl Scenario {
-    /// The filter's defaults for a fleet of `proxies` (2 workers each, 5 ms ticks, 200 ms
-    /// timeout, 500 ms retry, 10 s lease TTL, 2 ms round trip).
-    pub fn new(
-        name: &str,
-        proxies: usize,
-        keys: Keys,
-        limit: (u64, u64, u64),
-        fleet_rate: f64,
-    ) -> Self {
-        Self {
-            name: name.into(),
-            proxies,
-            workers: 2,
-            keys,
-            requests: limit.0,
-            per_ms: limit.1,
-            burst: limit.2,
-            fleet_rate,
-            seconds: 20,
-            shift_ms: 0,
-            bursts_ms: 0,
-            burst_factor: 4.0,
-            events: Vec::new(),
-            ttl_ms: 10_000,
-            lease_size: None,
-            tick_ms: 5,
-            timeout_ms: 200,
-            retry_ms: 500,
-            rtt_ms: 2,
-            rtt_jitter_ms: 0,
-            call_loss: 0.0,
-            seed: 1,
-        }
-    }
-
-    fn allowance(&self) -> LeaseAllowance {
-        // `quota_service.lease_size` by default: burst / (4 × instances_hint), 1 to 1 000.
-        let lease_size = self
-            .lease_size
-            .unwrap_or((self.burst / (4 * self.proxies as u64)).clamp(1, 1_000));
-        LeaseAllowance {
-            lease_size,
-            low_water: lease_size.div_ceil(2),
-            claim_ms: self.timeout_ms + 100,
-            global_burst: self.burst,
-            global_interval_ns: self.per_ms * 1_000_000 / self.requests,
-            global_rate_mtps: rate_mtps(self.requests, self.per_ms),
-            calendar: false,
-        }
-    }
-
-    /// Each key's tokens per second.
-    fn key_rate(&self) -> f64 {
-        self.requests as f64 * 1_000.0 / self.per_ms as f64
-    }
-
-    /// Proxy `p`'s weight at `now` (its part of the fleet's rate, relative).
-    /// True during a burst.
-    fn bursting(&self, now: u64) -> bool {
-        now.checked_rem(self.bursts_ms).is_some_and(|at| at < 500)
-    }
-
-    /// Requests per second over the fleet at `now`.
-    fn fleet_rate_at(&self, now: u64) -> f64 {
-        if self.bursting(now) {
-            self.fleet_rate * self.burst_factor
-        } else {
-            self.fleet_rate
-        }
-    }
-
-    fn weight(&self, p: usize, now: u64) -> f64 {
-        if self.shift_ms == 0 {
-            return 1.0;
-        }
-        if (p as u64 + now / self.shift_ms) % 2 == 0 {
-            4.0
-        } else {
-            1.0
-        }
-    }
-}
-
-/// What a run found.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Report {
-    pub requests: u64,
-    pub admitted: u64,
-    pub refused: u64,
-    /// Decided by the failure mode (the service did not answer in time): not counted in the bound.
-    pub fell_back: u64,
-    /// Refused while the proxy's demand for the key was under its max-min share of the key's rate
-    /// and the key had budget: one more admission would have kept the fleet within
-    /// `burst + rate × t`.
-    pub false_refusals: u64,
-    /// Refused after waiting a whole timeout for a lease (counted in `refused`).
-    pub timed_out: u64,
-    /// The largest excess, over every key and admission, of what the fleet admitted over
-    /// `burst + rate × t` (t since the key's first request; plus the stated slack per store
-    /// loss): at most 0 when the bound holds.
-    pub worst_excess: f64,
-    pub keys_seen: usize,
-    pub calls: u64,
-    pub items: u64,
-    pub calls_per_s: f64,
-    pub items_per_s: f64,
-    pub items_per_call: f64,
-    /// After each shift of demand, how long until false refusals are back to what they were before
-    /// it (at most twice the median per 100 ms of the second half of the phase before, or 2% of
-    /// the requests), for half a second: the slowest shift.
-    pub follow_ms: Option<u64>,
-    /// Per 100 ms: requests, false refusals.
-    pub bins: Vec<(u64, u64)>,
-}
-
-/// A small deterministic random source (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// The chance of each key, and drawing one.
-struct KeyPicker {
-    keys: Keys,
-    /// Zipf: the cumulative chance of keys `0..=i`.
-    cdf: Vec<f64>,
-}
-
-impl KeyPicker {
-    fn new(keys: Keys) -> Self {
-        let cdf = match keys {
-            Keys::Zipf { n, s } => {
-                let weights: Vec<f64> = (1..=n).map(|i| 1.0 / (i as f64).powf(s)).collect();
-                let total: f64 = weights.iter().sum();
-                let mut acc = 0.0;
-                weights
-                    .iter()
-                    .map(|w| {
-                        acc += w / total;
-                        acc
-                    })
-                    .collect()
-            }
-            _ => Vec::new(),
-        };
-        Self { keys, cdf }
-    }
-
-    fn pick(&self, rng: &mut Rng) -> u32 {
-        match self.keys {
-            Keys::Uniform(n) => (rng.next() % u64::from(n.max(1))) as u32,
-            Keys::Hot => 0,
-            Keys::Zipf { .. } => {
-                let u = rng.unit();
-                self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1) as u32
-            }
-        }
-    }
-
-    fn chance(&self, key: u32) -> f64 {
-        match self.keys {
-            Keys::Uniform(n) => 1.0 / f64::from(n.max(1)),
-            Keys::Hot => 1.0,
-            Keys::Zipf { .. } => {
-                let k = key as usize;
-                self.cdf[k] - if k == 0 { 0.0 } else { self.cdf[k - 1] }
-            }
-        }
-    }
-}
-
-/// Max-min fair shares of a key over the proxies' current rates: the water level, found from the
-/// sorted rates and their prefix sums.
-struct Levels {
-    sorted: Vec<f64>,
-    prefix: Vec<f64>,
-}
-
-impl Levels {
-    fn new(rates: &[f64]) -> Self {
-        let mut sorted = rates.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        let mut prefix = vec![0.0];
-        for r in &sorted {
-            prefix.push(prefix.last().copied().unwrap_or(0.0) + r);
-        }
-        Self { sorted, prefix }
-    }
-
-    /// The level λ with Σ min(rate_i, λ) = `capacity` (infinite when all fit).
-    fn level(&self, capacity: f64) -> f64 {
-        let n = self.sorted.len();
-        if self.prefix[n] <= capacity {
-            return f64::INFINITY;
-        }
-        // The first i such that the i smallest rates fully served and the rest at λ ≥ sorted[i]
-        // overflows: λ = (capacity − prefix[i]) / (n − i).
-        for i in 0..n {
-            let level = (capacity - self.prefix[i]) / (n - i) as f64;
-            if level <= self.sorted[i] {
-                return level.max(0.0);
-            }
-        }
-        f64::INFINITY
-    }
-}
 
 struct KeyState {
     state: State,
@@ -401,24 +120,25 @@ fn decide(a: &LeaseAllowance, p: &mut Proxy, worker: usize, key: u32, now: u64) 
     fate
 }
 
+/// Run `s` and report.
 /// What a run counts as it goes: the report, each key's admissions against the bound, and the
 /// false refusals per 100 ms.
 struct Tally<'a> {
-    s: &'a Scenario,
-    picker: &'a KeyPicker,
-    report: Report,
-    admitted: HashMap<u32, Admitted>,
-    bin_requests: Vec<u64>,
-    bin_false: Vec<u64>,
-    levels: Levels,
-    level_of: HashMap<u32, f64>,
+    pub(crate) s: &'a Scenario,
+    pub(crate) picker: &'a KeyPicker,
+    pub(crate) report: Report,
+    pub(crate) admitted: HashMap<u32, Admitted>,
+    pub(crate) bin_requests: Vec<u64>,
+    pub(crate) bin_false: Vec<u64>,
+    pub(crate) levels: Levels,
+    pub(crate) level_of: HashMap<u32, f64>,
     /// Slack per store loss (the reserve, a token and a call's time of refill), and how many.
-    loss_slack: f64,
-    losses: u64,
+    pub(crate) loss_slack: f64,
+    pub(crate) losses: u64,
 }
 
 impl Tally<'_> {
-    fn arrived(&mut self, key: u32, now: u64) {
+    pub(crate) fn arrived(&mut self, key: u32, now: u64) {
         self.report.requests += 1;
         self.bin_requests[(now / 100) as usize] += 1;
         self.admitted.entry(key).or_insert(Admitted {
@@ -427,7 +147,7 @@ impl Tally<'_> {
         });
     }
 
-    fn admit(&mut self, key: u32, now: u64) {
+    pub(crate) fn admit(&mut self, key: u32, now: u64) {
         self.report.admitted += 1;
         let a = self.admitted.entry(key).or_insert(Admitted {
             first_ms: now,
@@ -441,7 +161,7 @@ impl Tally<'_> {
     }
 
     /// A refusal of `proxy`'s request for `key`, whose demand is `rate` a second now.
-    fn refuse(&mut self, rate: f64, key: u32, now: u64) {
+    pub(crate) fn refuse(&mut self, rate: f64, key: u32, now: u64) {
         self.report.refused += 1;
         let chance = self.picker.chance(key);
         let (levels, s) = (&self.levels, self.s);
@@ -461,7 +181,7 @@ impl Tally<'_> {
         }
     }
 
-    fn decided(&mut self, fate: Fate, rate: f64, key: u32, now: u64) {
+    pub(crate) fn decided(&mut self, fate: Fate, rate: f64, key: u32, now: u64) {
         match fate {
             Fate::Admitted => self.admit(key, now),
             Fate::Refused => self.refuse(rate, key, now),
@@ -471,7 +191,6 @@ impl Tally<'_> {
     }
 }
 
-/// Run `s` and report.
 pub fn run(s: &Scenario) -> Report {
     let allowance = s.allowance();
     let picker = KeyPicker::new(s.keys);
