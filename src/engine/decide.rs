@@ -100,13 +100,13 @@ impl Engine {
         }
         let mut outcome = Outcome {
             admitted: refused.is_none(),
-            rejected_by: refused,
+            refused_by: refused,
             checks: results,
         };
         if refused.is_none() && !checks.is_empty() {
             let shared = admit(store, &checks, now);
             outcome.admitted = shared.admitted;
-            outcome.rejected_by = shared.rejected_by.map(|i| asked[i]);
+            outcome.refused_by = shared.refused_by.map(|i| asked[i]);
             for (&n, result) in asked.iter().zip(shared.checks) {
                 outcome.checks[n] = result;
             }
@@ -244,7 +244,7 @@ impl Engine {
                     self.watch_permits(rule, input.slot, input.key);
                 }
             }
-            let refusing = outcome.rejected_by == Some(n);
+            let refusing = outcome.refused_by == Some(n);
             let tighter = report
                 .is_none_or(|(_, r, t, _)| remaining < r || (remaining == r && reset_secs > t));
             if refusing || (outcome.admitted && tighter) {

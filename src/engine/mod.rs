@@ -415,7 +415,7 @@ impl Engine {
                 return Step::Admit(Admitted::default());
             };
             self.record_claims(inputs, &outcome, now);
-            if outcome.admitted || outcome.rejected_by.is_some() {
+            if outcome.admitted || outcome.refused_by.is_some() {
                 let step = self.conclude(inputs, &outcome);
                 self.log_dry_runs(now);
                 return step;

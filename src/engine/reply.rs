@@ -28,7 +28,7 @@ impl Engine {
     }
 
     /// The refusal's response, its headers rendered into `out` after the response's own.
-    pub fn render_rejection(&self, out: &mut HeaderSet, refusal: &Refusal) -> &Response {
+    pub fn render_refusal(&self, out: &mut HeaderSet, refusal: &Refusal) -> &Response {
         let response = self.config.response_of(refusal.rule);
         for (name, value) in &response.headers {
             out.push(name, &[value]);

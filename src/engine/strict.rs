@@ -129,7 +129,7 @@ impl Engine {
         }
         let mut outcome = preview(store, &checks, now);
         drop(checks);
-        let refused = outcome.rejected_by?;
+        let refused = outcome.refused_by?;
         for (n, check) in outcome.checks.iter_mut().enumerate() {
             if n != refused {
                 check.slot = SlotEvent::Own;

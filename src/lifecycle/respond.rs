@@ -25,7 +25,7 @@ pub fn refuse<H: Host>(
 ) {
     scratch.headers.clear();
     scratch.wire.clear();
-    let response = engine.render_rejection(&mut scratch.headers, refusal);
+    let response = engine.render_refusal(&mut scratch.headers, refusal);
     let pairs = scratch
         .headers
         .iter()

@@ -111,10 +111,10 @@ pub struct CheckOutcome {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
-    /// False with no `rejected_by` when an enforced check is `Waiting` or `Fallback`.
+    /// False with no `refused_by` when an enforced check is `Waiting` or `Fallback`.
     pub admitted: bool,
     /// Index of the enforced check that refused the request (the longest wait if several did).
-    pub rejected_by: Option<usize>,
+    pub refused_by: Option<usize>,
     /// One per check, in order.
     pub checks: CheckOutcomes,
 }
@@ -520,12 +520,12 @@ fn give_back<S: CasStore + ?Sized>(
 
 fn finish(
     admitted: bool,
-    rejected_by: Option<usize>,
+    refused_by: Option<usize>,
     plans: SmallVec<[Plan; INLINE_RULES]>,
 ) -> Outcome {
     Outcome {
         admitted,
-        rejected_by,
+        refused_by,
         checks: plans.into_iter().map(|p| p.outcome).collect(),
     }
 }

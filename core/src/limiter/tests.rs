@@ -63,7 +63,7 @@ fn a_refusal_by_one_rule_charges_no_other() {
         );
         admitted += u32::from(out.admitted);
         if !out.admitted {
-            assert_eq!(out.rejected_by, Some(1));
+            assert_eq!(out.refused_by, Some(1));
         }
     }
     assert_eq!(admitted, 2);
@@ -317,7 +317,7 @@ fn a_lost_race_is_retried_and_a_refusal_found_then_refunds_the_others() {
     store.losses.store(100, Ordering::SeqCst);
     let out = admit(&store, &[check(&a, "k", true), check(&b, "k", true)], NOW);
     assert!(!out.admitted);
-    assert_eq!(out.rejected_by, Some(1));
+    assert_eq!(out.refused_by, Some(1));
     store.losses.store(0, Ordering::SeqCst);
     assert_eq!(
         remaining(&admit(&store, &[check(&a, "k", true)], NOW)),
@@ -360,7 +360,7 @@ fn a_race_lost_to_the_last_leased_token_leaves_the_request_undecided() {
     let out = admit(&store, &[check(&a, "k", true), check(&g, "k", true)], NOW);
     assert!(!out.admitted, "no token left: not admitted");
     assert_eq!(
-        out.rejected_by, None,
+        out.refused_by, None,
         "undecided: the caller waits for quota"
     );
     assert_eq!(out.checks[1].verdict, Verdict::Waiting);
@@ -509,7 +509,7 @@ fn global_rules_wait_for_a_claimed_refill_without_charging_the_others() {
         )
     };
     let first = both(&store);
-    assert!(!first.admitted && first.rejected_by.is_none());
+    assert!(!first.admitted && first.refused_by.is_none());
     assert_eq!(first.checks[1].verdict, Verdict::Waiting);
     assert!(
         first.checks[1].refill,

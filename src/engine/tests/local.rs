@@ -20,7 +20,7 @@ fn a_token_bucket_admits_its_burst_then_refuses_with_the_time_to_wait() {
     assert_eq!(rig.stat(0, RuleStat::Limited), 3);
 
     let mut h = HeaderSet::default();
-    let response = rig.engine.render_rejection(&mut h, &r);
+    let response = rig.engine.render_refusal(&mut h, &r);
     assert_eq!(response.status, 429);
     let headers: Vec<_> = h.iter().collect();
     assert_eq!(

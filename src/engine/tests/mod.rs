@@ -108,7 +108,7 @@ fn admit(step: Step) -> Admitted {
 fn refusal_of(step: Step) -> Refusal {
     match step {
         Step::Refuse(r) => r,
-        other => panic!("not rejected: {other:?}"),
+        other => panic!("not refused: {other:?}"),
     }
 }
 

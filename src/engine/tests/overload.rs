@@ -63,7 +63,7 @@ fn an_overloaded_upstream_sheds_the_default_level_first_with_503_and_retry_after
     let refusal = rig.guard(&req(&[]), now).expect_err("shed");
     assert_eq!(refusal.retry_after_secs, Some(1));
     let mut out = HeaderSet::default();
-    let response = rig.engine.render_rejection(&mut out, &refusal);
+    let response = rig.engine.render_refusal(&mut out, &refusal);
     assert_eq!(response.status, 503);
     assert_eq!(rig.stat(0, RuleStat::Level1Shed), 2);
     assert_eq!(rig.stat(0, RuleStat::Level3Shed), 1);
