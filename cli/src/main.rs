@@ -197,7 +197,7 @@ fn check(config: PathBuf, host: Option<Host>) -> ExitCode {
             );
         }
     }
-    if parsed.rules.iter().any(|r| r.pace.is_some()) && !matches!(host, Some(Host::Nginx)) {
+    if parsed.rules.iter().any(|r| r.pace().is_some()) && !matches!(host, Some(Host::Nginx)) {
         println!(
             "note: in Envoy, a paced body lasts as long as its bytes take at the rate: give the \
              route a timeout that long (Envoy's default is 15 s; \"timeout\": \"0s\" for none); \

@@ -103,7 +103,7 @@ impl Config {
             self.check_no_metadata(host)?;
         }
         if !host.resume_from_timer {
-            if let Some(i) = self.rules.iter().position(|r| r.pace.is_some()) {
+            if let Some(i) = self.rules.iter().position(|r| r.pace().is_some()) {
                 return Err(err(
                     format!("rules[{i}].limit.bytes"),
                     format!(

@@ -47,7 +47,7 @@ impl Engine {
             }
             let rule = self.config.rules.get(rule);
             let name = rule.map_or("?", |r| r.name.as_str());
-            let what = if rule.is_some_and(|r| r.pace.is_some()) {
+            let what = if rule.is_some_and(|r| r.pace().is_some()) {
                 "held back"
             } else {
                 "refused"

@@ -178,7 +178,7 @@ impl Engine {
     pub fn new(config: Config, deployment: KeyPlacement) -> Self {
         let placement = config.placement.unwrap_or(deployment);
         let guarded = config.rules.iter().any(|r| r.guard().is_some());
-        let paces = config.rules.iter().any(|r| r.pace.is_some());
+        let paces = config.rules.iter().any(|r| r.pace().is_some());
         let top = match &config.status {
             Some(status) => top::TopCounts::new(config.rules.len(), status.max_key_bytes)
                 .stored_at(
@@ -264,7 +264,7 @@ impl Engine {
                 continue;
             };
             // Byte limits pace bodies; they never refuse a request.
-            if rule.pace.is_some() {
+            if rule.pace().is_some() {
                 continue;
             }
             if !request.matches(&rule.matcher) {

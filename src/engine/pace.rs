@@ -32,7 +32,7 @@ impl Engine {
             return pacers;
         }
         for (i, rule) in self.config.rules.iter().enumerate() {
-            let (Some(p), Some(quota)) = (rule.pace, rule.quota()) else {
+            let (Some(p), Some(quota)) = (rule.pace(), rule.quota()) else {
                 continue;
             };
             if !request.matches(&rule.matcher) {

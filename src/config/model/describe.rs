@@ -85,7 +85,7 @@ impl Config {
             .iter()
             .map(|r| {
                 let quota = match &r.kind {
-                    RuleKind::Local(q) | RuleKind::Global(q, _) => q,
+                    RuleKind::Local(q) | RuleKind::Bytes(q, _) | RuleKind::Global(q, _) => q,
                     RuleKind::Overload(g) => {
                         return format!(
                             "{} ({}, {} keys{})",
@@ -134,7 +134,7 @@ impl Config {
                                 l.lease_size
                             ),
                         },
-                        (None, Limit::TokenBucket(tb)) => match r.pace {
+                        (None, Limit::TokenBucket(tb)) => match r.pace() {
                             Some(p) => p.describe(tb),
                             None => describe(&quota.limit),
                         },

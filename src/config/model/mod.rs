@@ -138,8 +138,6 @@ pub struct Rule {
     pub settle: Option<Settle>,
     /// Each key's own `limit.requests`, from the request (a tenant's plan).
     pub limit_from: Option<LimitFrom>,
-    /// A byte limit: the body it paces (the rule never refuses a request).
-    pub pace: Option<Pace>,
 }
 
 /// What a byte limit paces.
@@ -215,6 +213,9 @@ impl UsageCost {
 pub enum RuleKind {
     /// A limit kept in this proxy's shared data.
     Local(Quota),
+    /// A byte limit: bytes of bodies per key, kept in this proxy's shared data, paced (it never
+    /// refuses a request).
+    Bytes(Quota, Pace),
     /// `"scope": "global"`: the quota is the allowance (or permits) leased from the quota
     /// service, in this proxy's slots; the global rule is what the service is asked for.
     Global(Quota, Box<GlobalRule>),
@@ -232,8 +233,16 @@ impl Rule {
     /// The rule's own quota (none for overload rules).
     pub fn quota(&self) -> Option<&Quota> {
         match &self.kind {
-            RuleKind::Local(q) | RuleKind::Global(q, _) => Some(q),
+            RuleKind::Local(q) | RuleKind::Bytes(q, _) | RuleKind::Global(q, _) => Some(q),
             RuleKind::Overload(_) => None,
+        }
+    }
+
+    /// A byte limit's pacing (none for other rules).
+    pub fn pace(&self) -> Option<Pace> {
+        match &self.kind {
+            RuleKind::Bytes(_, p) => Some(*p),
+            _ => None,
         }
     }
 

@@ -93,7 +93,10 @@ impl RawRule {
             key: self.key,
             missing_key: self.missing_key,
             unreadable_body: self.unreadable_body,
-            kind: RuleKind::Local(quota),
+            kind: match pace {
+                Some(p) => RuleKind::Bytes(quota, p),
+                None => RuleKind::Local(quota),
+            },
             cost,
             overrides,
             response,
@@ -102,7 +105,6 @@ impl RawRule {
             worker_batch_by_default: self.worker_batch.is_none() && worker_batch > 0,
             settle,
             limit_from,
-            pace,
         })
     }
 
@@ -148,7 +150,6 @@ impl RawRule {
             worker_batch_by_default: false,
             settle: None,
             limit_from: None,
-            pace: None,
         })
     }
 }

@@ -83,7 +83,7 @@ impl<H: Host> Plugin<H> {
                                     matches!(q.limit, tollgate_core::Limit::PermitLease(_))
                                 }),
                                 // A byte limit decides no requests: its bytes and holds only.
-                                s if rule.pace.is_some() => matches!(
+                                s if rule.pace().is_some() => matches!(
                                     s,
                                     RuleStat::PacedBytes
                                         | RuleStat::HeldMs
