@@ -184,27 +184,7 @@ impl Rule {
                 "global limits take periods of at most 366 days",
             ));
         }
-        // A refill covers a slice of the burst each proxy may hold: small enough to share, large
-        // enough that calls stay rare. A calendar quota's a smaller one: a proxy holds it until
-        // the period ends (none else may spend it; a restart loses it).
-        let slices = if calendar.is_some() { 32 } else { 4 };
-        let lease_size =
-            lease_size.unwrap_or_else(|| (burst / (slices * qs.instances_hint)).clamp(1, 1_000));
-        let lease = LeaseAllowance {
-            lease_size,
-            low_water: lease_size.div_ceil(2),
-            // Past the call's timeout, so that its answer or failure always comes first.
-            claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
-            global_burst: burst,
-            global_interval_ns: tb.period_ns() / requests,
-            // A calendar quota leases no rate: nothing refills it within its period.
-            global_rate_mtps: if calendar.is_some() {
-                0
-            } else {
-                rate_mtps(requests, per_ms)
-            },
-            calendar: calendar.is_some(),
-        };
+        let lease = lease_allowance(qs, lease_size, tb, calendar.is_some());
         let share = |n: u64| (n / qs.instances_hint).max(1);
         let fallback_limit = TokenBucket::new(share(requests), tb.period_ns(), share(burst))
             .map(Limit::TokenBucket)
@@ -323,4 +303,36 @@ fn no_stand_in(qs: &QuotaService, path: &str) -> Result<(), ConfigError> {
         ));
     }
     Ok(())
+}
+
+/// A global token bucket's leased allowance in a proxy (`calendar`: a calendar quota's, which
+/// leases no rate).
+fn lease_allowance(
+    qs: &QuotaService,
+    lease_size: Option<u64>,
+    tb: TokenBucket,
+    calendar: bool,
+) -> LeaseAllowance {
+    let (requests, per_ms, burst) = (tb.requests(), tb.period_ns() / 1_000_000, tb.burst());
+    // A refill covers a slice of the burst each proxy may hold: small enough to share, large
+    // enough that calls stay rare. A calendar quota's a smaller one: a proxy holds it until
+    // the period ends (none else may spend it; a restart loses it).
+    let slices = if calendar { 32 } else { 4 };
+    let lease_size =
+        lease_size.unwrap_or_else(|| (burst / (slices * qs.instances_hint)).clamp(1, 1_000));
+    LeaseAllowance {
+        lease_size,
+        low_water: lease_size.div_ceil(2),
+        // Past the call's timeout, so that its answer or failure always comes first.
+        claim_ms: qs.timeout_ms + CLAIM_GRACE_MS,
+        global_burst: burst,
+        global_interval_ns: tb.period_ns() / requests,
+        // A calendar quota leases no rate: nothing refills it within its period.
+        global_rate_mtps: if calendar {
+            0
+        } else {
+            rate_mtps(requests, per_ms)
+        },
+        calendar,
+    }
 }

@@ -47,27 +47,7 @@ impl LimitParams {
     ) -> Result<Limit, ConfigError> {
         let field = |f: &str| format!("{path}.limit.{f}");
         if self.algorithm == Algorithm::Concurrency {
-            if raw.requests.is_some() || raw.per.is_some() {
-                return Err(err(
-                    format!("{path}.limit"),
-                    "a concurrency limit is {\"concurrent\": N}, without requests or per",
-                ));
-            }
-            if burst.is_some() {
-                return Err(err(
-                    format!("{path}.burst"),
-                    "does not apply to concurrency",
-                ));
-            }
-            let n = raw.concurrent.ok_or_else(|| {
-                err(
-                    field("concurrent"),
-                    "required for algorithm \"concurrency\"",
-                )
-            })?;
-            return Concurrency::new(n.get())
-                .map(Limit::Concurrency)
-                .ok_or_else(|| err(field("concurrent"), "must be at least 1"));
+            return concurrency(raw, burst, path);
         }
         if raw.concurrent.is_some() {
             return Err(err(
@@ -76,31 +56,7 @@ impl LimitParams {
             ));
         }
         if let Some(bytes) = raw.bytes {
-            if raw.requests.is_some() {
-                return Err(err(
-                    format!("{path}.limit"),
-                    "give requests or bytes, not both",
-                ));
-            }
-            let (given, what) = if self.warmup_ns.is_some() {
-                ("warmup", "a byte limit has no warmup")
-            } else {
-                (
-                    "algorithm",
-                    "a byte limit is a token bucket of bytes (\"token_bucket\")",
-                )
-            };
-            if self.algorithm != Algorithm::TokenBucket || self.warmup_ns.is_some() {
-                return Err(err(format!("{path}.{given}"), what));
-            }
-            let per = per_ns(raw, path)?;
-            let burst = burst.unwrap_or(bytes.get());
-            if burst == 0 {
-                return Err(err(format!("{path}.burst"), "must be at least 1"));
-            }
-            return TokenBucket::new(bytes.get(), per, burst)
-                .map(Limit::TokenBucket)
-                .ok_or_else(|| err(format!("{path}.limit"), "must be positive"));
+            return self.bytes(raw, bytes.get(), burst, path);
         }
         let requests = raw
             .requests
@@ -154,4 +110,65 @@ impl LimitParams {
             }
         }
     }
+
+    /// A byte limit: a token bucket of `bytes` per `per`.
+    fn bytes(
+        &self,
+        raw: &RawLimit,
+        bytes: u64,
+        burst: Option<u64>,
+        path: &str,
+    ) -> Result<Limit, ConfigError> {
+        if raw.requests.is_some() {
+            return Err(err(
+                format!("{path}.limit"),
+                "give requests or bytes, not both",
+            ));
+        }
+        let (given, what) = if self.warmup_ns.is_some() {
+            ("warmup", "a byte limit has no warmup")
+        } else {
+            (
+                "algorithm",
+                "a byte limit is a token bucket of bytes (\"token_bucket\")",
+            )
+        };
+        if self.algorithm != Algorithm::TokenBucket || self.warmup_ns.is_some() {
+            return Err(err(format!("{path}.{given}"), what));
+        }
+        let per = per_ns(raw, path)?;
+        let burst = burst.unwrap_or(bytes);
+        if burst == 0 {
+            return Err(err(format!("{path}.burst"), "must be at least 1"));
+        }
+        TokenBucket::new(bytes, per, burst)
+            .map(Limit::TokenBucket)
+            .ok_or_else(|| err(format!("{path}.limit"), "must be positive"))
+    }
+}
+
+/// A concurrency limit: `{"concurrent": N}`.
+fn concurrency(raw: &RawLimit, burst: Option<u64>, path: &str) -> Result<Limit, ConfigError> {
+    let field = |f: &str| format!("{path}.limit.{f}");
+    if raw.requests.is_some() || raw.per.is_some() {
+        return Err(err(
+            format!("{path}.limit"),
+            "a concurrency limit is {\"concurrent\": N}, without requests or per",
+        ));
+    }
+    if burst.is_some() {
+        return Err(err(
+            format!("{path}.burst"),
+            "does not apply to concurrency",
+        ));
+    }
+    let n = raw.concurrent.ok_or_else(|| {
+        err(
+            field("concurrent"),
+            "required for algorithm \"concurrency\"",
+        )
+    })?;
+    Concurrency::new(n.get())
+        .map(Limit::Concurrency)
+        .ok_or_else(|| err(field("concurrent"), "must be at least 1"))
 }
