@@ -114,10 +114,7 @@ fn quota_key(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64),
         Some(at) => {
-            match chrono::DateTime::parse_from_rfc3339(at)
-                .ok()
-                .and_then(|t| u64::try_from(t.timestamp_millis()).ok())
-            {
+            match tollgate_core::calendar::rfc3339_ms(at) {
                 Some(ms) => ms,
                 None => {
                     eprintln!("--at {at:?} is not an RFC 3339 time after 1970 (2026-12-01T00:05:00+01:00)");

@@ -274,9 +274,7 @@ async fn run(args: Args) -> Result<(), String> {
     let calendar = match &args.calendar_clock {
         None => CalendarClock::default(),
         Some(at) => {
-            let at = chrono::DateTime::parse_from_rfc3339(at)
-                .ok()
-                .and_then(|t| u64::try_from(t.timestamp_millis()).ok())
+            let at = tollgate_core::calendar::rfc3339_ms(at)
                 .ok_or_else(|| {
                     format!("--calendar-clock {at:?} is not an RFC 3339 time after 1970 (2026-11-30T23:59:50+01:00)")
                 })?;

@@ -57,4 +57,4 @@ pub fn is_time_zone(name: &str) -> bool {
 mod bounds;
 
 #[cfg(any(feature = "calendar", test))]
-pub use bounds::period_at;
+pub use bounds::{period_at, rfc3339_ms};

@@ -18,9 +18,7 @@ fn monthly(key: &str, wanted: u64) -> LeaseItem {
 }
 
 fn rfc3339_ms(t: &str) -> u64 {
-    chrono::DateTime::parse_from_rfc3339(t)
-        .unwrap()
-        .timestamp_millis() as u64
+    tollgate_core::calendar::rfc3339_ms(t).unwrap()
 }
 
 #[tokio::test]

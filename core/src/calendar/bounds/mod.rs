@@ -32,6 +32,13 @@ pub fn period_at(unit: CalendarUnit, zone: &str, now_ms: u64) -> Option<(u64, u6
     (start <= now_ms && now_ms < end).then_some((start, end))
 }
 
+/// An RFC 3339 time (`2026-12-01T00:05:00+01:00`) as ms since the Unix epoch; None for anything
+/// else, or a time before 1970.
+pub fn rfc3339_ms(at: &str) -> Option<u64> {
+    let t = chrono::DateTime::parse_from_rfc3339(at).ok()?;
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
 /// The first instant of `date` in `tz` (ms): its midnight, the earlier one where midnight comes
 /// twice, the first local time after the gap where a change of offset skips it.
 fn day_start(tz: Tz, date: NaiveDate) -> Option<u64> {
