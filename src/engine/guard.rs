@@ -98,9 +98,16 @@ pub fn reported_cpu(value: &[u8], header: &CpuHeader) -> Option<u64> {
 #[derive(Debug)]
 pub struct Guards {
     /// Counts the throttle's draws (with the time, their seed).
-    pub(super) draws: u64,
+    draws: u64,
     /// Some rule is an overload rule.
-    pub(super) guarded: bool,
+    guarded: bool,
+}
+
+impl Guards {
+    /// For a configuration in which some rule is an overload rule (`guarded`) or none is.
+    pub(super) fn new(guarded: bool) -> Self {
+        Self { draws: 0, guarded }
+    }
 }
 
 impl Engine {

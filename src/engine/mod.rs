@@ -199,7 +199,7 @@ impl Engine {
             leases: lease::Leases::default(),
             stash_reported: 0,
             strict_calls: strict::StrictCalls::default(),
-            guards: guard::Guards { draws: 0, guarded },
+            guards: guard::Guards::new(guarded),
             paces,
             placement,
             holds_for_stashes: false,

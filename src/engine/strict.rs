@@ -17,10 +17,10 @@ use tollgate_core::{Ask, CasStore};
 pub struct StrictCalls {
     /// After a request's own call failed, until when (ms) this worker's requests apply the
     /// failure mode without calling (`quota_service.retry`).
-    pub(super) calls_off_until_ms: u64,
+    calls_off_until_ms: u64,
     /// Keys the service refused in answer to requests' own calls: not asked for again for
     /// `retry`.
-    pub(super) refused_keys: super::refused::RefusedKeys,
+    refused_keys: super::refused::RefusedKeys,
 }
 
 /// A request waiting for its own call to the quota service.

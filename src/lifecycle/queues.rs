@@ -22,7 +22,8 @@ pub struct Queues {
     held: BTreeSet<(u64, u32)>,
     waiting: Vec<Waiting>,
     /// Decisions made on the tick for paused requests, picked up by their contexts.
-    resumed: FxHashMap<u32, Admitted>,
+    /// With when a leaky bucket holds them until, if it does.
+    resumed: FxHashMap<u32, (Admitted, Option<u64>)>,
     /// Refills sent and not answered yet, by call token, and whether the call was for slots.
     in_flight: FxHashMap<u32, (bool, Vec<Refill>)>,
     /// (due time ns, context id, which body) of bodies held by byte limits.
@@ -129,12 +130,12 @@ impl Queues {
         before != self.waiting.len()
     }
 
-    pub fn resumed(&mut self, context_id: u32, admitted: Admitted) {
-        self.resumed.insert(context_id, admitted);
+    pub fn resumed(&mut self, context_id: u32, admitted: Admitted, held_until: Option<u64>) {
+        self.resumed.insert(context_id, (admitted, held_until));
     }
 
     /// What the tick decided for this paused request, if anything.
-    pub fn take_resumed(&mut self, context_id: u32) -> Option<Admitted> {
+    pub fn take_resumed(&mut self, context_id: u32) -> Option<(Admitted, Option<u64>)> {
         // Most requests were never paused: skip hashing their id into an empty map.
         if self.resumed.is_empty() {
             return None;
@@ -212,8 +213,8 @@ mod tests {
         assert_eq!(w.len(), 1);
         assert!(q.take_waiting().is_empty());
         assert_eq!(q.take_resumed(2), None);
-        q.resumed(2, Admitted::default());
-        assert_eq!(q.take_resumed(2), Some(Admitted::default()));
+        q.resumed(2, Admitted::default(), Some(7));
+        assert_eq!(q.take_resumed(2), Some((Admitted::default(), Some(7))));
         q.call_sent(9, true, Vec::new());
         assert_eq!(q.call_answered(9), Some((true, Vec::new())));
         assert_eq!(q.call_answered(9), None);

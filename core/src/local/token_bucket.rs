@@ -19,24 +19,6 @@ pub struct TokenBucket {
     burst: u64,
 }
 
-/// The outcome of one GCRA decision. `tat` is the new theoretical arrival time, in scaled units.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GcraDecision {
-    Admit {
-        tat: u128,
-        /// Requests of cost 1 that would still be admitted right now.
-        remaining: u64,
-        /// Nanoseconds until the bucket is full again.
-        reset_ns: u64,
-    },
-    Refuse {
-        /// Nanoseconds until this request would conform.
-        retry_after_ns: u64,
-        remaining: u64,
-        reset_ns: u64,
-    },
-}
-
 impl TokenBucket {
     /// `None` if any parameter is zero.
     pub fn new(requests: u64, period_ns: u64, burst: u64) -> Option<Self> {
@@ -78,19 +60,18 @@ impl TokenBucket {
         tat <= self.scaled(now_ns)
     }
 
-    /// Decide a request of `cost` tokens at `now_ns` against stored `tat` (0 for a fresh bucket).
-    pub fn decide(&self, tat: u128, now_ns: u64, cost: u64) -> GcraDecision {
-        self.decide_owing(tat, 0, now_ns, cost)
+    /// Decide a request of `cost` tokens at `now_ns` against stored `tat` (0 for a fresh
+    /// bucket): [`Self::decide_state`] over a state that holds only `tat`.
+    pub fn decide(&self, tat: u128, now_ns: u64, cost: u64) -> Decision {
+        let mut state = [0; crate::state::STATE_BYTES];
+        write_u128(&mut state, 0, tat);
+        self.decide_state(&state, now_ns, cost)
     }
 
-    /// [`Self::decide`] for a bucket a settlement may have put in debt until `owed_until_ns`.
-    pub fn decide_owing(
-        &self,
-        tat: u128,
-        owed_until_ns: u64,
-        now_ns: u64,
-        cost: u64,
-    ) -> GcraDecision {
+    /// The GCRA decision over a slot's state (the TAT in its first 16 bytes; a settlement may
+    /// have put the bucket in debt until the time it notes).
+    pub fn decide_state(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
+        let tat = read_u128(state, 0);
         let now = self.scaled(now_ns);
         let horizon = now.saturating_add(self.capacity());
         let period = u128::from(self.period_ns);
@@ -98,7 +79,7 @@ impl TokenBucket {
         // back. Read it as a bucket with one token left, so the key is admitted at its rate from
         // now on, never refused for the length of the step (a refusal writes nothing, so reading
         // it as empty would refuse until the clock caught up).
-        let owed = self.scaled(owed_until_ns);
+        let owed = self.scaled(read_u64(state, OWED_UNTIL_AT));
         let base = if tat > horizon && tat > owed {
             horizon.saturating_sub(period)
         } else {
@@ -107,47 +88,20 @@ impl TokenBucket {
         .max(now);
         let new_tat = base.saturating_add(period.saturating_mul(u128::from(cost)));
         if new_tat <= horizon {
-            GcraDecision::Admit {
-                tat: new_tat,
+            let mut next = *state;
+            write_u128(&mut next, 0, new_tat);
+            Decision::Admit {
+                state: next,
                 remaining: tokens(horizon - new_tat, period),
                 reset_ns: self.unscale_up(new_tat - now),
+                delay_ns: 0,
             }
         } else {
-            GcraDecision::Refuse {
+            Decision::Refuse {
                 retry_after_ns: self.unscale_up(new_tat - horizon),
                 remaining: tokens(horizon.saturating_sub(base), period),
                 reset_ns: self.unscale_up(base - now),
             }
-        }
-    }
-
-    /// The GCRA decision over a slot's state (the TAT in its first 16 bytes).
-    pub fn decide_state(&self, state: &State, now_ns: u64, cost: u64) -> Decision {
-        let owed_until = read_u64(state, OWED_UNTIL_AT);
-        match self.decide_owing(read_u128(state, 0), owed_until, now_ns, cost) {
-            GcraDecision::Admit {
-                tat,
-                remaining,
-                reset_ns,
-            } => {
-                let mut next = *state;
-                write_u128(&mut next, 0, tat);
-                Decision::Admit {
-                    state: next,
-                    remaining,
-                    reset_ns,
-                    delay_ns: 0,
-                }
-            }
-            GcraDecision::Refuse {
-                retry_after_ns,
-                remaining,
-                reset_ns,
-            } => Decision::Refuse {
-                retry_after_ns,
-                remaining,
-                reset_ns,
-            },
         }
     }
 
@@ -184,10 +138,10 @@ mod tests {
 
     const SEC: u64 = 1_000_000_000;
 
-    fn allowed(d: GcraDecision) -> Option<u128> {
+    fn allowed(d: Decision) -> Option<u128> {
         match d {
-            GcraDecision::Admit { tat, .. } => Some(tat),
-            GcraDecision::Refuse { .. } => None,
+            Decision::Admit { state, .. } => Some(read_u128(&state, 0)),
+            _ => None,
         }
     }
 
@@ -211,11 +165,13 @@ mod tests {
         let mut tat = 0;
         for i in 0..5 {
             match tb.decide(tat, now, 1) {
-                GcraDecision::Admit {
-                    tat: t,
+                Decision::Admit {
+                    state,
                     remaining,
                     reset_ns,
+                    ..
                 } => {
+                    let t = read_u128(&state, 0);
                     assert_eq!(remaining, 4 - i);
                     assert_eq!(reset_ns, (i + 1) * SEC / 10);
                     tat = t;
@@ -225,7 +181,7 @@ mod tests {
         }
         assert_eq!(
             tb.decide(tat, now, 1),
-            GcraDecision::Refuse {
+            Decision::Refuse {
                 retry_after_ns: SEC / 10,
                 remaining: 0,
                 reset_ns: SEC / 2

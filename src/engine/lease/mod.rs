@@ -27,16 +27,16 @@ const MAX_GIVE_BACKS: usize = ITEMS_PER_CALL;
 #[derive(Debug, Default)]
 pub struct Leases {
     /// Refills of keys already served (their lease runs low or ends): sent before `refills`.
-    pub(in crate::engine) renewals: Vec<Refill>,
+    pub(in crate::engine::lease) renewals: Vec<Refill>,
     /// Refills of keys with nothing in hand (new keys, leases that ran dry).
-    pub(in crate::engine) refills: Vec<Refill>,
+    pub(in crate::engine::lease) refills: Vec<Refill>,
     /// Tokens strict requests were granted and will not spend, by rule and key: given back on
     /// the next tick.
-    pub(in crate::engine) give_backs: rustc_hash::FxHashMap<(usize, u128), u64>,
+    pub(in crate::engine::lease) give_backs: rustc_hash::FxHashMap<(usize, u128), u64>,
     /// Global concurrency keys this worker has had requests of (renewed on the tick).
-    pub(in crate::engine) permit_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
+    pub(in crate::engine::lease) permit_keys: rustc_hash::FxHashMap<(usize, SlotId), u128>,
     /// When the tick looks at them next (ms).
-    pub(in crate::engine) next_slot_scan_ms: u64,
+    pub(in crate::engine::lease) next_slot_scan_ms: u64,
 }
 
 /// A call to the quota service a tick sends: the refills it is for, and its body; or tokens

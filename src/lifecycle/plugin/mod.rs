@@ -6,12 +6,12 @@ mod bodies;
 mod setup;
 mod stats;
 
-use super::host::Host;
+use super::host::{Action, Host};
 use super::queues::Queues;
 use super::quota_call;
 use super::respond::{self, Scratch};
 use crate::config::{Config, HostCaps, PaceBody};
-use crate::engine::{read_answer, read_permit_answer, Call, Engine, Refusal, Step};
+use crate::engine::{read_answer, read_permit_answer, Admitted, Call, Engine, Refusal, Step};
 use crate::stats::{ProcessStat, RuleStat};
 use bodies::BodyWait;
 use log::{debug, info};
@@ -310,7 +310,7 @@ impl<H: Host> Plugin<H> {
     }
 
     /// Carry out, from the timer, a decision for a paused request (hosts that can resume from
-    /// the timer only).
+    /// the timer only): what it admits is left for its context to take up.
     fn finish_paused(&self, context_id: u32, step: Step, now: u64) {
         if self.host.set_effective_context(context_id).is_err() {
             // The stream is gone; give back what the decision took.
@@ -319,27 +319,58 @@ impl<H: Host> Plugin<H> {
             }
             return;
         }
+        self.carry_out(context_id, step, now, true, |admitted, held_until| {
+            self.queues
+                .borrow_mut()
+                .resumed(context_id, admitted, held_until)
+        });
+    }
+
+    /// Carry out a decision for request `context_id`, the one place that does, for the stream's
+    /// own decisions and the tick's for paused requests alike: admit it (`keep` takes what it
+    /// holds, and when a leaky bucket holds it), refuse it, or let it pass; resume it if it was
+    /// `paused` and may go on now.
+    pub fn carry_out(
+        &self,
+        context_id: u32,
+        step: Step,
+        now: u64,
+        paused: bool,
+        keep: impl FnOnce(Admitted, Option<u64>),
+    ) -> Action {
         match step {
             Step::Admit(a) => {
-                let delay = a.delay_ns;
-                self.queues.borrow_mut().resumed(context_id, a);
-                if delay > 0 {
-                    self.queues
-                        .borrow_mut()
-                        .hold(now.saturating_add(delay), context_id);
-                } else if let Err(s) = self.host.continue_request() {
-                    debug!("cannot resume request {context_id}: {s}");
+                // The configuration was checked against the host: only hosts that can resume
+                // from the timer get delays.
+                let held_until = (a.delay_ns > 0 && self.caps.resume_from_timer)
+                    .then(|| now.saturating_add(a.delay_ns));
+                if let Some(due) = held_until {
+                    self.queues.borrow_mut().hold(due, context_id);
                 }
-            }
-            Step::Refuse(r) => self.refuse(&r),
-            Step::Pass => {
-                if let Err(s) = self.host.continue_request() {
-                    debug!("cannot resume request {context_id}: {s}");
+                keep(a, held_until);
+                if held_until.is_some() {
+                    return Action::Pause;
                 }
+                self.go_on(context_id, paused)
             }
-            // (Deciding a paused request again never makes a call of its own.)
-            Step::Wait | Step::Call(_) => {}
+            Step::Refuse(r) => {
+                self.refuse(&r);
+                Action::Pause
+            }
+            Step::Pass => self.go_on(context_id, paused),
+            // (Decided whole where they arise, never here: a request that waits stays paused.)
+            Step::Wait | Step::Call(_) => Action::Pause,
         }
+    }
+
+    /// Let a request go on: resumed, if it was paused.
+    fn go_on(&self, context_id: u32, paused: bool) -> Action {
+        if paused {
+            if let Err(s) = self.host.continue_request() {
+                debug!("cannot resume request {context_id}: {s}");
+            }
+        }
+        Action::Continue
     }
 
     /// The configuration goes away: requests it holds go on now, waiting ones are decided by

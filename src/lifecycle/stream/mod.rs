@@ -11,12 +11,13 @@ use super::host::{Action, Host, HostRequest};
 use super::plugin::Plugin;
 use super::queues::Waiting;
 use super::quota_call;
-use crate::engine::{Clock, Inputs, QuotaReport, ResponseSeen, Step, Strict, WAIT_GRACE_MS};
+use crate::engine::{
+    Admitted, Clock, Inputs, QuotaReport, ResponseSeen, Step, Strict, WAIT_GRACE_MS,
+};
 use crate::number::whole_number;
 use crate::request::Request;
 use crate::request_body::RequestBody;
 use crate::usage::UsageReader;
-use log::debug;
 use std::rc::Rc;
 use tollgate_core::global::lease::LeaseRequest;
 
@@ -243,50 +244,29 @@ impl<H: Host> Stream<H> {
         self.carry_out(&plugin, step, now, true);
     }
 
-    /// Admit (with its headers, holds and any leaky-bucket hold) or refuse the request; resume
-    /// it if it was `paused` and may go on.
+    /// Carry out this request's decision (see [`Plugin::carry_out`]); resume it if it was
+    /// `paused` and may go on.
     fn carry_out(&mut self, plugin: &Plugin<H>, step: Step, now: u64, paused: bool) -> Action {
         match step {
-            Step::Admit(a) => {
-                self.forwarded = true;
-                self.report = a.report;
-                self.holdings.holds.extend(a.holds);
-                self.holdings.reservations.extend(a.reservations);
-                // The configuration was checked against the host: only hosts that can resume
-                // from the timer get delays.
-                if a.delay_ns > 0 && plugin.caps.resume_from_timer {
-                    let due = now.saturating_add(a.delay_ns);
-                    plugin.queues.borrow_mut().hold(due, self.id);
-                    self.holdings.held_until = Some(due);
-                    return Action::Pause;
-                }
-                if paused {
-                    if let Err(s) = plugin.host.continue_request() {
-                        debug!("cannot resume request {}: {s}", self.id);
-                    }
-                }
-                Action::Continue
-            }
-            Step::Refuse(r) => {
-                self.give_up_seats(plugin);
-                plugin.refuse(&r);
-                Action::Pause
-            }
-            // (Decided whole by `Stream::decide`, never here: a request that waits stays paused.)
-            Step::Wait | Step::Call(_) => Action::Pause,
-            Step::Pass => {
-                self.forwarded = true;
-                if paused {
-                    let _ = plugin.host.continue_request();
-                }
-                Action::Continue
-            }
+            Step::Refuse(_) => self.holdings.give_up_seats(plugin),
+            Step::Pass => self.forwarded = true,
+            _ => {}
         }
+        let id = self.id;
+        plugin.carry_out(id, step, now, paused, |a, held_until| {
+            self.keep(a, held_until)
+        })
     }
 
-    /// Leave the overload rules' seats without an answer to learn from.
-    fn give_up_seats(&mut self, plugin: &Plugin<H>) {
-        self.holdings.give_up_seats(plugin);
+    /// Take on what an admitted request holds until it ends.
+    fn keep(&mut self, a: Admitted, held_until: Option<u64>) {
+        self.forwarded = true;
+        self.report = a.report;
+        self.holdings.holds.extend(a.holds);
+        self.holdings.reservations.extend(a.reservations);
+        if held_until.is_some() {
+            self.holdings.held_until = held_until;
+        }
     }
 
     /// Take over what a decision made on the tick left for this request.
@@ -294,16 +274,9 @@ impl<H: Host> Stream<H> {
         let Some(plugin) = &self.plugin else {
             return;
         };
-        let mut queues = plugin.queues.borrow_mut();
-        if let Some(a) = queues.take_resumed(self.id) {
-            self.forwarded = true;
-            self.report = a.report;
-            self.holdings.holds.extend(a.holds);
-            self.holdings.reservations.extend(a.reservations);
-            if a.delay_ns > 0 {
-                // Its hold was queued by the tick.
-                self.holdings.held_until = queues.held_until(self.id);
-            }
+        let resumed = plugin.queues.borrow_mut().take_resumed(self.id);
+        if let Some((a, held_until)) = resumed {
+            self.keep(a, held_until);
         }
     }
 

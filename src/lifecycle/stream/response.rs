@@ -39,7 +39,7 @@ impl<H: Host> Stream<H> {
     /// filter did): the overload rules learn from the answer.
     pub(super) fn learn(&mut self, plugin: &Plugin<H>, status: Option<u32>) {
         if !self.forwarded {
-            self.give_up_seats(plugin);
+            self.holdings.give_up_seats(plugin);
             return;
         }
         let now = plugin.host.now_ns().unwrap_or(0);
