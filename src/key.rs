@@ -1,26 +1,7 @@
 //! Bucket keys: each part's value tagged and length-prefixed, so that no two different combinations
 //! of values (or of present and absent parts) give the same bytes. Values are bytes, never text.
 
-use siphasher::sip128::{Hasher128, SipHasher24};
-use smallvec::SmallVec;
-use std::hash::Hasher;
-
-/// A rule's bucket key for one request: on the stack for keys of usual length.
-pub type KeyBytes = SmallVec<[u8; 128]>;
-
-/// Append one part: `1, len (u32 LE), value` if present, `0` if absent.
-pub fn push_key_part(key: &mut KeyBytes, value: Option<&[u8]>) {
-    match value {
-        Some(v) => {
-            key.push(1);
-            // A value longer than 4 GiB cannot reach a filter; saturate rather than wrap.
-            let len = u32::try_from(v.len()).unwrap_or(u32::MAX);
-            key.extend_from_slice(&len.to_le_bytes());
-            key.extend_from_slice(v);
-        }
-        None => key.push(0),
-    }
-}
+pub use tollgate_core::key_name::{push_key_part, service_key, KeyBytes};
 
 /// What [`parts`] reads for a part [`push_unreadable_part`] wrote: bytes no configured value (UTF-8)
 /// equals.
@@ -59,19 +40,6 @@ pub fn parts(mut key: &[u8]) -> impl Iterator<Item = Option<&[u8]>> {
         key = &rest[4 + len..];
         Some(Some(value))
     })
-}
-
-/// The name of a client key (its [`tollgate_core::slot::key_hash`]) at the quota service: keyed by
-/// the deployment's `key_secret` (SipHash-2-4) when there is one.
-pub fn service_key(secret: Option<[u8; 16]>, key: u128) -> u128 {
-    match secret {
-        Some(secret) => {
-            let mut h = SipHasher24::new_with_key(&secret);
-            h.write(&key.to_le_bytes());
-            h.finish128().as_u128()
-        }
-        None => key,
-    }
 }
 
 #[cfg(test)]

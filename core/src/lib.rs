@@ -9,6 +9,7 @@ pub mod arbitrary_json;
 pub mod bearer;
 pub mod calendar;
 pub mod global;
+pub mod key_name;
 pub mod limiter;
 pub mod local;
 pub mod overload;

@@ -1,14 +1,16 @@
 //! tollgate-quota: the quota service that leases global limits to proxies in batches.
 //!
 //! `store` keeps the global buckets (in memory, or in Redis for several replicas), `service` is the
-//! HTTP API, `server` serves it within limits, `metrics` its Prometheus counters, `credentials` who may call it as which proxy, `busiest` the keys that ask most of each limit, `calendar` the periods calendar quotas are served in, `admin` the operators' API, `fuzz_harness` what its fuzz targets run.
+//! HTTP API, `server` serves it within limits, `metrics` its Prometheus counters, `credentials` who may call it as which proxy, `busiest` the keys that ask most of each limit, `calendar` the periods calendar quotas are served in, `admin` the operators' API, `rls` Envoy's rate limit service over the same buckets and `grpc` its server, `fuzz_harness` what its fuzz targets run.
 
 pub mod admin;
 pub mod busiest;
 pub mod calendar;
 pub mod credentials;
 pub mod fuzz_harness;
+pub mod grpc;
 pub mod metrics;
+pub mod rls;
 pub mod server;
 pub mod service;
 pub mod store;

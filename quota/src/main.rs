@@ -154,6 +154,24 @@ struct Args {
     /// for it: never in production (the proxies' clocks do not follow).
     #[arg(long, env = "TOLLGATE_QUOTA_CALENDAR_CLOCK")]
     calendar_clock: Option<String>,
+    /// Also serve Envoy's gRPC rate limit service (RLS: `envoy.service.ratelimit.v3`) on this
+    /// address, over the same buckets (docs/quota-api.md#envoys-rate-limit-service-rls).
+    #[arg(long, env = "TOLLGATE_QUOTA_GRPC_LISTEN")]
+    grpc_listen: Option<SocketAddr>,
+    /// RLS limits: envoyproxy/ratelimit's YAML configuration, files or directories of `.yaml`
+    /// files (comma-separated, or the flag repeated). Needs `--grpc-listen`.
+    #[arg(
+        long,
+        env = "TOLLGATE_QUOTA_RLS_CONFIG",
+        value_delimiter = ',',
+        requires = "grpc_listen"
+    )]
+    rls_config: Vec<std::path::PathBuf>,
+    /// The filters' `quota_service.key_secret` (16 bytes or more), so that an RLS descriptor with
+    /// a `tollgate_bucket` names its keys as the filters do. Without it, the secret the filters
+    /// derive from `--token` when they have no key_secret.
+    #[arg(long, env = "TOLLGATE_QUOTA_KEY_SECRET", hide_env_values = true)]
+    key_secret: Option<String>,
     /// In-memory store: most buckets kept at once (idle ones make room).
     #[arg(long, env = "TOLLGATE_QUOTA_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
@@ -207,14 +225,20 @@ async fn run(args: Args) -> Result<(), String> {
         args.max_instances,
         Duration::from_millis(args.lease_ttl_ms),
     );
-    if !credentials.required() && !args.listen.ip().is_loopback() {
-        return Err(format!(
-            "refusing to listen on {} without --token: anyone who reaches it could take every \
-             key's quota and free other proxies' slots; set --token (TOLLGATE_QUOTA_TOKEN) or \
-             --proxy-token, or listen on 127.0.0.1",
-            args.listen
-        ));
+    for listen in std::iter::once(args.listen).chain(args.grpc_listen) {
+        if !credentials.required() && !listen.ip().is_loopback() {
+            return Err(format!(
+                "refusing to listen on {listen} without --token: anyone who reaches it could \
+                 take every key's quota and free other proxies' slots; set --token \
+                 (TOLLGATE_QUOTA_TOKEN) or --proxy-token, or listen on 127.0.0.1"
+            ));
+        }
     }
+    if args.key_secret.as_ref().is_some_and(|s| s.len() < 16) {
+        return Err("--key-secret must be at least 16 bytes (the filters' key_secret)".into());
+    }
+    let rls_config = tollgate_quota::rls::config::RlsConfig::load(&args.rls_config)
+        .map_err(|e| format!("--rls-config: {e}"))?;
     let timeout = Duration::from_millis(args.storage_timeout_ms);
     let epoch_ms = now_ms();
     let cold = match args.cold_start {
@@ -293,6 +317,15 @@ async fn run(args: Args) -> Result<(), String> {
         body_timeout: Duration::from_millis(args.body_timeout_ms),
         calendar,
     });
+    // gRPC first: once the HTTP port answers (what readiness checks wait for), both do.
+    let grpc_listener = match args.grpc_listen {
+        None => None,
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} (--grpc-listen): {e}"))?,
+        ),
+    };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
@@ -307,19 +340,59 @@ async fn run(args: Args) -> Result<(), String> {
         header_timeout: Duration::from_millis(args.header_timeout_ms),
     };
     let server_metrics = service.metrics.server.clone();
+    let rls_service = service.clone();
     let mut app = router(service.clone());
     if let Some(token) = args.admin_token.clone() {
         app = app.merge(tollgate_quota::admin::router(service, token));
     }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown().await;
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    };
+    let grpc = match grpc_listener {
+        None => None,
+        Some(listener) => {
+            let local = listener.local_addr().map_err(|e| e.to_string())?;
+            if rls_config.domains() == 0 {
+                tracing::warn!("RLS without --rls-config: every descriptor is answered OK");
+            }
+            tracing::info!(grpc_listen = %local, rls_domains = rls_config.domains(), "gRPC serving");
+            let rls = tollgate_quota::rls::Rls {
+                service: rls_service,
+                config: Arc::new(rls_config),
+                key_secret: tollgate_core::key_name::key_secret(
+                    args.key_secret.as_deref(),
+                    args.token.as_deref(),
+                ),
+            };
+            Some(tokio::spawn(tollgate_quota::grpc::serve(
+                listener,
+                rls,
+                limits.header_timeout,
+                until_stopped(stopped.clone()),
+            )))
+        }
+    };
     serve(
         listener,
         app,
         limits,
         server_metrics,
-        shutdown(),
+        until_stopped(stopped),
         Duration::from_secs(10),
     )
     .await;
+    if let Some(grpc) = grpc {
+        match grpc.await {
+            Ok(Err(e)) => tracing::error!("{e}"),
+            Err(e) => tracing::error!("gRPC server: {e}"),
+            Ok(Ok(())) => {}
+        }
+    }
     tracing::info!("stopped");
     Ok(())
 }

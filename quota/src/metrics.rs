@@ -21,6 +21,20 @@ pub struct Holder {
     pub instance: String,
 }
 
+/// An RLS descriptor's answer: its domain (`_unknown` for one not configured), its limit's place
+/// in the configuration (with the value for a `detailed_metric` limit; empty for none) and
+/// `ok`, `over_limit`, `shadow_over_limit`, `unlimited` or `no_limit`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RlsDescriptor {
+    pub domain: String,
+    pub descriptor: String,
+    pub code: &'static str,
+}
+
+/// Most `rls_descriptors` series: `detailed_metric` labels come from callers; past this, a new
+/// one counts under the descriptor `_other`.
+pub const MAX_RLS_SERIES: usize = 1_024;
+
 /// Most `slots_held` series: their labels come from callers, so a caller must not be able to grow
 /// `/metrics` (and the service's memory) without bound.
 pub const MAX_HELD_SERIES: usize = 1_024;
@@ -30,6 +44,10 @@ pub struct Metrics {
     /// The `slots_held` series made so far (at most [`MAX_HELD_SERIES`]).
     held_series: std::sync::Mutex<std::collections::HashSet<Holder>>,
     pub calls: Family<Outcome, Counter>,
+    /// RLS calls (`ShouldRateLimit`) by outcome, and their descriptors by answer.
+    pub rls_calls: Family<Outcome, Counter>,
+    rls_descriptors: Family<RlsDescriptor, Counter>,
+    rls_series: std::sync::Mutex<std::collections::HashSet<RlsDescriptor>>,
     pub slot_calls: Family<Outcome, Counter>,
     /// Slots an instance held of a rule's keys, as its last slot call's answers said.
     pub slots_held: Family<Holder, Gauge>,
@@ -55,6 +73,20 @@ pub struct Metrics {
 impl Metrics {
     /// Set what `holder` holds, unless that would make a series past [`MAX_HELD_SERIES`]
     /// (then it is not shown; the call is served alike).
+    /// Count an RLS descriptor's answer; a series past [`MAX_RLS_SERIES`] counts as `_other`.
+    pub fn count_rls(&self, mut label: RlsDescriptor) {
+        if let Ok(mut series) = self.rls_series.lock() {
+            if !series.contains(&label) {
+                if series.len() >= MAX_RLS_SERIES {
+                    label.descriptor = "_other".into();
+                } else {
+                    series.insert(label.clone());
+                }
+            }
+        }
+        self.rls_descriptors.get_or_create(&label).inc();
+    }
+
     pub fn set_held(&self, holder: Holder, n: i64) {
         let Ok(mut series) = self.held_series.lock() else {
             return;
@@ -100,6 +132,18 @@ impl Default for Metrics {
             server.evicted.clone(),
         );
         registry.register("lease_calls", "Lease calls by outcome", calls.clone());
+        let rls_calls = Family::<Outcome, Counter>::default();
+        let rls_descriptors = Family::<RlsDescriptor, Counter>::default();
+        registry.register(
+            "rls_calls",
+            "RLS calls (envoy.service.ratelimit.v3 ShouldRateLimit) by outcome",
+            rls_calls.clone(),
+        );
+        registry.register(
+            "rls_descriptors",
+            "RLS descriptors answered, by domain, descriptor and code",
+            rls_descriptors.clone(),
+        );
         registry.register("lease_items", "Items in lease calls served", items.clone());
         registry.register("tokens_granted", "Tokens granted", granted.clone());
         registry.register(
@@ -144,6 +188,9 @@ impl Default for Metrics {
             registry,
             held_series: Default::default(),
             calls,
+            rls_calls,
+            rls_descriptors,
+            rls_series: Default::default(),
             slot_calls,
             slots_held,
             items,

@@ -28,5 +28,6 @@ mod operations;
 mod overload;
 mod plugins;
 mod quick_starts;
+mod rls;
 mod settle;
 mod state;

@@ -317,3 +317,49 @@ fn a_tls_master_named_by_plain_sentinels_is_refused_at_startup() {
     assert!(!err.contains("m4ster"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+#[test]
+fn bad_rls_flags_stop_it_at_start_naming_the_problem() {
+    let dir = std::env::temp_dir().join(format!("tollgate-rls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let listen = format!("127.0.0.1:{}", free_port());
+    let bad_path = bad.display().to_string();
+    let missing = dir.join("missing.yaml").display().to_string();
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["--grpc-listen", &grpc, "--rls-config", &bad_path],
+            "invalid rate limit unit 'fortnight'",
+        ),
+        (
+            &["--grpc-listen", &grpc, "--rls-config", &missing],
+            "cannot read",
+        ),
+        (&["--rls-config", &bad_path], "--grpc-listen"),
+        (&["--grpc-listen", "0.0.0.0:0"], "without --token"),
+        (
+            &["--grpc-listen", &grpc, "--key-secret", "short"],
+            "--key-secret must be at least 16 bytes",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate-quota"))
+            .args(["--listen", &listen])
+            .args(args)
+            .env_remove("TOLLGATE_QUOTA_TOKEN")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+        if want.contains("fortnight") {
+            assert!(err.contains("bad.yaml"), "names the file: {err}");
+        }
+    }
+}

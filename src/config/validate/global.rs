@@ -38,14 +38,10 @@ impl RawQuotaService {
                     "must be at least 16 bytes (the same on every proxy)",
                 ));
             }
-            Some(secret) => Some(tollgate_core::slot::key_hash(secret.as_bytes()).to_le_bytes()),
-            // Every proxy of a deployment holds the token: a secret they all share, which no
-            // client knows.
-            None => self.token.as_ref().map(|token| {
-                let mut bytes = b"tollgate key names\0".to_vec();
-                bytes.extend_from_slice(token.as_bytes());
-                tollgate_core::slot::key_hash(&bytes).to_le_bytes()
-            }),
+            _ => tollgate_core::key_name::key_secret(
+                self.key_secret.as_deref(),
+                self.token.as_deref(),
+            ),
         };
         let service = QuotaService {
             key_secret,
