@@ -1,17 +1,20 @@
 //! The gRPC server (Envoy's protocols) on its own port, beside the HTTP API and on the same
 //! runtime, stores and credentials.
 
+use crate::rlqs::Rlqs;
 use crate::rls::Rls;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use std::future::Future;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
-/// Serve RLS on `listener` until `shutdown` ends: calls in flight then get up to the server's
+/// Serve RLS and RLQS on `listener` until `shutdown` ends: calls in flight then get up to the server's
 /// grace to finish.
 pub async fn serve(
     listener: TcpListener,
     rls: Rls,
+    rlqs: Rlqs,
     header_timeout: Duration,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), String> {
@@ -23,6 +26,7 @@ pub async fn serve(
         .http2_keepalive_timeout(Some(header_timeout))
         .concurrency_limit_per_connection(256)
         .add_service(RateLimitServiceServer::new(rls))
+        .add_service(RateLimitQuotaServiceServer::new(rlqs))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(|e| format!("gRPC server failed: {e}"))

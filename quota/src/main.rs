@@ -357,21 +357,33 @@ async fn run(args: Args) -> Result<(), String> {
         None => None,
         Some(listener) => {
             let local = listener.local_addr().map_err(|e| e.to_string())?;
+            if args.lease_ttl_ms < 6_000 {
+                tracing::warn!(
+                    lease_ttl_ms = args.lease_ttl_ms,
+                    "RLQS assignments last a lease TTL and Envoy reports every 5 s: set \
+                     --lease-ttl-ms above 6000, or assignments expire between reports"
+                );
+            }
             if rls_config.domains() == 0 {
                 tracing::warn!("RLS without --rls-config: every descriptor is answered OK");
             }
             tracing::info!(grpc_listen = %local, rls_domains = rls_config.domains(), "gRPC serving");
+            let key_secret = tollgate_core::key_name::key_secret(
+                args.key_secret.as_deref(),
+                args.token.as_deref(),
+            );
+            let config = Arc::new(rls_config);
+            let rlqs =
+                tollgate_quota::rlqs::Rlqs::new(rls_service.clone(), config.clone(), key_secret);
             let rls = tollgate_quota::rls::Rls {
                 service: rls_service,
-                config: Arc::new(rls_config),
-                key_secret: tollgate_core::key_name::key_secret(
-                    args.key_secret.as_deref(),
-                    args.token.as_deref(),
-                ),
+                config,
+                key_secret,
             };
             Some(tokio::spawn(tollgate_quota::grpc::serve(
                 listener,
                 rls,
+                rlqs,
                 limits.header_timeout,
                 until_stopped(stopped.clone()),
             )))

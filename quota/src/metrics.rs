@@ -46,6 +46,9 @@ pub struct Metrics {
     pub calls: Family<Outcome, Counter>,
     /// RLS calls (`ShouldRateLimit`) by outcome, and their descriptors by answer.
     pub rls_calls: Family<Outcome, Counter>,
+    /// RLQS streams opened (by outcome) and the assignments they were sent (by kind).
+    pub rlqs_streams: Family<Outcome, Counter>,
+    pub rlqs_assignments: Family<Outcome, Counter>,
     rls_descriptors: Family<RlsDescriptor, Counter>,
     rls_series: std::sync::Mutex<std::collections::HashSet<RlsDescriptor>>,
     pub slot_calls: Family<Outcome, Counter>,
@@ -133,6 +136,18 @@ impl Default for Metrics {
         );
         registry.register("lease_calls", "Lease calls by outcome", calls.clone());
         let rls_calls = Family::<Outcome, Counter>::default();
+        let rlqs_streams = Family::<Outcome, Counter>::default();
+        let rlqs_assignments = Family::<Outcome, Counter>::default();
+        registry.register(
+            "rlqs_streams",
+            "RLQS streams (envoy.service.rate_limit_quota.v3 StreamRateLimitQuotas) opened, by outcome",
+            rlqs_streams.clone(),
+        );
+        registry.register(
+            "rlqs_assignments",
+            "RLQS bucket assignments of leased buckets sent, by kind (token_bucket, deny_all)",
+            rlqs_assignments.clone(),
+        );
         let rls_descriptors = Family::<RlsDescriptor, Counter>::default();
         registry.register(
             "rls_calls",
@@ -189,6 +204,8 @@ impl Default for Metrics {
             held_series: Default::default(),
             calls,
             rls_calls,
+            rlqs_streams,
+            rlqs_assignments,
             rls_descriptors,
             rls_series: Default::default(),
             slot_calls,

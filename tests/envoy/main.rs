@@ -28,6 +28,7 @@ mod operations;
 mod overload;
 mod plugins;
 mod quick_starts;
+mod rlqs;
 mod rls;
 mod settle;
 mod state;

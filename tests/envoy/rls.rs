@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use testkit::{Redis, Upstream};
 
 /// The two fenced blocks of docs/quota-api.md's RLS section: the limits and the Envoy.
-fn documented() -> (String, String) {
+pub(crate) fn documented() -> (String, String) {
     let doc =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/quota-api.md")).unwrap();
     let section = doc
@@ -30,7 +30,7 @@ fn scratch_file(name: &str, text: &str) -> String {
 }
 
 /// The documented Envoy, with its ports made this test's.
-fn envoy_from_docs(yaml: &str, app: u16, grpc: u16, edit: impl Fn(&mut Value)) -> Envoy {
+pub(crate) fn envoy_from_docs(yaml: &str, app: u16, grpc: u16, edit: impl Fn(&mut Value)) -> Envoy {
     let yaml = yaml
         .replace("port_value: 10000", "port_value: 0")
         .replace("port_value: 8000", &format!("port_value: {app}"))
