@@ -105,7 +105,7 @@ demo: build
 bench: dist
 	@for pkg in wrk nginx-light; do dpkg -s $$pkg >/dev/null 2>&1 || { apt_get=apt-get; \
 		[ "$$(id -u)" -eq 0 ] || apt_get="sudo apt-get"; $$apt_get install -y -qq $$pkg >/dev/null; }; done
-	.venv/bin/pip install --quiet --disable-pip-version-check matplotlib grpcio
+	.venv/bin/pip install --quiet --disable-pip-version-check matplotlib grpcio redis
 	cargo build --release -p tollgate-quota -p tollgate-testbed
 	$(MAKE) bench-modules
 	cd bench/probe && cargo build --release --target wasm32-wasip1

@@ -11,7 +11,6 @@ it judges a change to the script (and shows what a run costs beyond its items: w
 runs the lease calls that come while a run is out together).
 """
 import argparse
-import os
 import socket
 import struct
 import subprocess

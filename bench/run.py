@@ -19,12 +19,13 @@ import sections
 from report_bandwidth import BANDWIDTH_HEADING, bandwidth_chart, bandwidth_lines
 from report_llm import LLM_HEADING, llm_chart, llm_lines
 from report_overload import SLOWDOWNS_HEADING, slowdown_lines
+from section_protocols import PROTOCOLS_HEADING, protocol_lines
 from harness import (kept_section, splice_section, compare_headlines, recorded_headlines, HEADLINES_MARK, LOAD_THREADS, QUOTA, REPO, Proc, free_port, measure, setups, wait_http,
                      wait_port)
 
 
 SECTIONS = ("cost", "accuracy", "memory", "quota", "global", "profile", "split", "overload", "change",
-            "slowdowns", "llm", "bandwidth")
+            "slowdowns", "llm", "bandwidth", "protocols")
 
 
 def main():
@@ -82,6 +83,8 @@ def main():
             saved["llm"] = sections.llm()
         if "bandwidth" in wanted:
             saved["bandwidth"] = sections.bandwidth()
+        if "protocols" in wanted:
+            saved["protocols"] = sections.protocols()
     finally:
         for p in services:
             p.stop()
@@ -93,7 +96,8 @@ def main():
         # Not every section is in results.json: rewrite only these sections of docs/benchmarks.md.
         for name, heading, lines_of, chart in (("llm", LLM_HEADING, llm_lines, llm_chart),
                                                ("bandwidth", BANDWIDTH_HEADING, bandwidth_lines, bandwidth_chart),
-                                               ("slowdowns", SLOWDOWNS_HEADING, slowdown_lines, None)):
+                                               ("slowdowns", SLOWDOWNS_HEADING, slowdown_lines, None),
+                                               ("protocols", PROTOCOLS_HEADING, protocol_lines, None)):
             if name in saved and (name in wanted or "report" in wanted):
                 splice_section(REPO / "docs/benchmarks.md", heading, lines_of(saved[name]))
                 if chart:
@@ -187,7 +191,7 @@ def report(saved, args):
     rows = saved["cost"]
     get = {(r["setup"], r["path"]): r for r in rows}
     cpu = lambda name, path="allowed": get[(name, path)]["cpu_us"]
-    base, floor, ng = cpu("Envoy, no filter"), cpu("Envoy + SDK do-nothing filter"), cpu("nginx, no limiting")
+    base, floor = cpu("Envoy, no filter"), cpu("Envoy + SDK do-nothing filter")
 
     def paired(a, b, field="cpu_us", path="allowed"):
         """Median over rounds of a − b measured in the same round: drift between rounds cancels."""
@@ -670,6 +674,8 @@ def report(saved, args):
         lines += llm_lines(saved["llm"])
     if "bandwidth" in saved:
         lines += bandwidth_lines(saved["bandwidth"])
+    if "protocols" in saved:
+        lines += protocol_lines(saved["protocols"])
     import nginx_cost  # noqa: E402  (its section, kept when the report is rewritten)
     if "nginx_wasm" in saved:
         lines += nginx_cost.nginx_wasm_lines(saved["nginx_wasm"])

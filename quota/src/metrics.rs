@@ -49,6 +49,8 @@ pub struct Metrics {
     /// RLQS streams opened (by outcome) and the assignments they were sent (by kind).
     pub rlqs_streams: Family<Outcome, Counter>,
     pub rlqs_assignments: Family<Outcome, Counter>,
+    /// RLQS usage report messages received.
+    pub rlqs_reports: Counter,
     rls_descriptors: Family<RlsDescriptor, Counter>,
     rls_series: std::sync::Mutex<std::collections::HashSet<RlsDescriptor>>,
     pub slot_calls: Family<Outcome, Counter>,
@@ -138,6 +140,12 @@ impl Default for Metrics {
         let rls_calls = Family::<Outcome, Counter>::default();
         let rlqs_streams = Family::<Outcome, Counter>::default();
         let rlqs_assignments = Family::<Outcome, Counter>::default();
+        let rlqs_reports = Counter::default();
+        registry.register(
+            "rlqs_reports",
+            "RLQS usage report messages received",
+            rlqs_reports.clone(),
+        );
         registry.register(
             "rlqs_streams",
             "RLQS streams (envoy.service.rate_limit_quota.v3 StreamRateLimitQuotas) opened, by outcome",
@@ -206,6 +214,7 @@ impl Default for Metrics {
             rls_calls,
             rlqs_streams,
             rlqs_assignments,
+            rlqs_reports,
             rls_descriptors,
             rls_series: Default::default(),
             slot_calls,

@@ -222,6 +222,7 @@ impl StreamState {
 
     /// Answer one report: an action for each bucket it names.
     async fn answer(&mut self, report: RateLimitQuotaUsageReports) -> RateLimitQuotaResponse {
+        self.service.metrics.rlqs_reports.inc();
         if !report.domain.is_empty() {
             self.domain = report.domain;
         }
@@ -406,8 +407,8 @@ impl StreamState {
     }
 
     /// Set a bucket's item for this report: tokens for about a second of what it was offered
-    /// (an eighth of the burst at first), the refill it was offered with an eighth more, and the
-    /// evidence of its last grant.
+    /// (an eighth of the burst at first), the refill it was offered with an eighth more (the
+    /// whole refill at first), and the evidence of its last grant.
     fn ask(&mut self, entries: &[(String, String)], usage: &BucketQuotaUsage, now_ms: u64) {
         let Some(a) = self.buckets.get_mut(entries) else {
             return;
@@ -416,7 +417,10 @@ impl StreamState {
         let offered = usage.num_requests_allowed + usage.num_requests_denied;
         let burst = a.item.burst;
         let (wanted, demand) = if a.grant.is_none() || seconds == 0 {
-            (burst.div_ceil(8).max(1), 0.0)
+            // Nothing measured yet, and the next report is 5 s away: ask for the whole refill
+            // (fair shares split it among the Envoys that ask).
+            let whole = a.item.requests as f64 * 1_000.0 / a.item.per_ms as f64;
+            (burst.div_ceil(8).max(1), whole)
         } else {
             let per_second = offered as f64 / seconds as f64;
             (
