@@ -8,6 +8,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
+use testkit::RedisCluster;
 use tollgate_quota::rls::config::RlsConfig;
 use tollgate_quota::rls::Rls;
 
@@ -391,4 +392,86 @@ async fn a_failed_store_answers_unavailable_so_envoy_applies_its_failure_mode() 
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
     let metrics = rls.service.metrics.render();
     assert!(metrics.contains(r#"tollgate_quota_rls_calls_total{outcome="storage_error"} 1"#));
+}
+
+#[tokio::test]
+async fn descriptors_spread_over_a_redis_cluster_stay_exact_across_two_replicas() {
+    let cluster = RedisCluster::start();
+    let nodes: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
+    let replica = || async {
+        Store::Redis(
+            RedisStore::connect(
+                &RedisTarget::Cluster(nodes.clone()),
+                Duration::from_millis(500),
+                ColdStart::Full,
+            )
+            .await
+            .unwrap(),
+        )
+    };
+    let (a, b) = (
+        rls(replica().await, None, None),
+        rls(replica().await, None, None),
+    );
+    // 20 addresses (buckets on every master), 10 a second each: 15 calls each over both
+    // replicas admit exactly 10 of each.
+    for n in 0..20 {
+        let ip = format!("10.1.0.{n}");
+        let mut admitted = 0;
+        for i in 0..15 {
+            let rls = if i % 2 == 0 { &a } else { &b };
+            let r = call(
+                rls,
+                ask("more", vec![descriptor(&[("remote_address", &ip)])], 0),
+            )
+            .await;
+            admitted += usize::from(r.overall_code == OK);
+        }
+        assert!((10..=11).contains(&admitted), "{ip}: {admitted}");
+    }
+}
+
+#[tokio::test]
+async fn a_proxy_token_acts_as_its_own_rls_instance() {
+    let service = Arc::new(Service {
+        credentials: Credentials::new(
+            None,
+            vec![ProxyToken::parse("edge-a=edge-a-token-0123456789").unwrap()],
+            DEFAULT_MAX_INSTANCES,
+            Duration::from_secs(10),
+        ),
+        ..Arc::try_unwrap(service(
+            Store::Memory(MemoryStore::new(1_000, ColdStart::Full)),
+            None,
+        ))
+        .ok()
+        .unwrap()
+    });
+    let mut config = RlsConfig::default();
+    config.add(MORE).unwrap();
+    let rls = Rls {
+        service,
+        config: Arc::new(config),
+        key_secret: None,
+    };
+    let signed = |token: &str| {
+        let mut r = tonic::Request::new(ask(
+            "more",
+            vec![descriptor(&[("remote_address", "1.2.3.4")])],
+            0,
+        ));
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        r
+    };
+    let ok = rls
+        .should_rate_limit(signed("edge-a-token-0123456789"))
+        .await;
+    assert_eq!(ok.unwrap().into_inner().overall_code, OK);
+    let err = rls
+        .should_rate_limit(signed("someone-else-0123456789"))
+        .await;
+    assert_eq!(err.unwrap_err().code(), tonic::Code::Unauthenticated);
+    let metrics = rls.service.metrics.render();
+    assert!(metrics.contains(r#"tollgate_quota_rls_calls_total{outcome="unauthorized"} 1"#));
 }
