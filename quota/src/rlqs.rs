@@ -241,9 +241,11 @@ impl StreamState {
                     actions.push(self.action(id, Strategy::BlanketRule(rule as i32)))
                 }
                 Plan::Lease(entries) => {
+                    // (A periodic report: one with no time elapsed is a bucket's first.)
                     let used = usage.num_requests_allowed + usage.num_requests_denied;
+                    let periodic = usage.time_elapsed.is_some_and(|d| d.seconds > 0);
                     let idle = self.buckets.get_mut(&entries).map(|a| {
-                        a.idle = if used == 0 { a.idle + 1 } else { 0 };
+                        a.idle = if used == 0 && periodic { a.idle + 1 } else { 0 };
                         a.idle
                     });
                     if idle.is_some_and(|n| n >= IDLE_REPORTS) {

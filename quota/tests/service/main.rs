@@ -9,6 +9,7 @@ mod lost_state;
 mod memory_store;
 mod permits;
 mod redis_store;
+mod rlqs;
 mod rls;
 mod tls;
 
