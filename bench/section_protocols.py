@@ -14,18 +14,10 @@ import harness
 from harness import (QUOTA, REPO, CLK_TCK, EnvoyServer, Proc, cpu_ticks, free_port, parse_wrk, quota_cluster,
                      tollgate_plugin, wait_http, wait_port, wasm_filter, wrk)
 from section_common import TESTBED, answered_2xx, tollgate_module, upstream_cluster
+from section_llm import grpc_cluster
 
 LIMIT = 200  # a second: wrk through one Envoy offers ten times this and more
 SECONDS = 10
-
-
-def grpc_cluster(port, name="rate_limit_service"):
-    return {"name": name, "type": "STATIC", "connect_timeout": "1s",
-            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}},
-            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}}
 
 
 def ratelimit_filter(domain="bench"):
@@ -115,7 +107,7 @@ def protocols():
                             "--grpc-listen", f"127.0.0.1:{grpc}", "--rls-config", limits_file()],
                            env={**os.environ, **env_quiet})
                 wait_http(f"http://127.0.0.1:{http}/healthz")
-            server = EnvoyServer([ratelimit_filter()], [grpc_cluster(grpc), upstream_cluster(app_port)],
+            server = EnvoyServer([ratelimit_filter()], [grpc_cluster("rate_limit_service", grpc), upstream_cluster(app_port)],
                                  concurrency=1, upstream="app", route_extra=ONE_BUCKET)
 
             def decisions(server=server):
@@ -140,7 +132,7 @@ def protocols():
                        env={**os.environ, **env_quiet})
             wait_http(f"http://127.0.0.1:{http}/healthz")
             if system.startswith("Envoy"):
-                server = EnvoyServer([quota_filter()], [grpc_cluster(grpc), upstream_cluster(app_port)],
+                server = EnvoyServer([quota_filter()], [grpc_cluster("rate_limit_service", grpc), upstream_cluster(app_port)],
                                      concurrency=1, upstream="app")
 
                 def decisions(http=http):

@@ -14,7 +14,7 @@
 
 use crate::credentials::Caller;
 use crate::rls::config::{Limit, RlsConfig};
-use crate::service::{bound_limit_id, Service};
+use crate::service::Service;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
@@ -33,7 +33,6 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tollgate_core::global::lease::{LeaseGrant, LeaseItem};
-use tollgate_core::key_name::{push_key_part, service_key, KeyBytes};
 use tonic::{Request, Response, Status, Streaming};
 
 /// Most buckets one stream may have assigned at once; reports of more are answered for the
@@ -363,40 +362,12 @@ impl StreamState {
         if self.buckets.len() >= MAX_BUCKETS {
             return Plan::Nothing;
         }
-        let requests = u64::from(rate.requests_per_unit);
-        let mut key = KeyBytes::new();
-        let (limit_id, burst, name) = match &limit.tollgate {
-            Some((limit_id, burst)) => {
-                for v in &found.key_values {
-                    push_key_part(&mut key, Some(v.as_bytes()));
-                }
-                let hash = tollgate_core::slot::key_hash(&key);
-                (limit_id.clone(), *burst, service_key(self.key_secret, hash))
-            }
-            None => {
-                for (k, v) in &entries {
-                    push_key_part(&mut key, Some(k.as_bytes()));
-                    push_key_part(&mut key, Some(v.as_bytes()));
-                }
-                // The same bucket as an RLS descriptor with these entries.
-                let id =
-                    tollgate_core::slot::fingerprint(format!("rls/{}", limit.full_key).as_bytes());
-                (
-                    format!("{id:016x}"),
-                    requests,
-                    tollgate_core::slot::key_hash(&key),
-                )
-            }
-        };
-        let item = LeaseItem {
-            rule: limit.full_key.chars().take(128).collect(),
-            limit_id: bound_limit_id(&limit_id, &[requests, rate.unit.ms, burst]),
-            key: format!("{name:032x}"),
-            requests,
-            per_ms: rate.unit.ms,
-            burst,
-            ..LeaseItem::default()
-        };
+        let pairs: Vec<(&str, &str)> = entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        // The same bucket as an RLS descriptor with these entries.
+        let item = crate::rls::bucket_of(limit, rate, &found.key_values, &pairs, self.key_secret);
         self.buckets.insert(
             entries.clone(),
             Assigned {

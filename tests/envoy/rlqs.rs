@@ -3,33 +3,14 @@
 //! and a killed service that leaves Envoys to their fallback behaviours.
 
 use crate::harness::{free_port, Client, Envoy, Quota};
+use crate::rls::envoy_from_docs as envoy;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use testkit::Upstream;
 
 /// The two fenced blocks of docs/quota-api.md's RLQS section: the limits and the Envoy.
 fn documented() -> (String, String) {
-    let doc =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/quota-api.md")).unwrap();
-    let section = doc
-        .split("## Envoy's rate limit quota service (RLQS)")
-        .nth(1)
-        .unwrap();
-    let mut blocks = section
-        .split("```yaml")
-        .skip(1)
-        .map(|b| b.split("```").next().unwrap().to_owned());
-    (blocks.next().unwrap(), blocks.next().unwrap())
-}
-
-fn envoy(yaml: &str, app: u16, grpc: u16, edit: impl Fn(&mut Value)) -> Envoy {
-    let yaml = yaml
-        .replace("port_value: 10000", "port_value: 0")
-        .replace("port_value: 8000", &format!("port_value: {app}"))
-        .replace("port_value: 8081", &format!("port_value: {grpc}"));
-    let mut bootstrap: Value = serde_yaml_ng::from_str(&yaml).unwrap();
-    edit(&mut bootstrap);
-    Envoy::start_bootstrap(bootstrap)
+    crate::rls::documented_in("## Envoy's rate limit quota service (RLQS)")
 }
 
 fn service(grpc: u16, limits: &str, args: &[&str]) -> Quota {
@@ -164,8 +145,8 @@ fn an_rlqs_bucket_and_an_rls_descriptor_with_the_same_entries_are_one_bucket() {
     let _quota = service(grpc, &limits, &[]);
     let rlqs_envoy = envoy(&rlqs_yaml, app.port, grpc, |_| {});
     // The RLS section's Envoy, asking for (tenant) in domain `api`.
-    let (_, rls_yaml) = crate::rls::documented();
-    let rls_envoy = crate::rls::envoy_from_docs(&rls_yaml, app.port, grpc, |b| {
+    let (_, rls_yaml) = crate::rls::documented_in("## Envoy's rate limit service (RLS)");
+    let rls_envoy = envoy(&rls_yaml, app.port, grpc, |b| {
         let hcm = &mut b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
             ["typed_config"];
         hcm["http_filters"][0]["typed_config"]["domain"] = json!("api");

@@ -8,13 +8,15 @@ use serde_json::{json, Value};
 use testkit::{Redis, Upstream};
 
 /// The two fenced blocks of docs/quota-api.md's RLS section: the limits and the Envoy.
-pub(crate) fn documented() -> (String, String) {
+fn documented() -> (String, String) {
+    documented_in("## Envoy's rate limit service (RLS)")
+}
+
+/// The first two YAML blocks of a section of docs/quota-api.md (RLS's or RLQS's).
+pub(crate) fn documented_in(heading: &str) -> (String, String) {
     let doc =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/quota-api.md")).unwrap();
-    let section = doc
-        .split("## Envoy's rate limit service (RLS)")
-        .nth(1)
-        .unwrap();
+    let section = doc.split(heading).nth(1).unwrap();
     let mut blocks = section
         .split("```yaml")
         .skip(1)

@@ -191,45 +191,67 @@ impl Rls {
         d: &RateLimitDescriptor,
         hits: u64,
     ) -> LeaseItem {
-        let mut key = KeyBytes::new();
-        let requests = u64::from(rate.requests_per_unit);
-        let (limit_id, burst, name) = match &limit.tollgate {
-            Some((limit_id, burst)) => {
-                for v in &found.key_values {
-                    push_key_part(&mut key, Some(v.as_bytes()));
-                }
-                let hash = tollgate_core::slot::key_hash(&key);
-                (limit_id.clone(), *burst, service_key(self.key_secret, hash))
-            }
-            None => {
-                for e in &d.entries {
-                    push_key_part(&mut key, Some(e.key.as_bytes()));
-                    push_key_part(&mut key, Some(e.value.as_bytes()));
-                }
-                let id =
-                    tollgate_core::slot::fingerprint(format!("rls/{}", limit.full_key).as_bytes());
-                (
-                    format!("{id:016x}"),
-                    requests,
-                    tollgate_core::slot::key_hash(&key),
-                )
-            }
-        };
+        let entries: Vec<(&str, &str)> = d
+            .entries
+            .iter()
+            .map(|e| (e.key.as_str(), e.value.as_str()))
+            .collect();
+        let bucket = bucket_of(limit, rate, &found.key_values, &entries, self.key_secret);
+        let burst = bucket.burst;
         let negative = d.is_negative_hits;
         // More hits than the bucket holds can never be admitted: look only.
         let wanted = if negative || hits > burst { 0 } else { hits };
         LeaseItem {
-            rule: rule_name(&limit.full_key),
-            limit_id: bound_limit_id(&limit_id, &[requests, rate.unit.ms, burst]),
-            key: format!("{name:032x}"),
-            requests,
-            per_ms: rate.unit.ms,
-            burst,
             wanted,
             used: wanted,
             returned: if negative { hits } else { 0 },
-            ..LeaseItem::default()
+            ..bucket
         }
+    }
+}
+
+/// The store item (all but what it asks) of a limit's bucket for a descriptor's `entries`: a
+/// bucket of its own per descriptor (every entry's key and value), or the tollgate rule's it
+/// shares, keyed as the filters key it by the values its wildcard entries matched (`key_values`).
+/// RLS descriptors and RLQS bucket ids name their buckets alike through it.
+pub(crate) fn bucket_of(
+    limit: &Limit,
+    rate: Rate,
+    key_values: &[&str],
+    entries: &[(&str, &str)],
+    key_secret: Option<[u8; 16]>,
+) -> LeaseItem {
+    let mut key = KeyBytes::new();
+    let requests = u64::from(rate.requests_per_unit);
+    let (limit_id, burst, name) = match &limit.tollgate {
+        Some((limit_id, burst)) => {
+            for v in key_values {
+                push_key_part(&mut key, Some(v.as_bytes()));
+            }
+            let hash = tollgate_core::slot::key_hash(&key);
+            (limit_id.clone(), *burst, service_key(key_secret, hash))
+        }
+        None => {
+            for (k, v) in entries {
+                push_key_part(&mut key, Some(k.as_bytes()));
+                push_key_part(&mut key, Some(v.as_bytes()));
+            }
+            let id = tollgate_core::slot::fingerprint(format!("rls/{}", limit.full_key).as_bytes());
+            (
+                format!("{id:016x}"),
+                requests,
+                tollgate_core::slot::key_hash(&key),
+            )
+        }
+    };
+    LeaseItem {
+        rule: rule_name(&limit.full_key),
+        limit_id: bound_limit_id(&limit_id, &[requests, rate.unit.ms, burst]),
+        key: format!("{name:032x}"),
+        requests,
+        per_ms: rate.unit.ms,
+        burst,
+        ..LeaseItem::default()
     }
 }
 
