@@ -374,7 +374,8 @@ async fn run(args: Args) -> Result<(), String> {
             );
             let config = Arc::new(rls_config);
             let rlqs =
-                tollgate_quota::rlqs::Rlqs::new(rls_service.clone(), config.clone(), key_secret);
+                tollgate_quota::rlqs::Rlqs::new(rls_service.clone(), config.clone(), key_secret)
+                    .ending_with(stopped.clone());
             let rls = tollgate_quota::rls::Rls {
                 service: rls_service,
                 config,
@@ -399,10 +400,13 @@ async fn run(args: Args) -> Result<(), String> {
     )
     .await;
     if let Some(grpc) = grpc {
-        match grpc.await {
-            Ok(Err(e)) => tracing::error!("{e}"),
-            Err(e) => tracing::error!("gRPC server: {e}"),
-            Ok(Ok(())) => {}
+        // RLQS streams end with the service (see Rlqs::ending_with); calls in flight get the
+        // same grace as the HTTP API's.
+        match tokio::time::timeout(Duration::from_secs(10), grpc).await {
+            Ok(Ok(Err(e))) => tracing::error!("{e}"),
+            Ok(Err(e)) => tracing::error!("gRPC server: {e}"),
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => tracing::warn!("gRPC calls still open after 10 s: stopped anyway"),
         }
     }
     tracing::info!("stopped");

@@ -153,7 +153,8 @@ impl Default for Metrics {
         );
         registry.register(
             "rlqs_assignments",
-            "RLQS bucket assignments of leased buckets sent, by kind (token_bucket, deny_all)",
+            "RLQS bucket assignments of leased buckets sent, by kind (token_bucket, deny_all), and bucket ids \
+             left unanswered as they are not UTF-8 (unanswered_not_utf8)",
             rlqs_assignments.clone(),
         );
         let rls_descriptors = Family::<RlsDescriptor, Counter>::default();

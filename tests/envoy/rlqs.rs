@@ -168,3 +168,27 @@ fn an_rlqs_bucket_and_an_rls_descriptor_with_the_same_entries_are_one_bucket() {
     assert!((q + r) as f64 <= bound.floor(), "{q} + {r} > {bound}");
     assert!(q >= 1 && r >= 1, "both took from the bucket: {q}, {r}");
 }
+
+#[test]
+fn a_tenant_header_that_is_not_utf8_goes_by_no_assignment_behavior_and_breaks_nothing() {
+    let (limits, yaml) = documented();
+    let app = Upstream::start(&[]);
+    let grpc = free_port();
+    let quota = service(grpc, &limits, &[]);
+    let e = envoy(&yaml, app.port, grpc, |_| {});
+    let bad = testkit::raw(b"/", &[b"x-tenant: bad\xff\xfe"]);
+    // Its bucket cannot be answered: the documented no_assignment_behavior (DENY_ALL) refuses it.
+    for _ in 0..10 {
+        assert_eq!(testkit::raw_status(e.port, &bad), Some(429));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The stream lives on: another tenant is assigned tokens.
+    let good = load(&[&e], "good", 10.0, Duration::from_secs(1));
+    assert!(admitted(&good[0]) >= 1, "{good:?}");
+    let metrics = quota.metrics();
+    assert!(
+        metrics.contains(r#"tollgate_quota_rlqs_streams_total{outcome="ok"} 1"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains("unanswered_not_utf8"), "{metrics}");
+}

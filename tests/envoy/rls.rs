@@ -242,3 +242,38 @@ fn per_route_rate_limits_spend_their_hits_addend() {
         .collect();
     assert_eq!(statuses, [200, 200, 200, 200, 429, 429], "20 = 4 × 5");
 }
+
+#[test]
+fn a_descriptor_value_that_is_not_utf8_is_limited_like_any_other() {
+    let (limits, envoy_yaml) = documented();
+    let app = Upstream::start(&[]);
+    let grpc = free_port();
+    let quota = rls_service(&[], grpc, &scratch_file("ratelimit.yaml", &limits));
+    // failure_mode_deny off (Envoy's default): a call the service cannot answer would let the
+    // request through unlimited.
+    let envoy = envoy_from_docs(&envoy_yaml, app.port, grpc, |b| {
+        b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            ["http_filters"][0]["typed_config"]["failure_mode_deny"] = json!(false);
+    });
+    let bad = testkit::raw(
+        b"/send",
+        &[b"x-message-type: marketing", b"x-to-number: 206\xff\xfe"],
+    );
+    let statuses: Vec<Option<u16>> = (0..7)
+        .map(|_| testkit::raw_status(envoy.port, &bad))
+        .collect();
+    // Five pass the limit (the test's upstream then refuses the header itself: 503), two are
+    // refused by it.
+    assert_eq!(&statuses[5..], [Some(429), Some(429)], "{statuses:?}");
+    assert!(
+        statuses[..5].iter().all(|s| *s != Some(429)),
+        "{statuses:?}"
+    );
+    let metrics = quota.metrics();
+    assert!(
+        metrics.contains(
+            r#"descriptor="messaging.message_type_marketing.to_number",code="over_limit"} 2"#
+        ),
+        "{metrics}"
+    );
+}

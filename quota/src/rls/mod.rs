@@ -3,8 +3,8 @@
 //! bucket of the store, taken from by the call's hits.
 
 pub mod config;
+pub mod wire;
 
-use crate::credentials::Caller;
 use crate::metrics::{Outcome, RlsDescriptor};
 use crate::service::{bound_limit_id, Service};
 use config::{Found, Limit, Rate, RlsConfig};
@@ -54,21 +54,7 @@ enum Check<'a> {
 impl Rls {
     /// The caller a call's `authorization` metadata proves, bound to its RLS instance.
     fn instance(&self, request: &Request<RateLimitRequest>) -> Result<String, Status> {
-        let given = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        let credentials = &self.service.credentials;
-        let Some(caller) = credentials.caller(given) else {
-            return Err(Status::unauthenticated("missing or wrong bearer token"));
-        };
-        let caller = match caller {
-            Caller::Anyone => Caller::Shared,
-            c => c,
-        };
-        credentials
-            .bind(&caller, INSTANCE)
-            .map_err(Status::permission_denied)
+        crate::grpc::bind_instance(&self.service, request.metadata(), INSTANCE)
     }
 
     /// The call's checks and the store items they take from, or why the call is invalid.

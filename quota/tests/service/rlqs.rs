@@ -227,3 +227,86 @@ async fn a_stream_without_the_token_is_refused() {
     let actions = ok.ask(&[(&[("tenant", "acme")], 0)], 0).await;
     assert_eq!(tokens(&actions), 10);
 }
+
+#[tokio::test]
+async fn a_bucket_id_that_is_not_utf8_goes_unanswered_and_the_stream_lives_on() {
+    use tollgate_quota::rlqs::wire;
+    let service = start(&[]);
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", service.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let (tx, rx) = mpsc::channel(8);
+    let outbound =
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
+    );
+    let codec = tonic_prost::ProstCodec::<wire::Reports, wire::Response>::default();
+    let mut answers = grpc
+        .streaming(tonic::Request::new(outbound), path, codec)
+        .await
+        .unwrap()
+        .into_inner();
+    let id = |value: &[u8]| wire::BucketId {
+        bucket: vec![wire::Entry {
+            key: b"tenant".to_vec(),
+            value: value.to_vec(),
+        }],
+    };
+    let usage = |value: &[u8]| wire::Usage {
+        bucket_id: Some(id(value)),
+        time_elapsed: Some(ProtoDuration {
+            seconds: 0,
+            nanos: 0,
+        }),
+        ..wire::Usage::default()
+    };
+    // Envoy cannot take an answer that holds such an id (its `string` refuses it): it is left
+    // out, and the report's other buckets are answered.
+    tx.send(wire::Reports {
+        domain: "api".into(),
+        bucket_quota_usages: vec![usage(b"bad\xff\xfe"), usage(b"good")],
+    })
+    .await
+    .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), answers.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer.bucket_action.len(), 2, "{answer:?}");
+    for action in &answer.bucket_action {
+        assert_eq!(action.bucket_id, Some(id(b"good")));
+    }
+    let Some(wire::Action::QuotaAssignmentAction(a)) = &answer.bucket_action[1].bucket_action
+    else {
+        panic!("{answer:?}");
+    };
+    let Some(Strategy::TokenBucket(b)) = a.rate_limit_strategy.unwrap().strategy else {
+        panic!("{answer:?}");
+    };
+    assert_eq!(b.max_tokens, 10);
+}
+
+#[tokio::test]
+async fn sigterm_ends_open_streams_and_the_service_stops() {
+    let mut service = start(&[]);
+    let mut s = open(&service, None).await.unwrap();
+    s.ask(&[(&[("tenant", "acme")], 0)], 0).await;
+    Command::new("kill")
+        .args(["-TERM", &service.child.id().to_string()])
+        .status()
+        .unwrap();
+    // The stream ends (Envoy then reconnects elsewhere) and the process exits.
+    let ended = tokio::time::timeout(Duration::from_secs(5), s.answers.message()).await;
+    assert!(matches!(ended, Ok(Ok(None)) | Ok(Err(_))), "{ended:?}");
+    let stopped = eventually(Duration::from_secs(12), || {
+        matches!(service.child.try_wait(), Ok(Some(_)))
+    });
+    assert!(stopped, "still running 12 s after SIGTERM");
+}

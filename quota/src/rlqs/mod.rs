@@ -12,19 +12,14 @@
 //! never outlives what paid for it; tokens an Envoy's replaced bucket still held are lost, never
 //! spent twice.
 
-use crate::credentials::Caller;
+pub mod wire;
+
 use crate::rls::config::{Limit, RlsConfig};
 use crate::service::Service;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
-};
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
-    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+    AbandonAction, QuotaAssignmentAction,
 };
 use envoy_types::pb::google::protobuf::{Duration, UInt32Value};
 use futures::Stream;
@@ -34,6 +29,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tollgate_core::global::lease::{LeaseGrant, LeaseItem};
 use tonic::{Request, Response, Status, Streaming};
+use wire::{
+    Action, BucketAction, BucketId, Reports as RateLimitQuotaUsageReports,
+    Response as RateLimitQuotaResponse, Usage as BucketQuotaUsage,
+};
 
 /// Most buckets one stream may have assigned at once; reports of more are answered for the
 /// first ones only (the rest go by Envoy's `no_assignment_behavior`).
@@ -53,6 +52,9 @@ pub struct Rlqs {
     /// Names each stream's instance.
     streams: AtomicU64,
     started_ms: u64,
+    /// Becomes true when the service stops: every stream then ends (else Envoy would keep it,
+    /// and the process, open for ever).
+    stopping: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Rlqs {
@@ -67,7 +69,14 @@ impl Rlqs {
             key_secret,
             streams: AtomicU64::new(0),
             started_ms: crate::store::now_ms(),
+            stopping: None,
         }
+    }
+
+    /// Streams end when `stopping` becomes true.
+    pub fn ending_with(mut self, stopping: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.stopping = Some(stopping);
+        self
     }
 }
 
@@ -112,10 +121,10 @@ impl Assigned {
 type Answers = Pin<Box<dyn Stream<Item = Result<RateLimitQuotaResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
-impl RateLimitQuotaService for Rlqs {
-    type StreamRateLimitQuotasStream = Answers;
+impl wire::QuotaStreams for Rlqs {
+    type Answers = Answers;
 
-    async fn stream_rate_limit_quotas(
+    async fn stream(
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Answers>, Status> {
@@ -126,25 +135,16 @@ impl RateLimitQuotaService for Rlqs {
                 .get_or_create(&crate::metrics::Outcome { outcome: o })
                 .inc();
         };
-        let given = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        let credentials = &self.service.credentials;
-        let Some(caller) = credentials.caller(given) else {
-            outcome("unauthorized");
-            return Err(Status::unauthenticated("missing or wrong bearer token"));
-        };
-        let caller = match caller {
-            Caller::Anyone => Caller::Shared,
-            c => c,
-        };
         let n = self.streams.fetch_add(1, Ordering::Relaxed);
         let name = format!("rlqs-{:x}-{}-{n}", self.started_ms, std::process::id());
-        let instance = credentials.bind(&caller, &name).map_err(|e| {
-            outcome("forbidden");
-            Status::permission_denied(e)
-        })?;
+        let instance = crate::grpc::bind_instance(&self.service, request.metadata(), &name)
+            .inspect_err(|s| {
+                outcome(if s.code() == tonic::Code::Unauthenticated {
+                    "unauthorized"
+                } else {
+                    "forbidden"
+                })
+            })?;
         outcome("ok");
         let mut reports = request.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
@@ -156,12 +156,25 @@ impl RateLimitQuotaService for Rlqs {
             domain: String::new(),
             buckets: HashMap::new(),
         };
+        let mut stopping = self.stopping.clone();
         tokio::spawn(async move {
             let mut stream = stream;
             loop {
-                let report = match reports.message().await {
-                    Ok(Some(r)) => r,
-                    Ok(None) | Err(_) => break,
+                let next = async {
+                    match &mut stopping {
+                        Some(s) => {
+                            tokio::select! {
+                                r = reports.message() => Some(r),
+                                _ = s.wait_for(|stop| *stop) => None,
+                            }
+                        }
+                        None => Some(reports.message().await),
+                    }
+                };
+                let report = match next.await {
+                    Some(Ok(Some(r))) => r,
+                    // The Envoy ended it, it broke, or the service stops.
+                    Some(Ok(None)) | Some(Err(_)) | None => break,
                 };
                 let answer = stream.answer(report).await;
                 if !answer.bucket_action.is_empty() && tx.send(Ok(answer)).await.is_err() {
@@ -336,11 +349,25 @@ impl StreamState {
         if id.bucket.is_empty() || id.bucket.len() > MAX_ID_ENTRIES {
             return Plan::Nothing;
         }
-        let mut entries: Vec<(String, String)> = id
+        // An id that is not UTF-8 (a header's bytes) cannot be answered: Envoy refuses a message
+        // that holds one, and finds buckets by their exact id. It goes by Envoy's
+        // no_assignment_behavior; the others are answered as ever.
+        let text = |b: &[u8]| std::str::from_utf8(b).ok().map(str::to_owned);
+        let entries: Option<Vec<(String, String)>> = id
             .bucket
             .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
+            .map(|e| Some((text(&e.key)?, text(&e.value)?)))
             .collect();
+        let Some(mut entries) = entries else {
+            self.service
+                .metrics
+                .rlqs_assignments
+                .get_or_create(&crate::metrics::Outcome {
+                    outcome: "unanswered_not_utf8",
+                })
+                .inc();
+            return Plan::Nothing;
+        };
         entries.sort();
         if self.buckets.contains_key(&entries) {
             return Plan::Lease(entries);
