@@ -237,7 +237,8 @@ impl RlsConfig {
 fn load_level(parent: &str, raw: Vec<RawDescriptor>, depth: usize) -> Result<Level, String> {
     if depth > MAX_DEPTH && !raw.is_empty() {
         return Err(format!(
-            "{parent}: descriptors nested deeper than {MAX_DEPTH}"
+            "{}: descriptors nested deeper than {MAX_DEPTH}",
+            parent.trim_end_matches('.')
         ));
     }
     let mut level = Level::default();

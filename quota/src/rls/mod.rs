@@ -140,9 +140,28 @@ impl Rls {
             if !self.config.has_domain(domain) {
                 return None;
             }
-            let unit = config::unit_of(own.unit)?;
-            let requests_per_unit = own.requests_per_unit.clamp(1, 1_000_000_000);
-            let full_key = descriptor_key(domain, &entries);
+            // (An override without a unit this service knows is not one: the configuration's
+            // limit applies, never none. A limit of 0 refuses every request, as configured ones.)
+            if let Some(unit) = config::unit_of(own.unit) {
+                let requests_per_unit = own.requests_per_unit.min(1_000_000_000);
+                return Some(self.own_limit(domain, &entries, requests_per_unit, unit));
+            }
+        }
+        let found = self.config.find(domain, &entries)?;
+        let limit = Cow::Borrowed(found.limit);
+        Some((found, limit))
+    }
+
+    /// A call's own limit (`RateLimitOverride`) for a descriptor's `entries`.
+    fn own_limit<'a>(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+        requests_per_unit: u32,
+        unit: config::Unit,
+    ) -> (Found<'a>, Cow<'a, Limit>) {
+        {
+            let full_key = descriptor_key(domain, entries);
             let limit = Limit {
                 full_key,
                 rate: Some(Rate {
@@ -159,11 +178,8 @@ impl Rls {
                 limit: &NO_LIMIT,
                 key_values: Vec::new(),
             };
-            return Some((found, Cow::Owned(limit)));
+            (found, Cow::Owned(limit))
         }
-        let found = self.config.find(domain, &entries)?;
-        let limit = Cow::Borrowed(found.limit);
-        Some((found, limit))
     }
 
     /// The store item of a counted descriptor: a bucket of its own per descriptor (every
@@ -301,10 +317,31 @@ fn current_limit(limit: &Limit, rate: Rate) -> RateLimit {
 }
 
 /// A counted descriptor's status from its grant: admitted if it got all its hits.
-fn status(limit: &Limit, rate: Rate, hits: u64, g: &LeaseGrant) -> (DescriptorStatus, bool) {
-    let over = hits > 0 && g.granted < hits;
-    let wait_ms = if over && g.retry_ms > 0 {
-        g.retry_ms
+fn status(
+    limit: &Limit,
+    rate: Rate,
+    hits: u64,
+    negative: bool,
+    g: &LeaseGrant,
+) -> (DescriptorStatus, bool) {
+    // (Hits given back are never over.)
+    let over = !negative && hits > 0 && g.granted < hits;
+    let left = g.remaining + if over { g.granted } else { 0 };
+    let wait_ms = if over {
+        // When this call's hits fit: as many tokens more as it lacks, at the refill rate (or
+        // later, when others hold the refill); a call larger than the bucket never fits: when
+        // it is full again.
+        let burst = limit
+            .tollgate
+            .as_ref()
+            .map_or(u64::from(rate.requests_per_unit), |(_, b)| *b);
+        if hits > burst {
+            g.reset_ms
+        } else {
+            let per_ms = rate.unit.ms as f64 / f64::from(rate.requests_per_unit.max(1));
+            let lacking = hits.saturating_sub(left) as f64;
+            ((lacking * per_ms).ceil() as u64).max(g.retry_ms)
+        }
     } else {
         g.reset_ms
     };
@@ -316,8 +353,7 @@ fn status(limit: &Limit, rate: Rate, hits: u64, g: &LeaseGrant) -> (DescriptorSt
         } as i32,
         current_limit: Some(current_limit(limit, rate)),
         // A part of the hits granted goes back: it is left.
-        limit_remaining: u32::try_from(g.remaining + if over { g.granted } else { 0 })
-            .unwrap_or(u32::MAX),
+        limit_remaining: u32::try_from(left).unwrap_or(u32::MAX),
         duration_until_reset: Some(duration(wait_ms)),
         quota: None,
     };
@@ -402,7 +438,8 @@ impl RateLimitService for Rls {
                             ..LeaseGrant::default()
                         },
                     };
-                    let (status, over) = status(limit, *rate, *hits, &grant);
+                    let negative = request.descriptors[statuses.len()].is_negative_hits;
+                    let (status, over) = status(limit, *rate, *hits, negative, &grant);
                     if let (true, Some(i)) = (over && grant.granted > 0, item) {
                         // Part of the hits: not spent, back into the bucket.
                         give_back.push(LeaseItem {
@@ -458,8 +495,13 @@ impl Rls {
                 let mut key = limit.full_key.clone();
                 if limit.detailed_metric {
                     if let Some(e) = request.descriptors[index].entries.last() {
+                        // (The value comes from a client: at most 128 bytes of it in a label.)
+                        let mut end = e.value.len().min(128);
+                        while !e.value.is_char_boundary(end) {
+                            end -= 1;
+                        }
                         key.push('_');
-                        key.push_str(&e.value);
+                        key.push_str(&e.value[..end]);
                     }
                 }
                 (key, code)

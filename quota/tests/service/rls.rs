@@ -475,3 +475,86 @@ async fn a_proxy_token_acts_as_its_own_rls_instance() {
     let metrics = rls.service.metrics.render();
     assert!(metrics.contains(r#"tollgate_quota_rls_calls_total{outcome="unauthorized"} 1"#));
 }
+
+#[tokio::test]
+async fn taking_a_whole_full_bucket_at_once_is_charged_on_both_stores() {
+    let redis = Redis::start();
+    let redis_store = Store::Redis(
+        RedisStore::connect(&single(&redis), Duration::from_millis(500), ColdStart::Full)
+            .await
+            .unwrap(),
+    );
+    for (name, store) in [
+        (
+            "memory",
+            Store::Memory(MemoryStore::new(1_000, ColdStart::Full)),
+        ),
+        ("redis", redis_store),
+    ] {
+        eprintln!("{name}");
+        let rls = rls(store, None, None);
+        // 100 a day: nothing refills within the test.
+        let mut look = descriptor(&[("to_number", "2069999999")]);
+        look.hits_addend = Some(UInt64Value { value: 0 });
+        let mut all = descriptor(&[("to_number", "2069999999")]);
+        all.hits_addend = Some(UInt64Value { value: 100 });
+        let mut admitted = 0;
+        for _ in 0..10 {
+            call(&rls, ask("messaging", vec![look.clone()], 0)).await;
+            let r = call(&rls, ask("messaging", vec![all.clone()], 0)).await;
+            if r.overall_code == OK {
+                admitted += 1;
+                assert_eq!(r.statuses[0].limit_remaining, 0, "{name}: {r:?}");
+            }
+        }
+        assert_eq!(admitted, 1, "{name}: 100 of 100 once, then over");
+    }
+}
+
+#[tokio::test]
+async fn waits_own_limits_and_give_backs_are_answered_as_a_client_would_expect() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let rls = rls(
+        Store::Memory(MemoryStore::new(1_000, ColdStart::Full)),
+        None,
+        None,
+    );
+    // 100 a day for a number: 96 taken, then 6 more do not fit: when 2 more have refilled,
+    // 2 × 864 s.
+    let number = |hits: u64| {
+        let mut d = descriptor(&[("to_number", "2065550000")]);
+        d.hits_addend = Some(UInt64Value { value: hits });
+        d
+    };
+    assert_eq!(
+        call(&rls, ask("messaging", vec![number(96)], 0))
+            .await
+            .overall_code,
+        OK
+    );
+    let r = call(&rls, ask("messaging", vec![number(6)], 0)).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OVER, 4));
+    let wait = r.statuses[0].duration_until_reset.unwrap().seconds;
+    assert!((1_720..=1_730).contains(&wait), "{wait}");
+    // Giving back is answered OK.
+    let mut back = number(3);
+    back.is_negative_hits = true;
+    let r = call(&rls, ask("messaging", vec![back], 0)).await;
+    assert_eq!(r.overall_code, OK, "{r:?}");
+    // A call's own limit with a unit this service does not know is no limit of its own: the
+    // configured one applies. Its own limit of 0 refuses.
+    let mut unknown_unit = descriptor(&[("remote_address", "50.0.0.5")]);
+    unknown_unit.limit = Some(RateLimitOverride {
+        requests_per_unit: 1_000,
+        unit: 99,
+    });
+    let r = call(&rls, ask("more", vec![unknown_unit], 0)).await;
+    assert_eq!(r.overall_code, OVER, "the configured 0 applies: {r:?}");
+    let mut zero = descriptor(&[("remote_address", "10.0.0.77")]);
+    zero.limit = Some(RateLimitOverride {
+        requests_per_unit: 0,
+        unit: 1,
+    });
+    let r = call(&rls, ask("more", vec![zero], 0)).await;
+    assert_eq!(r.overall_code, OVER, "{r:?}");
+}

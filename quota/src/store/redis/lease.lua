@@ -361,13 +361,15 @@ local function lease(bkey, mkey, b, marker, requests, per, burst, wanted, demand
   local function reachable()
     local r = max(tokens, 0)
     if may_take then r = r + kept end
-    return floor(r)
+    return max(floor(r), 0)
   end
   local granted = min(wanted, fair_tokens, reachable())
   -- From the tokens first, then the reserve.
   local from_tokens = min(granted, max(tokens, 0))
   tokens = tokens - from_tokens
-  kept = kept - (granted - from_tokens)
+  -- (Floating point: tokens and reserve that add up to the grant may leave the reserve a hair
+  -- below zero, which reads back as no bucket at all — a full one: never below zero.)
+  kept = max(kept - (granted - from_tokens), 0)
   O[at] = O[at] + granted
   if share > 0 then
     S[at], U[at] = share, now + ttl
