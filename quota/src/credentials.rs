@@ -169,6 +169,29 @@ impl Credentials {
     }
 }
 
+/// The instance a gRPC call acts as: its `authorization` metadata proves the caller (as the HTTP
+/// API's header does), bound to `instance` ([`Credentials::bind`]).
+pub fn bind_grpc_instance(
+    credentials: &Credentials,
+    metadata: &tonic::metadata::MetadataMap,
+    instance: &str,
+) -> Result<String, tonic::Status> {
+    let given = metadata.get("authorization").and_then(|v| v.to_str().ok());
+    let caller = match credentials.caller(given) {
+        None => {
+            return Err(tonic::Status::unauthenticated(
+                "missing or wrong bearer token",
+            ))
+        }
+        // (No token required: the instance is named as the shared token's would be.)
+        Some(Caller::Anyone) => Caller::Shared,
+        Some(c) => c,
+    };
+    credentials
+        .bind(&caller, instance)
+        .map_err(tonic::Status::permission_denied)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

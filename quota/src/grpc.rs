@@ -1,10 +1,8 @@
 //! The gRPC server (Envoy's protocols) on its own port, beside the HTTP API and on the same
 //! runtime, stores and credentials.
 
-use crate::credentials::Caller;
 use crate::rlqs::Rlqs;
 use crate::rls::Rls;
-use crate::service::Service;
 use std::future::Future;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -30,28 +28,4 @@ pub async fn serve(
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(|e| format!("gRPC server failed: {e}"))
-}
-
-/// The instance a gRPC call acts as: its `authorization` metadata proves the caller (as the HTTP
-/// API's header does), bound to `instance` ([`crate::credentials::Credentials::bind`]).
-pub fn bind_instance(
-    service: &Service,
-    metadata: &tonic::metadata::MetadataMap,
-    instance: &str,
-) -> Result<String, tonic::Status> {
-    let given = metadata.get("authorization").and_then(|v| v.to_str().ok());
-    let credentials = &service.credentials;
-    let caller = match credentials.caller(given) {
-        None => {
-            return Err(tonic::Status::unauthenticated(
-                "missing or wrong bearer token",
-            ))
-        }
-        // (No token required: the instance is named as the shared token's would be.)
-        Some(Caller::Anyone) => Caller::Shared,
-        Some(c) => c,
-    };
-    credentials
-        .bind(&caller, instance)
-        .map_err(tonic::Status::permission_denied)
 }

@@ -137,14 +137,18 @@ impl wire::QuotaStreams for Rlqs {
         };
         let n = self.streams.fetch_add(1, Ordering::Relaxed);
         let name = format!("rlqs-{:x}-{}-{n}", self.started_ms, std::process::id());
-        let instance = crate::grpc::bind_instance(&self.service, request.metadata(), &name)
-            .inspect_err(|s| {
-                outcome(if s.code() == tonic::Code::Unauthenticated {
-                    "unauthorized"
-                } else {
-                    "forbidden"
-                })
-            })?;
+        let instance = crate::credentials::bind_grpc_instance(
+            &self.service.credentials,
+            request.metadata(),
+            &name,
+        )
+        .inspect_err(|s| {
+            outcome(if s.code() == tonic::Code::Unauthenticated {
+                "unauthorized"
+            } else {
+                "forbidden"
+            })
+        })?;
         outcome("ok");
         let mut reports = request.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(16);

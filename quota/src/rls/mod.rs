@@ -54,7 +54,11 @@ enum Check<'a> {
 impl Rls {
     /// The caller a call's `authorization` metadata proves, bound to its RLS instance.
     fn instance(&self, request: &Request<RateLimitRequest>) -> Result<String, Status> {
-        crate::grpc::bind_instance(&self.service, request.metadata(), INSTANCE)
+        crate::credentials::bind_grpc_instance(
+            &self.service.credentials,
+            request.metadata(),
+            INSTANCE,
+        )
     }
 
     /// The call's checks and the store items they take from, or why the call is invalid.
