@@ -415,7 +415,9 @@ fn a_rolling_restart_of_two_memory_replicas_loses_nothing_visible() {
          failure mode; the standby served {calls} items",
         sent.len()
     );
-    if std::env::var("FLEET_DEBUG").is_ok() {
+    // A failure (seen under the full suite's load only, not yet understood) keeps the Envoys'
+    // counters in its log.
+    if std::env::var("FLEET_DEBUG").is_ok() || !refused.is_empty() {
         for e in &envoys {
             let stats = e.admin_get("/stats");
             for l in stats
