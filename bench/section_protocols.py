@@ -94,6 +94,7 @@ def protocols():
                                    "--service-ms", "0"])
     wait_port(app_port)
     env_quiet = {"RUST_LOG": "error"}
+    limits = limits_file()
     try:
         # RLS: the stand-in (fixed windows of a second, INCRBY + EXPIRE on Redis) and tollgate-quota.
         for system in ("envoyproxy/ratelimit stand-in (bench/rls.py, Python) + Redis", "tollgate-quota RLS + Redis"):
@@ -104,7 +105,7 @@ def protocols():
                 wait_port(grpc)
             else:
                 svc = Proc([str(QUOTA), "--listen", f"127.0.0.1:{http}", "--redis", redis_url,
-                            "--grpc-listen", f"127.0.0.1:{grpc}", "--rls-config", limits_file()],
+                            "--grpc-listen", f"127.0.0.1:{grpc}", "--rls-config", limits],
                            env={**os.environ, **env_quiet})
                 wait_http(f"http://127.0.0.1:{http}/healthz")
             server = EnvoyServer([ratelimit_filter()], [grpc_cluster("rate_limit_service", grpc), upstream_cluster(app_port)],
@@ -128,7 +129,7 @@ def protocols():
         for system in ("Envoy rate_limit_quota (RLQS)", "tollgate lease protocol"):
             grpc, http = free_port(), free_port()
             svc = Proc([str(QUOTA), "--listen", f"127.0.0.1:{http}", "--redis", redis_url,
-                        "--grpc-listen", f"127.0.0.1:{grpc}", "--rls-config", limits_file()],
+                        "--grpc-listen", f"127.0.0.1:{grpc}", "--rls-config", limits],
                        env={**os.environ, **env_quiet})
             wait_http(f"http://127.0.0.1:{http}/healthz")
             if system.startswith("Envoy"):
@@ -158,6 +159,7 @@ def protocols():
     finally:
         app.stop()
         redis.stop()
+        os.unlink(limits)
     return rows
 
 

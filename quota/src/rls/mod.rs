@@ -48,6 +48,8 @@ enum Check<'a> {
         /// Its item in the store call (none for a limit of 0: every hit is over it).
         item: Option<usize>,
         hits: u64,
+        /// The hits are given back (`is_negative_hits`).
+        negative: bool,
     },
 }
 
@@ -122,6 +124,7 @@ impl Rls {
                 rate,
                 item,
                 hits,
+                negative: d.is_negative_hits,
             });
         }
         Ok((checks, items))
@@ -433,6 +436,7 @@ impl RateLimitService for Rls {
                     rate,
                     item,
                     hits,
+                    negative,
                 } => {
                     let grant = match item {
                         Some(i) => answers.get(*i).copied().unwrap_or_default(),
@@ -442,8 +446,7 @@ impl RateLimitService for Rls {
                             ..LeaseGrant::default()
                         },
                     };
-                    let negative = request.descriptors[statuses.len()].is_negative_hits;
-                    let (status, over) = status(limit, *rate, *hits, negative, &grant);
+                    let (status, over) = status(limit, *rate, *hits, *negative, &grant);
                     if let (true, Some(i)) = (over && grant.granted > 0, item) {
                         // Part of the hits: not spent, back into the bucket.
                         give_back.push(LeaseItem {
