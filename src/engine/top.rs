@@ -24,6 +24,9 @@ pub struct TopKey {
     pub refused: u64,
     /// At most this much of `requests` may be other keys' (it took their place in the count).
     pub overcount: u64,
+    /// Its display form is known (a worker that counts a refusal of a key it no longer holds —
+    /// a request decided after the merge that took its count — knows only its place).
+    named: bool,
     len: u8,
     display: [u8; DISPLAY_BYTES],
 }
@@ -35,6 +38,7 @@ impl TopKey {
             requests: 0,
             refused: 0,
             overcount: 0,
+            named: true,
             len: 0,
             display: [0; DISPLAY_BYTES],
         }
@@ -106,34 +110,48 @@ impl WorkerTop {
     fn seen(&mut self, place: u128, key: &[u8], max_display: usize) {
         if let Some(k) = self.keys.iter_mut().find(|k| k.place == place) {
             k.requests += 1;
+            if !k.named {
+                k.named = true;
+                k.set_display(key, max_display);
+            }
             return;
         }
-        let taken = if self.keys.len() < WORKER_KEYS {
-            self.keys.push(TopKey::new(place));
-            self.keys.len() - 1
-        } else {
-            // Space-saving: the least-seen key's place, its count carried as overcount (keys
-            // refused go last: the status is about who is limited).
-            let Some(at) = (0..self.keys.len()).min_by_key(|&i| rank(&self.keys[i])) else {
-                return;
-            };
-            let carried = self.keys[at].requests;
-            self.keys[at] = TopKey {
-                requests: carried,
-                overcount: carried,
-                ..TopKey::new(place)
-            };
-            at
+        let Some(k) = self.take_place(place) else {
+            return;
         };
-        let k = &mut self.keys[taken];
         k.requests += 1;
         k.set_display(key, max_display);
     }
 
+    /// A refusal of the key at `place`. A request decided after it was seen (one that waited)
+    /// may find its key merged away meanwhile: counted again without its name, which the
+    /// process's counts have.
     fn refused(&mut self, place: u128) {
         if let Some(k) = self.keys.iter_mut().find(|k| k.place == place) {
             k.refused += 1;
+            return;
         }
+        if let Some(k) = self.take_place(place) {
+            k.named = false;
+            k.refused += 1;
+        }
+    }
+
+    /// A place for the key at `place`: a free one, else (space-saving) the least-seen key's, its
+    /// count carried as overcount (keys refused go last: the status is about who is limited).
+    fn take_place(&mut self, place: u128) -> Option<&mut TopKey> {
+        if self.keys.len() < WORKER_KEYS {
+            self.keys.push(TopKey::new(place));
+            return self.keys.last_mut();
+        }
+        let at = (0..self.keys.len()).min_by_key(|&i| rank(&self.keys[i]))?;
+        let carried = self.keys[at].requests;
+        self.keys[at] = TopKey {
+            requests: carried,
+            overcount: carried,
+            ..TopKey::new(place)
+        };
+        Some(&mut self.keys[at])
     }
 }
 
@@ -333,7 +351,9 @@ impl ProcessTop {
                     k.refused = k.refused.saturating_add(w.refused);
                     k.overcount = k.overcount.saturating_add(w.overcount);
                 }
-                None => self.keys.push(*w),
+                // A key known only by its place cannot be shown: left out.
+                None if w.named => self.keys.push(*w),
+                None => {}
             }
         }
         self.keys
@@ -552,6 +572,30 @@ mod tests {
             .iter()
             .all(|k| k.refused == 3_000 && k.requests >= 3_000));
         assert_eq!(ProcessTop::decode(&top.encode()), top);
+    }
+
+    #[test]
+    fn a_refusal_decided_after_the_merge_that_took_its_key_is_still_counted() {
+        let shared = Shared::default();
+        let mut w = TopCounts::new(1, 64);
+        // A request seen, then waiting (for other workers' stashes, for a lease) over a merge.
+        w.seen(0, 7, &key(b"192.0.2.1"));
+        w.merge(&shared, 0, "top", 1_000).unwrap();
+        w.refused(0, 7);
+        // A key never seen by the process cannot be named: left out rather than shown blank.
+        w.refused(0, 8);
+        w.merge(&shared, 0, "top", 2_000).unwrap();
+        let top = ProcessTop::decode(&shared.read("top").unwrap().unwrap().0);
+        assert_eq!(top.keys.len(), 1);
+        let k = &top.keys[0];
+        assert_eq!((k.display(), k.requests, k.refused), (&b"192.0.2.1"[..], 1, 1));
+        // Seen again before the next merge: named again, counted on.
+        w.refused(0, 7);
+        w.seen(0, 7, &key(b"192.0.2.1"));
+        w.merge(&shared, 0, "top", 3_000).unwrap();
+        let top = ProcessTop::decode(&shared.read("top").unwrap().unwrap().0);
+        let k = &top.keys[0];
+        assert_eq!((k.display(), k.requests, k.refused), (&b"192.0.2.1"[..], 2, 2));
     }
 
     #[test]
