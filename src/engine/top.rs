@@ -588,14 +588,20 @@ mod tests {
         let top = ProcessTop::decode(&shared.read("top").unwrap().unwrap().0);
         assert_eq!(top.keys.len(), 1);
         let k = &top.keys[0];
-        assert_eq!((k.display(), k.requests, k.refused), (&b"192.0.2.1"[..], 1, 1));
+        assert_eq!(
+            (k.display(), k.requests, k.refused),
+            (&b"192.0.2.1"[..], 1, 1)
+        );
         // Seen again before the next merge: named again, counted on.
         w.refused(0, 7);
         w.seen(0, 7, &key(b"192.0.2.1"));
         w.merge(&shared, 0, "top", 3_000).unwrap();
         let top = ProcessTop::decode(&shared.read("top").unwrap().unwrap().0);
         let k = &top.keys[0];
-        assert_eq!((k.display(), k.requests, k.refused), (&b"192.0.2.1"[..], 2, 2));
+        assert_eq!(
+            (k.display(), k.requests, k.refused),
+            (&b"192.0.2.1"[..], 2, 2)
+        );
     }
 
     #[test]
