@@ -570,6 +570,13 @@ fn any_charge_is_a_defined_debt_and_rate_leases_give_back_their_surplus() {
     g.returned = 7;
     let s3 = l.grant(&s2, T0 + 191, &g);
     assert_eq!(l.allowance(&s3, T0 + 191), 10);
+    // A service that does not take them back (restarted, or a replica that never granted them):
+    // let go all the same, so the next request finds no surplus and asks nothing.
+    g.returned = 0;
+    let s3 = l.grant(&s2, T0 + 191, &g);
+    assert_eq!(l.allowance(&s3, T0 + 191), 10);
+    let s4 = allowed(&l, &s3, T0 + 195);
+    assert!(!l.claimed(&s3, &s4), "asked again for a surplus it let go");
 }
 
 #[test]
