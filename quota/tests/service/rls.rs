@@ -558,3 +558,66 @@ async fn waits_own_limits_and_give_backs_are_answered_as_a_client_would_expect()
     let r = call(&rls, ask("more", vec![zero], 0)).await;
     assert_eq!(r.overall_code, OVER, "{r:?}");
 }
+
+/// A Redis without persistence restarted: RLS calls carry no evidence of the buckets they used,
+/// so those start as `--cold-start` says (docs/quota-api.md): `auto` and `full` full again (the
+/// limit once more, as envoyproxy/ratelimit's counters start at 0), `conservative` with nothing
+/// (as it serves a new deployment: nothing for a lease TTL, then a refill from empty — a day's
+/// limit of 5 has none for hours).
+#[tokio::test]
+async fn a_redis_that_lost_its_data_starts_rls_buckets_as_cold_start_says() {
+    let epoch_ms = tollgate_quota::store::now_ms();
+    for (cold, before, after) in [
+        (ColdStart::Auto { epoch_ms }, 5, 5),
+        (ColdStart::Full, 5, 5),
+        (ColdStart::Conservative { epoch_ms }, 0, 0),
+    ] {
+        let mut redis = Redis::start();
+        let store = Store::Redis(
+            RedisStore::connect(&single(&redis), Duration::from_millis(100), cold)
+                .await
+                .unwrap(),
+        );
+        let rls = rls(store, None, None);
+        // Eight messages: how many are admitted (a store not reachable yet after its restart
+        // answers UNAVAILABLE — Envoy's failure mode decides — and is asked again).
+        let admitted = || async {
+            let marketing = || {
+                ask(
+                    "messaging",
+                    vec![descriptor(&[
+                        ("message_type", "marketing"),
+                        ("to_number", "2063333333"),
+                    ])],
+                    0,
+                )
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let (mut answered, mut admitted) = (0, 0);
+            while answered < 8 {
+                match rls
+                    .should_rate_limit(tonic::Request::new(marketing()))
+                    .await
+                {
+                    Ok(r) => {
+                        answered += 1;
+                        admitted += usize::from(r.into_inner().overall_code == OK);
+                    }
+                    Err(e) => {
+                        assert_eq!(e.code(), tonic::Code::Unavailable, "{cold:?}: {e:?}");
+                        assert!(
+                            Instant::now() < deadline,
+                            "{cold:?}: the store never came back"
+                        );
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            }
+            admitted
+        };
+        assert_eq!(admitted().await, before, "{cold:?}, before");
+        redis.kill();
+        redis.restart();
+        assert_eq!(admitted().await, after, "{cold:?}, after the loss");
+    }
+}
