@@ -310,3 +310,56 @@ async fn sigterm_ends_open_streams_and_the_service_stops() {
     });
     assert!(stopped, "still running 12 s after SIGTERM");
 }
+
+/// A Redis without persistence restarted under an open stream: the stream's reports carry what it
+/// was last assigned (its evidence), so the store sees that it lost the bucket and starts it
+/// conservatively rather than full: after the loss the stream is assigned no more tokens than the
+/// newcomers' reserve (an eighth of 80) and what refilled, where a bucket made anew full would
+/// hand out 80 again.
+#[tokio::test]
+async fn a_redis_that_lost_its_data_under_an_open_stream_does_not_hand_the_limit_out_again() {
+    let mut redis = Redis::start();
+    let url = redis.url();
+    let service = start(&["--redis", &url]);
+    let mut a = open(&service, None).await.unwrap();
+    let acme: &[(&str, &str)] = &[("tenant", "acme")];
+    let mut before = 0;
+    for round in 0..12 {
+        before += tokens(&a.ask(&[(acme, 500)], i64::from(round > 0)).await);
+    }
+    assert!(
+        before >= 70,
+        "the bucket was spent before the loss: {before}"
+    );
+    redis.kill();
+    redis.restart();
+    let lost = Instant::now();
+    // Reports the service cannot serve (its store reconnecting) go unanswered: Envoy keeps its
+    // assignments until their TTL.
+    let (mut answered, mut after) = (0, 0);
+    while answered < 12 {
+        a.reports.send(report(&[(acme, 500)], 1)).await.unwrap();
+        match tokio::time::timeout(Duration::from_millis(500), a.answers.message()).await {
+            Ok(message) => {
+                let actions = message.unwrap().unwrap().bucket_action;
+                after += tokens(
+                    &actions
+                        .into_iter()
+                        .map(|a| a.bucket_action.unwrap())
+                        .collect::<Vec<_>>(),
+                );
+                answered += 1;
+            }
+            Err(_) => assert!(
+                lost.elapsed() < Duration::from_secs(10),
+                "no answer after the store came back"
+            ),
+        }
+    }
+    let refill = 80.0 / 60.0 * lost.elapsed().as_secs_f64();
+    assert!(
+        after as f64 <= 10.0 + refill + 1.0,
+        "{after} tokens assigned after the loss (in {:?})",
+        lost.elapsed()
+    );
+}
