@@ -97,14 +97,14 @@ pub struct Bytes {
 }
 
 impl RequestView for Bytes {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
+    fn header(&self, name: &str) -> Option<crate::request::Value<'_>> {
         self.headers
             .iter()
             .find(|(n, _)| n == name)
-            .map(|(_, v)| v.clone())
+            .map(|(_, v)| std::borrow::Cow::Borrowed(&v[..]))
     }
-    fn source_address(&self) -> Option<Vec<u8>> {
-        Some(self.peer.clone())
+    fn source_address(&self) -> Option<crate::request::Value<'_>> {
+        Some(std::borrow::Cow::Borrowed(&self.peer[..]))
     }
 }
 

@@ -5,6 +5,8 @@
 use crate::abi;
 use crate::config::HostCaps;
 use crate::lifecycle::{Host, MetricKind, Status};
+use crate::request::Value;
+use std::borrow::Cow;
 use std::cell::OnceCell;
 use tollgate_core::{CasStore, StoreError};
 
@@ -309,19 +311,19 @@ impl Host for WasmHost {
     fn set_tick_period(&self, ms: u32) -> Result<(), Status> {
         set_tick_period(ms)
     }
-    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
-        request_header(name)
+    fn request_header(&self, name: &str) -> Option<Value<'_>> {
+        request_header(name).map(Cow::Owned)
     }
-    fn source_address(&self) -> Option<Vec<u8>> {
+    fn source_address(&self) -> Option<Value<'_>> {
         #[cfg(feature = "probe")]
         let _t = crate::probe::start("client_address");
-        property(b"source\0address")
+        property(b"source\0address").map(Cow::Owned)
     }
-    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
-        response_header(name)
+    fn response_header(&self, name: &str) -> Option<Value<'_>> {
+        response_header(name).map(Cow::Owned)
     }
-    fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
-        property(path)
+    fn property(&self, path: &[u8]) -> Option<Value<'_>> {
+        property(path).map(Cow::Owned)
     }
     /// The current chunk of the response body, read in the body callback.
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
@@ -356,8 +358,8 @@ impl Host for WasmHost {
     ) -> Result<u32, Status> {
         http_call(upstream, headers, body, timeout_ms)
     }
-    fn call_response_header(&self, name: &str) -> Option<Vec<u8>> {
-        call_response_header(name)
+    fn call_response_header(&self, name: &str) -> Option<Value<'_>> {
+        call_response_header(name).map(Cow::Owned)
     }
     /// The body of the answer to an HTTP call, read in its response callback.
     fn call_response_body(&self, size: usize) -> Option<Vec<u8>> {

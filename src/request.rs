@@ -7,21 +7,27 @@ use crate::key::{push_key_part, push_unreadable_part, KeyBytes};
 use crate::network::ClientIp;
 use crate::number::{metadata_number, whole_number};
 use crate::request_body::{BodyPart, RequestBody};
+use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::net::{IpAddr, SocketAddr};
 
-/// Access to the request, implemented by the host layer (and by tests).
+/// A value of the request: the host's own bytes where it lends them for the callback (the Envoy
+/// dynamic module), else a copy.
+pub type Value<'a> = Cow<'a, [u8]>;
+
+/// Access to the request, implemented by the host layer (and by tests). A view lives for one
+/// callback: what it lends is valid until the callback returns.
 pub trait RequestView {
     /// A request header by lower-case name, pseudo-headers (`:path`, `:method`) too.
-    fn header(&self, name: &str) -> Option<Vec<u8>>;
+    fn header(&self, name: &str) -> Option<Value<'_>>;
     /// The downstream peer address as the host gives it (`ip:port`).
-    fn source_address(&self) -> Option<Vec<u8>>;
+    fn source_address(&self) -> Option<Value<'_>>;
     /// The host the request is for, as sent (`:authority` or `host`, port included).
-    fn authority(&self) -> Option<Vec<u8>> {
+    fn authority(&self) -> Option<Value<'_>> {
         self.header(":authority").or_else(|| self.header("host"))
     }
     /// A property by path (segments separated by NUL bytes), where the host has it.
-    fn property(&self, _path: &[u8]) -> Option<Vec<u8>> {
+    fn property(&self, _path: &[u8]) -> Option<Value<'_>> {
         None
     }
 }
@@ -30,10 +36,10 @@ pub trait RequestView {
 pub struct Request<'a, V: RequestView> {
     view: &'a V,
     client: ClientIp,
-    path: OnceCell<Option<Vec<u8>>>,
-    method: OnceCell<Option<Vec<u8>>>,
-    host: OnceCell<Option<Vec<u8>>>,
-    client_ip: OnceCell<Option<Vec<u8>>>,
+    path: OnceCell<Option<Value<'a>>>,
+    method: OnceCell<Option<Value<'a>>>,
+    host: OnceCell<Option<Value<'a>>>,
+    client_ip: OnceCell<Option<Value<'a>>>,
     /// Its JSON body, where a rule reads it and the host buffered it.
     body: Option<&'a RequestBody>,
 }
@@ -90,11 +96,19 @@ impl<'a, V: RequestView> Request<'a, V> {
     pub fn host(&self) -> Option<&[u8]> {
         self.host
             .get_or_init(|| {
-                let mut host = self.view.authority()?;
+                let host = self.view.authority()?;
                 let end = strip_port(&host).len();
-                host.truncate(end);
-                host.make_ascii_lowercase();
-                Some(host)
+                Some(match host {
+                    Cow::Borrowed(b) if !b[..end].iter().any(u8::is_ascii_uppercase) => {
+                        Cow::Borrowed(&b[..end])
+                    }
+                    other => {
+                        let mut owned = other.into_owned();
+                        owned.truncate(end);
+                        owned.make_ascii_lowercase();
+                        Cow::Owned(owned)
+                    }
+                })
             })
             .as_deref()
     }
@@ -116,7 +130,7 @@ impl<'a, V: RequestView> Request<'a, V> {
                 if hops > 0 {
                     let xff = self.view.header("x-forwarded-for");
                     if let Some(ip) = xff.and_then(|x| forwarded_hop(&x, hops)) {
-                        return Some(self.client.key_of(ip));
+                        return Some(Cow::Owned(self.client.key_of(ip)));
                     }
                 }
                 Some(peer_ip(self.view.source_address()?, &self.client))
@@ -181,7 +195,7 @@ impl<'a, V: RequestView> Request<'a, V> {
                     owned.as_deref()
                 }
                 KeyPart::Query(name) => {
-                    owned = self.query(name);
+                    owned = self.query(name).map(Cow::Owned);
                     owned.as_deref()
                 }
                 KeyPart::Metadata(path) => {
@@ -190,7 +204,7 @@ impl<'a, V: RequestView> Request<'a, V> {
                 }
                 KeyPart::Body(path) => match self.body.map(|b| b.part(path)) {
                     Some(BodyPart::Value(v)) => {
-                        owned = Some(v);
+                        owned = Some(Cow::Owned(v));
                         owned.as_deref()
                     }
                     Some(BodyPart::Unreadable) if unreadable == MissingKey::Limit => {
@@ -218,7 +232,7 @@ pub fn forwarded_hop(xff: &[u8], hops: u32) -> Option<IpAddr> {
 
 /// The key part of the peer address the host reports (`ip:port`, `[v6]:port`), as
 /// [`ClientIp::key_of`] writes it; anything else is kept as it is (still a distinct key per value).
-pub fn peer_ip(mut peer: Vec<u8>, client: &ClientIp) -> Vec<u8> {
+pub fn peer_ip<'a>(peer: Value<'a>, client: &ClientIp) -> Value<'a> {
     // The common case, IPv4 `a.b.c.d:port` as hosts write it, keyed by the whole address: cut,
     // don't reformat.
     if let Some(colon) = peer.iter().position(|&b| b == b':') {
@@ -226,15 +240,20 @@ pub fn peer_ip(mut peer: Vec<u8>, client: &ClientIp) -> Vec<u8> {
         let dotted = !ip.is_empty() && ip.iter().all(|b| b.is_ascii_digit() || *b == b'.');
         let port_ok = !port.is_empty() && port.len() <= 5 && port.iter().all(u8::is_ascii_digit);
         if dotted && port_ok && client.ipv4_prefix >= 32 {
-            peer.truncate(colon);
-            return peer;
+            return match peer {
+                Cow::Borrowed(b) => Cow::Borrowed(&b[..colon]),
+                Cow::Owned(mut v) => {
+                    v.truncate(colon);
+                    Cow::Owned(v)
+                }
+            };
         }
     }
     let parsed = std::str::from_utf8(&peer)
         .ok()
         .and_then(|s| s.parse::<SocketAddr>().ok());
     match parsed {
-        Some(addr) => client.key_of(addr.ip()),
+        Some(addr) => Cow::Owned(client.key_of(addr.ip())),
         None => peer,
     }
 }
@@ -318,11 +337,11 @@ mod tests {
     }
 
     impl RequestView for Fake {
-        fn header(&self, name: &str) -> Option<Vec<u8>> {
-            self.headers.get(name).cloned()
+        fn header(&self, name: &str) -> Option<Value<'_>> {
+            self.headers.get(name).map(|v| Cow::Borrowed(&v[..]))
         }
-        fn source_address(&self) -> Option<Vec<u8>> {
-            self.peer.clone()
+        fn source_address(&self) -> Option<Value<'_>> {
+            self.peer.as_deref().map(Cow::Borrowed)
         }
     }
 
@@ -372,13 +391,13 @@ mod tests {
     fn the_host_header_serves_when_the_view_says_so() {
         struct NginxLike(Fake);
         impl RequestView for NginxLike {
-            fn header(&self, name: &str) -> Option<Vec<u8>> {
+            fn header(&self, name: &str) -> Option<Value<'_>> {
                 self.0.header(name)
             }
-            fn source_address(&self) -> Option<Vec<u8>> {
+            fn source_address(&self) -> Option<Value<'_>> {
                 None
             }
-            fn authority(&self) -> Option<Vec<u8>> {
+            fn authority(&self) -> Option<Value<'_>> {
                 self.header("host").or_else(|| self.header(":authority"))
             }
         }
@@ -413,18 +432,22 @@ mod tests {
         assert_eq!(ip(&bytes, 2).as_deref(), Some(&b"1.2.3.4"[..]));
         // IPv4-mapped IPv6 is the IPv4 address, from the peer or from a forwarded hop.
         assert_eq!(
-            peer_ip(b"[::ffff:203.0.113.10]:80".to_vec(), &ClientIp::default()),
+            peer_ip(
+                Cow::Borrowed(b"[::ffff:203.0.113.10]:80"),
+                &ClientIp::default()
+            )
+            .as_ref(),
             b"203.0.113.10"
         );
         let mapped = fake(&[("x-forwarded-for", "::ffff:203.0.113.10")], "10.0.0.1:1");
         assert_eq!(ip(&mapped, 1).as_deref(), Some(&b"203.0.113.10"[..]));
         // A peer the host writes some other way is still one key per value.
         assert_eq!(
-            peer_ip(b"unix:/tmp/s".to_vec(), &ClientIp::default()),
+            peer_ip(Cow::Borrowed(b"unix:/tmp/s"), &ClientIp::default()).as_ref(),
             b"unix:/tmp/s"
         );
         assert_eq!(
-            peer_ip(b"1.2.3.4:99999999".to_vec(), &ClientIp::default()),
+            peer_ip(Cow::Borrowed(b"1.2.3.4:99999999"), &ClientIp::default()).as_ref(),
             b"1.2.3.4:99999999"
         );
     }

@@ -1,11 +1,14 @@
 //! Host-independent rate limiting: algorithms as pure functions over a compare-and-swap store.
 //!
-//! Nothing here knows about proxy-wasm. The filter adapts Envoy's shared data to [`CasStore`];
-//! tests and the quota service use [`MemoryStore`].
+//! Nothing here knows about proxy-wasm. The filter adapts Envoy's shared data to [`CasStore`]
+//! (the Envoy dynamic module keeps its state in an [`AtomicStore`]); tests and the quota service
+//! use [`MemoryStore`].
 
 pub mod algorithm;
 #[cfg(feature = "arbitrary-json")]
 pub mod arbitrary_json;
+#[cfg(feature = "atomic-store")]
+pub mod atomic_store;
 pub mod bearer;
 pub mod calendar;
 pub mod global;
@@ -19,6 +22,8 @@ pub mod state;
 pub mod store;
 
 pub use algorithm::{Limit, Standing};
+#[cfg(feature = "atomic-store")]
+pub use atomic_store::AtomicStore;
 pub use global::allowance::{Ask, Grant, LeaseAllowance};
 pub use global::permits::PermitAllowance;
 pub use limiter::{

@@ -19,6 +19,18 @@ pub enum StoreError {
 pub trait CasStore {
     fn read(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError>;
     fn write(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError>;
+
+    /// [`CasStore::read`], with the bytes lent to `f` rather than returned: a store in the
+    /// process's own memory ([`crate::AtomicStore`]) copies them onto the stack, so the request
+    /// path reads without a heap allocation.
+    fn read_with<R>(
+        &self,
+        key: &str,
+        f: impl FnOnce(Option<(&[u8], u32)>) -> R,
+    ) -> Result<R, StoreError> {
+        let found = self.read(key)?;
+        Ok(f(found.as_ref().map(|(bytes, cas)| (&bytes[..], *cas))))
+    }
 }
 
 /// Why [`update`] gave up.
@@ -44,13 +56,16 @@ where
     V: AsRef<[u8]>,
 {
     for _ in 0..attempts {
-        let (bytes, cas) = match store.read(key) {
-            Ok(Some((bytes, cas))) => (Some(bytes), cas),
-            Ok(None) => (None, 0),
+        let read = store.read_with(key, |found| {
+            let cas = found.map_or(0, |(_, cas)| cas);
+            let (value, result) = next(found.map(|(bytes, _)| bytes));
+            (value, result, cas)
+        });
+        let (value, result, cas) = match read {
+            Ok(read) => read,
             Err(StoreError::Unavailable(e)) => return Err(UpdateError::Unavailable(e)),
             Err(StoreError::CasMismatch) => continue,
         };
-        let (value, result) = next(bytes.as_deref());
         let Some(value) = value else {
             return Ok(result);
         };

@@ -281,13 +281,13 @@ impl Engine {
     }
 
     /// The request's answer came: `status`, and `header` reads the response's headers.
-    pub fn answered<S: CasStore + ?Sized>(
+    pub fn answered<'h, S: CasStore + ?Sized>(
         &mut self,
         store: &S,
         seats: Seats,
         now: u64,
         status: Option<u32>,
-        header: impl Fn(&str) -> Option<Vec<u8>>,
+        header: impl Fn(&str) -> Option<crate::request::Value<'h>>,
     ) {
         for seat in seats {
             let i = usize::from(seat.rule);

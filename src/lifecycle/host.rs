@@ -2,7 +2,7 @@
 //! proxy-wasm ABI, native tests with a mock. Every answer is bytes or a status, never a panic.
 
 use crate::config::HostCaps;
-use crate::request::RequestView;
+use crate::request::{RequestView, Value};
 use std::fmt;
 use tollgate_core::CasStore;
 
@@ -63,14 +63,16 @@ pub trait Host: CasStore {
     fn plugin_configuration(&self) -> Result<Vec<u8>, Status>;
     fn set_tick_period(&self, ms: u32) -> Result<(), Status>;
 
-    /// A request header (or pseudo-header) by lower-case name, as the client sent it.
-    fn request_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// A request header (or pseudo-header) by lower-case name, as the client sent it. What the
+    /// host lends is valid until the callback returns (or, for a response header, until a header
+    /// is added): it is read and used, never kept.
+    fn request_header(&self, name: &str) -> Option<Value<'_>>;
     /// The client's address (`source.address`), as the host gives it.
-    fn source_address(&self) -> Option<Vec<u8>>;
+    fn source_address(&self) -> Option<Value<'_>>;
     /// A property of the current request by path (segments separated by NUL bytes).
-    fn property(&self, path: &[u8]) -> Option<Vec<u8>>;
+    fn property(&self, path: &[u8]) -> Option<Value<'_>>;
     /// A response header (or `:status`) by lower-case name, read in the response callback.
-    fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+    fn response_header(&self, name: &str) -> Option<Value<'_>>;
     /// The current chunk of the response body (`size` bytes), read in the body callback.
     fn response_body(&self, size: usize) -> Option<Vec<u8>>;
     /// The request body the host buffered (its first `size` bytes), read in the body callback.
@@ -96,7 +98,7 @@ pub trait Host: CasStore {
         timeout_ms: u32,
     ) -> Result<u32, Status>;
     /// A header of the answer to an HTTP call, read in its response callback.
-    fn call_response_header(&self, name: &str) -> Option<Vec<u8>>;
+    fn call_response_header(&self, name: &str) -> Option<Value<'_>>;
     /// The body of the answer to an HTTP call, read in its response callback.
     fn call_response_body(&self, size: usize) -> Option<Vec<u8>>;
 
@@ -112,19 +114,19 @@ pub struct HostRequest<'h, H: Host> {
 }
 
 impl<H: Host> RequestView for HostRequest<'_, H> {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
+    fn header(&self, name: &str) -> Option<Value<'_>> {
         self.host.request_header(name)
     }
 
-    fn source_address(&self) -> Option<Vec<u8>> {
+    fn source_address(&self) -> Option<Value<'_>> {
         self.host.source_address()
     }
 
-    fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
+    fn property(&self, path: &[u8]) -> Option<Value<'_>> {
         self.host.property(path)
     }
 
-    fn authority(&self) -> Option<Vec<u8>> {
+    fn authority(&self) -> Option<Value<'_>> {
         let (first, then) = if self.caps.authority_is_request_host {
             (":authority", "host")
         } else {

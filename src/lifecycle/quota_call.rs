@@ -62,7 +62,7 @@ pub fn answer_parts<H: Host>(
         warn!("quota service call failed (no answer)");
         return (None, None);
     }
-    let status = host.call_response_header(":status");
+    let status = host.call_response_header(":status").map(|s| s.into_owned());
     let body = (body_size > 0)
         .then(|| host.call_response_body(body_size))
         .flatten();

@@ -132,9 +132,12 @@ struct Plan {
 }
 
 fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u64) -> Plan {
-    let (group, cas) = match store.read(key.as_str()) {
-        Ok(Some((bytes, cas))) => (Group::decode(&bytes), cas),
-        Ok(None) => (Group::decode(&[]), 0),
+    let read = store.read_with(key.as_str(), |found| match found {
+        Some((bytes, cas)) => (Group::decode(bytes), cas),
+        None => (Group::decode(&[]), 0),
+    });
+    let (group, cas) = match read {
+        Ok(read) => read,
         Err(_) => {
             return Plan {
                 key,

@@ -4,6 +4,7 @@
 use crate::config::HostCaps;
 use crate::header_map;
 use crate::lifecycle::{Action, Contexts, Host, MetricKind, Status};
+use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
@@ -133,30 +134,33 @@ impl Host for MockHost {
         self.0.tick_ms.set(Some(ms));
         Ok(())
     }
-    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+    fn request_header(&self, name: &str) -> Option<crate::request::Value<'_>> {
         self.note(&format!("get_request_header {name}"));
         find(
             self.0.request_headers.borrow().get(&self.0.current.get()),
             name,
         )
+        .map(Cow::Owned)
     }
-    fn source_address(&self) -> Option<Vec<u8>> {
+    fn source_address(&self) -> Option<crate::request::Value<'_>> {
         self.note("get_property source.address");
-        Some(b"10.0.0.1:4000".to_vec())
+        Some(Cow::Borrowed(b"10.0.0.1:4000"))
     }
-    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+    fn response_header(&self, name: &str) -> Option<crate::request::Value<'_>> {
         self.note(&format!("get_response_header {name}"));
         find(
             self.0.response_headers.borrow().get(&self.0.current.get()),
             name,
         )
+        .map(Cow::Owned)
     }
-    fn property(&self, path: &[u8]) -> Option<Vec<u8>> {
+    fn property(&self, path: &[u8]) -> Option<crate::request::Value<'_>> {
         self.note("get_property");
         // The metadata a filter before tollgate set: `x-mock-metadata-<last segment>` headers.
         let last = path.rsplit(|&b| b == 0).next()?;
         let name = format!("x-mock-metadata-{}", String::from_utf8_lossy(last));
         self.request_header(&name)
+            .map(|v| Cow::Owned(v.into_owned()))
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
         self.note("get_request_body");
@@ -236,8 +240,8 @@ impl Host for MockHost {
         });
         Ok(token)
     }
-    fn call_response_header(&self, name: &str) -> Option<Vec<u8>> {
-        find(self.0.answer.borrow().as_ref().map(|(h, _)| h), name)
+    fn call_response_header(&self, name: &str) -> Option<crate::request::Value<'_>> {
+        find(self.0.answer.borrow().as_ref().map(|(h, _)| h), name).map(Cow::Owned)
     }
     fn call_response_body(&self, size: usize) -> Option<Vec<u8>> {
         let answer = self.0.answer.borrow();
