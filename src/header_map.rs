@@ -22,24 +22,63 @@ where
 
 /// The pairs of a wire-format map, or `None` if the bytes are not one.
 pub fn deserialize(bytes: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
-    let u32_at = |at: usize| -> Option<usize> {
-        let b = bytes.get(at..at.checked_add(4)?)?;
-        usize::try_from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])).ok()
+    Some(pairs(bytes)?.collect())
+}
+
+/// The pairs of a wire-format map as they are read (nothing allocated), or `None` if the bytes
+/// are not one: every pair is checked before the first is handed out.
+pub fn pairs(bytes: &[u8]) -> Option<Pairs<'_>> {
+    let all = Pairs {
+        bytes,
+        left: u32_at(bytes, 0)?,
+        sizes_at: 4,
+        data_at: u32_at(bytes, 0)?.checked_mul(8)?.checked_add(4)?,
     };
-    let count = u32_at(0)?;
-    let mut sizes_at = 4usize;
-    let mut data_at = count.checked_mul(8)?.checked_add(4)?;
-    let mut pairs = Vec::with_capacity(count.min(bytes.len() / 8));
-    for _ in 0..count {
-        let (k_len, v_len) = (u32_at(sizes_at)?, u32_at(sizes_at.checked_add(4)?)?);
-        sizes_at = sizes_at.checked_add(8)?;
-        let k = bytes.get(data_at..data_at.checked_add(k_len)?)?;
-        data_at = data_at.checked_add(k_len)?.checked_add(1)?;
-        let v = bytes.get(data_at..data_at.checked_add(v_len)?)?;
-        data_at = data_at.checked_add(v_len)?.checked_add(1)?;
-        pairs.push((k, v));
+    let mut check = all.clone();
+    for _ in 0..all.left {
+        check.pair()?;
     }
-    (data_at <= bytes.len()).then_some(pairs)
+    (check.data_at <= bytes.len()).then_some(all)
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<usize> {
+    let b = bytes.get(at..at.checked_add(4)?)?;
+    usize::try_from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])).ok()
+}
+
+/// A wire-format map's pairs (see [`pairs`]).
+#[derive(Clone)]
+pub struct Pairs<'a> {
+    bytes: &'a [u8],
+    left: usize,
+    sizes_at: usize,
+    data_at: usize,
+}
+
+impl<'a> Pairs<'a> {
+    fn pair(&mut self) -> Option<(&'a [u8], &'a [u8])> {
+        let bytes = self.bytes;
+        let k_len = u32_at(bytes, self.sizes_at)?;
+        let v_len = u32_at(bytes, self.sizes_at.checked_add(4)?)?;
+        self.sizes_at = self.sizes_at.checked_add(8)?;
+        let k = bytes.get(self.data_at..self.data_at.checked_add(k_len)?)?;
+        self.data_at = self.data_at.checked_add(k_len)?.checked_add(1)?;
+        let v = bytes.get(self.data_at..self.data_at.checked_add(v_len)?)?;
+        self.data_at = self.data_at.checked_add(v_len)?.checked_add(1)?;
+        Some((k, v))
+    }
+}
+
+impl<'a> Iterator for Pairs<'a> {
+    type Item = (&'a [u8], &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        self.pair()
+    }
 }
 
 #[cfg(test)]

@@ -59,7 +59,10 @@ enum Command {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Host {
+    /// Envoy with the Wasm build (`tollgate.wasm`).
     Envoy,
+    /// Envoy with the native build, a dynamic module (`libtollgate.so`).
+    EnvoyModule,
     Nginx,
 }
 
@@ -67,6 +70,7 @@ impl Host {
     fn caps(self) -> HostCaps {
         match self {
             Self::Envoy => HostCaps::ENVOY,
+            Self::EnvoyModule => HostCaps::ENVOY_MODULE,
             Self::Nginx => HostCaps::NGINX,
         }
     }
@@ -173,18 +177,22 @@ fn check(config: PathBuf, host: Option<Host>) -> ExitCode {
         "shared data: {slots} slots{windows}; on nginx: shm_kv * {}k eviction=none; (or larger)",
         zone.div_ceil(64 * 1024) * 64
     );
-    if parsed.rules.iter().any(|r| r.global().is_some()) && !matches!(host, Some(Host::Envoy)) {
+    if parsed.rules.iter().any(|r| r.global().is_some())
+        && !matches!(host, Some(Host::Envoy | Host::EnvoyModule))
+    {
         println!(
             "note: on nginx, global rules need `proxy_wasm_request_headers_in_access on;` \
              (docs/nginx.md)"
         );
     }
     if parsed.reads_request_body && !matches!(host, Some(Host::Nginx)) {
-        println!(
-            "note: in Envoy, rules that read the request body need \
-             `allow_on_headers_stop_iteration: true` in the wasm filter's config \
-             (docs/llm-budgets.md)"
-        );
+        if !matches!(host, Some(Host::EnvoyModule)) {
+            println!(
+                "note: in Envoy, rules that read the request body need \
+                 `allow_on_headers_stop_iteration: true` in the wasm filter's config \
+                 (docs/llm-budgets.md)"
+            );
+        }
         if parsed.max_request_body_bytes >= 1 << 20 {
             println!(
                 "note: in Envoy, max_request_body_bytes ({}) is not below the default \
@@ -206,7 +214,7 @@ fn check(config: PathBuf, host: Option<Host>) -> ExitCode {
         println!("warning: {warning}");
     }
     if host.is_none() {
-        for caps in [HostCaps::ENVOY, HostCaps::NGINX] {
+        for caps in [HostCaps::ENVOY, HostCaps::ENVOY_MODULE, HostCaps::NGINX] {
             if let Err(e) = parsed.check_host(&caps) {
                 println!("warning: {} would refuse it: {e}", caps.name);
             }

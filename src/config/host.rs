@@ -26,6 +26,13 @@ pub struct HostCaps {
     /// waits for its body (Envoy). ngx_wasm_module always says one may follow, and reads the
     /// body, if any, before its content handler forwards the request.
     pub request_end_known: bool,
+    /// A metadata value can be read at any depth (`NAMESPACE/FIELD/FIELD…`, the Wasm ABI's
+    /// property path). The dynamic module ABI reads a namespace's own fields only.
+    pub nested_metadata: bool,
+    /// Token buckets stash tokens per worker unless `worker_batch` says otherwise: where a
+    /// shared-data call costs a host call (Envoy's Wasm), not where the state is the process's
+    /// own memory (the dynamic module) or a request cannot wait for stashed tokens (nginx).
+    pub stash_by_default: bool,
 }
 
 impl HostCaps {
@@ -37,6 +44,16 @@ impl HostCaps {
         refuses_after_failed_call: true,
         request_metadata: true,
         request_end_known: true,
+        nested_metadata: true,
+        stash_by_default: true,
+    };
+    /// Envoy running the native build (a dynamic module): the same as the Wasm build in Envoy,
+    /// but for metadata below a namespace's own fields.
+    pub const ENVOY_MODULE: Self = Self {
+        name: "Envoy (dynamic module)",
+        nested_metadata: false,
+        stash_by_default: false,
+        ..Self::ENVOY
     };
     pub const NGINX: Self = Self {
         name: "nginx (ngx_wasm_module)",
@@ -46,6 +63,8 @@ impl HostCaps {
         refuses_after_failed_call: false,
         request_metadata: false,
         request_end_known: false,
+        nested_metadata: false,
+        stash_by_default: false,
     };
 }
 
@@ -53,9 +72,10 @@ impl Config {
     /// Settings whose default depends on the host: where a request cannot be held and decided
     /// again from the timer, token buckets stash nothing unless `worker_batch` is given — a
     /// request refused while another worker's stash holds tokens could not wait for them, and
-    /// the end of a burst spread over workers would be refused with tokens left.
+    /// the end of a burst spread over workers would be refused with tokens left; nor where the
+    /// shared state is the process's own memory, whose compare-and-swap costs what a stash saves.
     pub fn fit_host(&mut self, host: &HostCaps) {
-        if host.resume_from_timer {
+        if host.stash_by_default {
             return;
         }
         for rule in self.rules.iter_mut().filter(|r| r.worker_batch_by_default) {
@@ -97,10 +117,43 @@ impl Config {
         Ok(())
     }
 
+    /// Refuse metadata paths below a namespace's own fields on a host that reads no deeper.
+    fn check_metadata_depth(&self, host: &HostCaps) -> Result<(), ConfigError> {
+        // `metadata\0filter_metadata\0NAMESPACE\0FIELD`: four segments at most.
+        let deep = |p: &KeyPart| matches!(p, KeyPart::Metadata(path) if path.split(|&b| b == 0).count() > 4);
+        for (i, rule) in self.rules.iter().enumerate() {
+            let fair = rule.guard().map_or(&[][..], |g| &g.fair_key[..]);
+            let field = if rule.limit_from.as_ref().is_some_and(|f| deep(&f.source)) {
+                Some(format!("rules[{i}].limit_from.metadata"))
+            } else if let Some(j) = fair.iter().position(deep) {
+                Some(format!("rules[{i}].adaptive.fair_key[{j}]"))
+            } else {
+                rule.key
+                    .iter()
+                    .position(deep)
+                    .map(|j| format!("rules[{i}].key[{j}]"))
+            };
+            if let Some(field) = field {
+                return Err(err(
+                    field,
+                    format!(
+                        "{} reads a metadata namespace's own fields only (NAMESPACE/FIELD): copy \
+                         the nested value into a field of its own, or into a header, with a \
+                         filter before tollgate, or use the Wasm build",
+                        host.name
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Refuse options `host` cannot carry out, with the field named as a parse error names it.
     pub fn check_host(&self, host: &HostCaps) -> Result<(), ConfigError> {
         if !host.request_metadata {
             self.check_no_metadata(host)?;
+        } else if !host.nested_metadata {
+            self.check_metadata_depth(host)?;
         }
         if !host.resume_from_timer {
             if let Some(i) = self.rules.iter().position(|r| r.pace().is_some()) {

@@ -90,10 +90,19 @@ impl<H: Host + Clone> Contexts<H> {
             return;
         };
         for id in plugin.stale_body_waits(now) {
+            if self.host.defer_stream_work(id) {
+                continue;
+            }
             if self.host.set_effective_context(id).is_ok() {
-                self.with_stream(id, (), |s| s.decide_without_body(&self.callers));
+                self.stream_work(id);
             }
         }
+    }
+
+    /// What the tick found for stream `context_id` to do (a body that stalled: decide without
+    /// it), on the stream's own thread.
+    pub fn stream_work(&self, context_id: u32) {
+        self.with_stream(context_id, (), |s| s.decide_without_body(&self.callers));
     }
 
     pub fn request_headers(&self, context_id: u32, end_of_stream: bool) -> Action {

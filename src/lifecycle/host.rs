@@ -102,6 +102,13 @@ pub trait Host: CasStore {
     /// The body of the answer to an HTTP call, read in its response callback.
     fn call_response_body(&self, size: usize) -> Option<Vec<u8>>;
 
+    /// Take work the tick found for stream `context_id` to do on the stream's own thread, where
+    /// the tick runs on another (the dynamic module's runs on Envoy's main thread): the host then
+    /// calls [`super::Contexts::stream_work`] there. False: the tick does it now.
+    fn defer_stream_work(&self, _context_id: u32) -> bool {
+        false
+    }
+
     fn define_metric(&self, kind: MetricKind, name: &str) -> Result<u32, Status>;
     fn increment_metric(&self, id: u32, by: i64) -> Result<(), Status>;
     fn record_metric(&self, id: u32, value: u64) -> Result<(), Status>;

@@ -1,0 +1,498 @@
+//! The hooks Envoy calls (`envoy_dynamic_module_on_*`): each finds its worker and hands its
+//! arguments to the lifecycle's `Contexts`, turning the answer into the ABI's numbers. Every hook
+//! is guarded: a panic is caught, logged and counted, and the request it was deciding is answered
+//! 503 (as the Wasm build's `fail_open: false` does when its VM fails), never unwound into Envoy.
+
+use crate::abi::{self, EnvoyBuffer, FilterEnvoy};
+use crate::config::ModuleConfig;
+use crate::host::Op;
+use crate::worker::{known_worker, this_worker, worker, Worker};
+use std::ffi::{c_char, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tollgate::lifecycle::Action;
+
+/// The filter name Envoy's `filter_name` must give.
+const FILTER_NAME: &[u8] = b"tollgate";
+
+/// Panics caught in hooks (each also logged at critical level).
+pub static PANICS: AtomicU64 = AtomicU64::new(0);
+
+/// Run `f`, or on a panic count it and return `on_panic()`.
+fn guarded<R>(on_panic: impl FnOnce() -> R, f: impl FnOnce() -> R) -> R {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(_) => {
+            PANICS.fetch_add(1, Ordering::Relaxed);
+            on_panic()
+        }
+    }
+}
+
+/// Answer a request whose hook failed: 503, as a failed Wasm VM with `fail_open: false`.
+fn refuse_after_panic(filter: FilterEnvoy) {
+    let _ = catch_unwind(|| {
+        // SAFETY: the stream's filter in its hook; Envoy copies the body and details.
+        unsafe {
+            abi::send_response(
+                filter,
+                503,
+                std::ptr::null_mut(),
+                0,
+                abi::ModuleBuffer::of(b"tollgate: internal error\n"),
+                abi::ModuleBuffer::of(b"tollgate_panic"),
+            )
+        }
+    });
+}
+
+/// The stream id the module gave Envoy for a filter.
+fn stream_id(module: *const c_void) -> u32 {
+    u32::try_from(module as usize).unwrap_or(0)
+}
+
+/// Run `f` for stream `module` on its worker, entered as its current context.
+fn on_stream<R>(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    neutral: R,
+    f: impl FnOnce(&Worker, u32) -> R,
+) -> R {
+    let id = stream_id(module);
+    match known_worker() {
+        Some(cell) => cell.with(|w| {
+            let _entered = w.host().enter_stream(id, filter);
+            f(w, id)
+        }),
+        None => neutral,
+    }
+}
+
+/// A hook's action, noting a pause (the tick must be able to reach the stream).
+fn noting_pause(w: &Worker, id: u32, action: Action) -> Action {
+    if action != Action::Continue {
+        w.host().paused(id);
+    }
+    action
+}
+
+fn headers_status(action: Action) -> u32 {
+    match action {
+        Action::Continue => abi::HEADERS_CONTINUE,
+        // Body callbacks keep coming while the headers wait: the lifecycle holds the body back
+        // or reads it (rules that read the request body), as the Wasm build with
+        // `allow_on_headers_stop_iteration`.
+        Action::Pause | Action::HoldBody => abi::HEADERS_STOP_ITERATION,
+    }
+}
+
+fn body_status(action: Action) -> u32 {
+    match action {
+        Action::Continue => abi::BODY_CONTINUE,
+        Action::Pause => abi::BODY_STOP_AND_BUFFER,
+        Action::HoldBody => abi::BODY_STOP_AND_WATERMARK,
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+    guarded(std::ptr::null, || {
+        crate::log::install();
+        abi::ABI_VERSION.as_ptr().cast()
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    config_envoy: abi::ConfigEnvoy,
+    name: EnvoyBuffer,
+    config: EnvoyBuffer,
+) -> *const c_void {
+    guarded(std::ptr::null, || {
+        // SAFETY: Envoy lends both for this call.
+        let (name, bytes) = unsafe { (name.bytes(), config.bytes()) };
+        if name != FILTER_NAME {
+            log::error!(
+                "invalid configuration: filter_name {:?}: this module's filter is \"tollgate\"",
+                String::from_utf8_lossy(name)
+            );
+            return std::ptr::null();
+        }
+        match crate::filters::make_config(config_envoy, bytes.to_vec()) {
+            Some(config) => Arc::into_raw(config).cast(),
+            None => std::ptr::null(),
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
+    guarded(
+        || (),
+        || {
+            // SAFETY: the pointer config_new made from an `Arc`, handed back once.
+            let config = unsafe { Arc::from_raw(config.cast::<ModuleConfig>()) };
+            crate::filters::end_config(&config);
+        },
+    );
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    config: *const c_void,
+    filter: FilterEnvoy,
+) -> *const c_void {
+    #[cfg(feature = "probe")]
+    let _t = crate::probe::start(crate::probe::Hook::Create);
+    guarded(std::ptr::null, || {
+        // SAFETY: a live configuration (Envoy destroys it after its filters).
+        let config = unsafe { &*config.cast::<ModuleConfig>() };
+        // SAFETY: the new stream's filter, on its worker.
+        let cell = this_worker(|| unsafe { abi::get_worker_index(filter) });
+        cell.with(|w| {
+            let Some(root) = config.root(w.index) else {
+                log::error!("no configuration for worker {}", w.index);
+                return std::ptr::null();
+            };
+            let id = w.new_stream(|id| w.host().linked(id));
+            w.host().link(id, filter);
+            w.contexts.create(id, root);
+            // (Never null: stream ids start at 2^20.)
+            id as usize as *const c_void
+        })
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    end_of_stream: bool,
+) -> u32 {
+    #[cfg(feature = "probe")]
+    let _t = crate::probe::start(crate::probe::Hook::Request);
+    let panicked = || {
+        refuse_after_panic(filter);
+        abi::HEADERS_STOP_ITERATION
+    };
+    guarded(panicked, || {
+        on_stream(filter, module, abi::HEADERS_CONTINUE, |w, id| {
+            #[cfg(feature = "probe")]
+            crate::probe::panic_if_asked(w.host());
+            let action = w.contexts.request_headers(id, end_of_stream);
+            headers_status(noting_pause(w, id, action))
+        })
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    end_of_stream: bool,
+) -> u32 {
+    let panicked = || {
+        refuse_after_panic(filter);
+        abi::BODY_STOP_AND_BUFFER
+    };
+    guarded(panicked, || {
+        on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
+            let size = crate::host::NativeHost::received_size(filter, abi::RECEIVED_REQUEST_BODY);
+            let action = w.contexts.request_body(id, size, end_of_stream);
+            body_status(noting_pause(w, id, action))
+        })
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    filter: FilterEnvoy,
+    module: *const c_void,
+) -> u32 {
+    let panicked = || {
+        refuse_after_panic(filter);
+        abi::TRAILERS_STOP_ITERATION
+    };
+    guarded(panicked, || {
+        on_stream(
+            filter,
+            module,
+            abi::TRAILERS_CONTINUE,
+            |w, id| match noting_pause(w, id, w.contexts.request_trailers(id)) {
+                Action::Continue => abi::TRAILERS_CONTINUE,
+                _ => abi::TRAILERS_STOP_ITERATION,
+            },
+        )
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    _end_of_stream: bool,
+) -> u32 {
+    #[cfg(feature = "probe")]
+    let _t = crate::probe::start(crate::probe::Hook::Response);
+    guarded(
+        || abi::HEADERS_CONTINUE,
+        || {
+            on_stream(filter, module, abi::HEADERS_CONTINUE, |w, id| {
+                headers_status(noting_pause(w, id, w.contexts.response_headers(id)))
+            })
+        },
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    end_of_stream: bool,
+) -> u32 {
+    guarded(
+        || abi::BODY_CONTINUE,
+        || {
+            on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
+                let size =
+                    crate::host::NativeHost::received_size(filter, abi::RECEIVED_RESPONSE_BODY);
+                let action = w.contexts.response_body(id, size, end_of_stream);
+                body_status(noting_pause(w, id, action))
+            })
+        },
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+) -> u32 {
+    abi::TRAILERS_CONTINUE
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    filter: FilterEnvoy,
+    module: *const c_void,
+) {
+    #[cfg(feature = "probe")]
+    let _t = crate::probe::start(crate::probe::Hook::Log);
+    guarded(
+        || (),
+        || on_stream(filter, module, (), |w, id| w.contexts.log(id)),
+    );
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: *const c_void) {
+    guarded(
+        || (),
+        || {
+            let id = stream_id(module);
+            if let Some(cell) = known_worker() {
+                cell.with(|w| {
+                    let _entered = w.host().enter_nothing();
+                    w.contexts.delete(id);
+                    w.host().unlink(id);
+                });
+            }
+        },
+    );
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    callout_id: u64,
+    result: u32,
+    headers: *const abi::EnvoyHeader,
+    headers_size: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_size: usize,
+) {
+    guarded(
+        || refuse_after_panic(filter),
+        || {
+            on_stream(filter, module, (), |w, id| {
+                answer(
+                    w,
+                    id,
+                    callout_id,
+                    result,
+                    (headers, headers_size),
+                    (chunks, chunks_size),
+                );
+            })
+        },
+    );
+}
+
+/// Deliver a callout's answer to context `id` (a stream, or a root for the tick's calls).
+fn answer(
+    w: &Worker,
+    id: u32,
+    callout_id: u64,
+    result: u32,
+    (headers, headers_size): (*const abi::EnvoyHeader, usize),
+    (chunks, chunks_size): (*const EnvoyBuffer, usize),
+) {
+    // A failed callout (reset, too large) has no headers: the lifecycle takes it as failed.
+    let headers_size = match result {
+        abi::CALLOUT_RESULT_SUCCESS if !headers.is_null() => headers_size,
+        _ => 0,
+    };
+    let body_size = (0..if chunks.is_null() { 0 } else { chunks_size })
+        // SAFETY: Envoy lends `chunks_size` chunks for the done hook, which is running.
+        .map(|i| unsafe { (*chunks.add(i)).length })
+        .sum();
+    w.host()
+        .answering(headers, headers_size, chunks, chunks_size);
+    let token = u32::try_from(callout_id).unwrap_or(0);
+    w.contexts.call_response(id, token, headers_size, body_size);
+    w.host().answered();
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    _event_id: u64,
+) {
+    guarded(
+        || (),
+        || {
+            on_stream(filter, module, (), |w, id| {
+                for op in w.host().take_ops(id) {
+                    match op {
+                        Op::Work => w.contexts.stream_work(id),
+                        op => w.host().carry_out(id, filter, op),
+                    }
+                }
+            })
+        },
+    );
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _config_envoy: abi::ConfigEnvoy,
+    config: *const c_void,
+    _event_id: u64,
+) {
+    guarded(
+        || (),
+        || {
+            // SAFETY: a live configuration (its scheduler goes before it).
+            let config = unsafe { &*config.cast::<ModuleConfig>() };
+            crate::filters::tick(config);
+        },
+    );
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy: abi::ConfigEnvoy,
+    config: *const c_void,
+    callout_id: u64,
+    result: u32,
+    headers: *const abi::EnvoyHeader,
+    headers_size: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_size: usize,
+) {
+    guarded(
+        || (),
+        || {
+            // SAFETY: a live configuration (Envoy cancels its callouts before it goes).
+            let config = unsafe { &*config.cast::<ModuleConfig>() };
+            let Some(index) = config.callouts.lock().remove(&callout_id) else {
+                return;
+            };
+            let Some(root) = config.root(index) else {
+                return;
+            };
+            worker(index).with(|w| {
+                let _entered = w.host().enter_root_away(root);
+                answer(
+                    w,
+                    root,
+                    callout_id,
+                    result,
+                    (headers, headers_size),
+                    (chunks, chunks_size),
+                );
+            });
+        },
+    );
+}
+
+// Hooks Envoy requires that tollgate has no use for: streamed callouts (it makes none) and the
+// write-buffer watermarks (delivered to terminal filters only).
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+    _stream_id: u64,
+    _headers: *const abi::EnvoyHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+    _stream_id: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+    _stream_id: u64,
+    _trailers: *const abi::EnvoyHeader,
+    _trailers_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+    _stream_id: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+    _stream_id: u64,
+    _reason: u32,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    _filter: FilterEnvoy,
+    _module: *const c_void,
+) {
+}

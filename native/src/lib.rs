@@ -1,0 +1,23 @@
+//! tollgate as an Envoy dynamic module (`libtollgate.so`, filter `tollgate`): the filter crate's
+//! engine, configuration and lifecycle, behind Envoy's C ABI instead of proxy-wasm's.
+//!
+//! `abi` (the callbacks it calls, the types), `hooks` (the functions Envoy calls: dispatch and
+//! the panic guard only), `host` (the lifecycle's `Host` on the ABI, per worker), `worker` (each
+//! worker's contexts behind a lock of its own), `filters` (a configuration made in every worker,
+//! ticked and retired), `config` (one configuration at Envoy), `metronome` (the tick's thread),
+//! `metrics` (stats at Envoy) and `log`. State shared by the workers is core's `AtomicStore`,
+//! in the process's own memory.
+
+mod abi;
+mod config;
+#[cfg(any(test, feature = "fake-envoy"))]
+pub mod fake_envoy;
+mod filters;
+mod hooks;
+mod host;
+mod log;
+mod metrics;
+mod metronome;
+#[cfg(feature = "probe")]
+mod probe;
+mod worker;

@@ -1,0 +1,109 @@
+//! One Envoy worker's contexts — the lifecycle's `Contexts` with this worker's host — behind a
+//! lock of its own: the worker's hooks take it, and so does Envoy's main thread when it runs the
+//! worker's tick. No lock is shared by two workers.
+
+use crate::host::NativeHost;
+use parking_lot::{Mutex, ReentrantMutex};
+use std::cell::Cell;
+use tollgate::lifecycle::Contexts;
+
+/// Stream ids start above the roots' (a worker's roots are few: one per configuration made).
+const FIRST_STREAM: u32 = 1 << 20;
+
+pub struct Worker {
+    pub index: u32,
+    pub contexts: Contexts<NativeHost>,
+    next_root: Cell<u32>,
+    next_stream: Cell<u32>,
+}
+
+impl Worker {
+    pub fn host(&self) -> &NativeHost {
+        self.contexts.host()
+    }
+
+    pub fn new_root(&self) -> u32 {
+        let id = self.next_root.get();
+        self.next_root
+            .set(id.wrapping_add(1).clamp(1, FIRST_STREAM - 1));
+        id
+    }
+
+    /// A stream id no live stream of this worker has.
+    pub fn new_stream(&self, in_use: impl Fn(u32) -> bool) -> u32 {
+        loop {
+            let id = self.next_stream.get();
+            let next = id.checked_add(1).unwrap_or(FIRST_STREAM);
+            self.next_stream.set(next);
+            if !in_use(id) {
+                return id;
+            }
+        }
+    }
+}
+
+/// A worker's state, made `Send` for its lock.
+struct Unshared(Worker);
+
+// SAFETY: everything in a `Worker` (the lifecycle's `Rc`s and `RefCell`s) is reached only through
+// its `WorkerCell`'s lock, whose guard cannot leave the thread that took it, and nothing of it is
+// kept outside (the hooks and the tick copy out ids and Envoy pointers only).
+unsafe impl Send for Unshared {}
+
+pub struct WorkerCell {
+    lock: ReentrantMutex<Unshared>,
+}
+
+impl WorkerCell {
+    /// Run `f` with the worker held: re-entered on the same thread (a hook inside a callback
+    /// into Envoy), the lock is already ours.
+    pub fn with<R>(&self, f: impl FnOnce(&Worker) -> R) -> R {
+        let guard = self.lock.lock();
+        f(&guard.0)
+    }
+}
+
+/// Every worker the process has seen, by index. Workers live as long as the process (Envoy
+/// keeps the library loaded), so each is made once and leaked.
+static WORKERS: Mutex<Vec<&'static WorkerCell>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// This thread's worker, once its first stream named it.
+    static MINE: Cell<Option<&'static WorkerCell>> = const { Cell::new(None) };
+}
+
+/// Worker `index`, made if it is new.
+pub fn worker(index: u32) -> &'static WorkerCell {
+    let mut workers = WORKERS.lock();
+    // Envoy's workers are numbered from 0 up to its concurrency.
+    let i = usize::from(u16::try_from(index).unwrap_or(u16::MAX));
+    while workers.len() <= i {
+        let next = u32::try_from(workers.len()).unwrap_or(u32::MAX);
+        workers.push(Box::leak(Box::new(WorkerCell {
+            lock: ReentrantMutex::new(Unshared(Worker {
+                index: next,
+                contexts: Contexts::new(NativeHost::new(next)),
+                next_root: Cell::new(1),
+                next_stream: Cell::new(FIRST_STREAM),
+            })),
+        })));
+    }
+    workers[i]
+}
+
+/// The worker this thread is, told by `index` the first time.
+pub fn this_worker(index: impl FnOnce() -> u32) -> &'static WorkerCell {
+    MINE.with(|mine| match mine.get() {
+        Some(w) => w,
+        None => {
+            let w = worker(index());
+            mine.set(Some(w));
+            w
+        }
+    })
+}
+
+/// The worker the current thread entered before (a hook that has no filter to tell it).
+pub fn known_worker() -> Option<&'static WorkerCell> {
+    MINE.with(Cell::get)
+}
