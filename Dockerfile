@@ -4,6 +4,7 @@ WORKDIR /src
 # Every workspace member's manifest and sources: cargo reads the whole workspace to build one.
 COPY Cargo.toml Cargo.lock ./
 COPY core core
+COPY native native
 COPY quota quota
 COPY src src
 COPY cli cli

@@ -1,7 +1,9 @@
 # tollgate — `make demo` runs the demo, `make test` runs every test. Both set up what is missing.
 WASM := dist/tollgate.wasm
+NATIVE := dist/libtollgate.so
 ENVOY := .venv/bin/envoy
 CARGO_WASM := target/wasm32-wasip1/release/tollgate.wasm
+CARGO_NATIVE := target/native/libtollgate_native.so
 
 .PHONY: setup setup-rust build probe quota check schema test test-nginx test-compose lint dist bench bench-modules bench-instructions bench-scale demo demo-keep clean fuzz
 
@@ -11,10 +13,12 @@ setup:
 setup-rust:
 	@scripts/setup.sh --rust-only
 
+# Both builds: the Wasm module and the Envoy dynamic module (docs/envoy-native.md), from one engine.
 build: setup
 	cargo build --release --target wasm32-wasip1 -p tollgate --lib
-	@mkdir -p dist && cp $(CARGO_WASM) $(WASM)
-	@echo "built $(WASM): $$(wc -c < $(WASM)) bytes"
+	cargo build --profile native -p tollgate-native
+	@mkdir -p dist && cp $(CARGO_WASM) $(WASM) && cp $(CARGO_NATIVE) $(NATIVE)
+	@echo "built $(WASM): $$(wc -c < $(WASM)) bytes; $(NATIVE): $$(wc -c < $(NATIVE)) bytes"
 
 lint: setup
 	cargo fmt --all -- --check
@@ -24,6 +28,7 @@ lint: setup
 	cargo clippy -p tollgate --test nginx -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate -- -D warnings
 	cargo clippy --target wasm32-wasip1 -p tollgate --features probe -- -D warnings
+	cargo clippy -p tollgate-native --features probe -- -D warnings
 
 quota:
 	cargo build -p tollgate-quota -p tollgate-testbed
@@ -49,6 +54,7 @@ schema:
 test: build probe lint quota
 	@status=0; \
 	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) TOLLGATE_PROBE_WASM=$(abspath $(PROBE_WASM)) \
+	TOLLGATE_NATIVE=$(abspath $(NATIVE)) TOLLGATE_PROBE_NATIVE=$(abspath $(PROBE_NATIVE)) \
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
 	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) \
 	cargo nextest run --workspace || status=$$?; \
@@ -81,8 +87,11 @@ test-compose:
 # The module with `--features probe` (time and heap allocations per callback, as Envoy counters):
 # the allocation test and the benchmark's profile use it.
 PROBE_WASM := target/probe/wasm32-wasip1/release/tollgate.wasm
+PROBE_NATIVE := dist/probe/libtollgate.so
 probe: setup
 	cargo build --release --target wasm32-wasip1 -p tollgate --lib --features probe --target-dir target/probe
+	cargo build --profile native -p tollgate-native --features probe --target-dir target/probe
+	@mkdir -p dist/probe && cp target/probe/native/libtollgate_native.so $(PROBE_NATIVE)
 
 # The release artifacts: the module optimised by binaryen's wasm-opt -O (about 15% smaller, no
 # measurable speed change; docs/release.md) and its sha256, in dist/release/.

@@ -19,13 +19,39 @@ const FILTER_NAME: &[u8] = b"tollgate";
 /// Panics caught in hooks (each also logged at critical level).
 pub static PANICS: AtomicU64 = AtomicU64::new(0);
 
+#[cfg(test)]
+thread_local! {
+    static THREAD_PANICS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Panics caught on this thread (tests run side by side).
+#[cfg(test)]
+pub fn thread_panics() -> u64 {
+    THREAD_PANICS.with(std::cell::Cell::get)
+}
+
 /// Run `f`, or on a panic count it and return `on_panic()`.
 fn guarded<R>(on_panic: impl FnOnce() -> R, f: impl FnOnce() -> R) -> R {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(_) => {
             PANICS.fetch_add(1, Ordering::Relaxed);
+            #[cfg(test)]
+            THREAD_PANICS.with(|p| p.set(p.get() + 1));
             on_panic()
+        }
+    }
+}
+
+/// Panic if the request asks for it (`x-tollgate-panic`): the guard's own tests (the crate's,
+/// and in Envoy with the `probe` build).
+#[cfg(any(test, feature = "probe"))]
+fn panic_if_asked(host: &crate::host::NativeHost) {
+    use tollgate::lifecycle::Host;
+    if host.request_header("x-tollgate-panic").is_some() {
+        #[allow(clippy::panic)]
+        {
+            panic!("asked to by x-tollgate-panic");
         }
     }
 }
@@ -178,8 +204,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     };
     guarded(panicked, || {
         on_stream(filter, module, abi::HEADERS_CONTINUE, |w, id| {
-            #[cfg(feature = "probe")]
-            crate::probe::panic_if_asked(w.host());
+            #[cfg(any(test, feature = "probe"))]
+            panic_if_asked(w.host());
             let action = w.contexts.request_headers(id, end_of_stream);
             headers_status(noting_pause(w, id, action))
         })

@@ -20,4 +20,6 @@ mod metrics;
 mod metronome;
 #[cfg(feature = "probe")]
 mod probe;
+#[cfg(test)]
+mod tests;
 mod worker;

@@ -87,7 +87,14 @@ pub fn define(
             metrics.len() - 1
         }
     };
-    u32::try_from(index + 1).map_err(|_| Status::BAD_ARGUMENT)
+    let id = u32::try_from(index + 1).map_err(|_| Status::BAD_ARGUMENT)?;
+    drop(metrics);
+    // A labelled stat exists at Envoy once it has a value: shown at 0 from the start, as the
+    // Wasm build's stats are.
+    if rule.is_some() {
+        let _ = update(id, 0);
+    }
+    Ok(id)
 }
 
 fn define_at_envoy(

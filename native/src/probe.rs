@@ -1,6 +1,6 @@
 //! Profiling and test builds (`--features probe`): nanoseconds spent and heap allocations made in
 //! each hook, handed to Envoy counters `tollgate.probe.<hook>.{ns,allocs,calls}` every 1000 calls;
-//! and a request header, `x-tollgate-panic`, that makes the request hook panic (the guard's test).
+//! and (in `hooks`) a request header, `x-tollgate-panic`, that makes the request hook panic.
 
 use crate::abi;
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -122,17 +122,6 @@ impl Drop for Timer {
             let id = id.load(Ordering::Acquire);
             // SAFETY: plain values; a lost count is only a lost count.
             let _ = unsafe { abi::increment_counter(config, id, std::ptr::null_mut(), 0, n) };
-        }
-    }
-}
-
-/// Panic if the request asks for it (`x-tollgate-panic`): the hooks' guard is tested with it.
-pub fn panic_if_asked(host: &crate::host::NativeHost) {
-    use tollgate::lifecycle::Host;
-    if host.request_header("x-tollgate-panic").is_some() {
-        #[allow(clippy::panic)]
-        {
-            panic!("asked to by x-tollgate-panic");
         }
     }
 }

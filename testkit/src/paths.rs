@@ -19,6 +19,43 @@ pub fn probe_wasm_path() -> PathBuf {
     )
 }
 
+/// Which build of tollgate the Envoy tests run: the Wasm module (the default) or, with
+/// `TOLLGATE_BUILD=native`, the Envoy dynamic module.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Build {
+    Wasm,
+    Native,
+}
+
+pub fn build() -> Build {
+    match std::env::var("TOLLGATE_BUILD").as_deref() {
+        Ok("native") => Build::Native,
+        Ok("wasm") | Err(_) => Build::Wasm,
+        Ok(other) => panic!("TOLLGATE_BUILD={other}: expected wasm or native"),
+    }
+}
+
+/// The Envoy dynamic module (`libtollgate.so`: Envoy finds it by that name in its search path).
+pub fn native_path() -> PathBuf {
+    built_artifact("TOLLGATE_NATIVE", "dist/libtollgate.so")
+}
+
+/// The `probe` build of the dynamic module (counters `tollgate.probe.<hook>.{ns,allocs,calls}`,
+/// and a hook that panics when asked).
+pub fn probe_native_path() -> PathBuf {
+    built_artifact("TOLLGATE_PROBE_NATIVE", "dist/probe/libtollgate.so")
+}
+
+/// The module of the build under test (`probe`: its probe build).
+pub fn module_path(probe: bool) -> PathBuf {
+    match (build(), probe) {
+        (Build::Wasm, false) => wasm_path(),
+        (Build::Wasm, true) => probe_wasm_path(),
+        (Build::Native, false) => native_path(),
+        (Build::Native, true) => probe_native_path(),
+    }
+}
+
 /// A path `make test` provides through `var`, else its default place in the repository.
 pub fn built_artifact(var: &str, default: &str) -> PathBuf {
     let path = std::env::var_os(var)

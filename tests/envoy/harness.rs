@@ -90,33 +90,65 @@ pub fn listener(plugin: &Value, opts: &Options) -> Value {
     named_listener("main", plugin, opts)
 }
 
-fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
-    let mut filters = opts.filters_before.clone();
-    filters.push(json!({
-        "name": "envoy.filters.http.wasm",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": "tollgate",
-                "root_id": "tollgate",
-                "fail_open": false,
-                "allow_on_headers_stop_iteration": opts.body_readable,
-                "vm_config": {
-                    "vm_id": "tollgate",
-                    "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": opts.module.clone().unwrap_or_else(wasm_path)}}
-                },
-                "configuration": {
-                    "@type": "type.googleapis.com/google.protobuf.StringValue",
-                    "value": match plugin {
-                        // A JSON string is passed through as the configuration text itself.
-                        Value::String(text) => text.clone(),
-                        other => other.to_string(),
+/// How the build under test names its host (in logs and the status path).
+pub fn host_name() -> &'static str {
+    match build() {
+        Build::Wasm => "Envoy",
+        Build::Native => "Envoy (dynamic module)",
+    }
+}
+
+/// The plugin configuration's text: a JSON string is passed through as the text itself.
+fn plugin_text(plugin: &Value) -> String {
+    match plugin {
+        Value::String(text) => text.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// tollgate's HTTP filter, of the build under test ([`build`]): the Wasm filter, or the
+/// dynamic module (found in the search path [`spawn`] gives Envoy).
+pub fn tollgate_filter(plugin: &Value, opts: &Options) -> Value {
+    match build() {
+        Build::Wasm => json!({
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "tollgate",
+                    "root_id": "tollgate",
+                    "fail_open": false,
+                    "allow_on_headers_stop_iteration": opts.body_readable,
+                    "vm_config": {
+                        "vm_id": "tollgate",
+                        "runtime": "envoy.wasm.runtime.v8",
+                        "code": {"local": {"filename": opts.module.clone().unwrap_or_else(wasm_path)}}
+                    },
+                    "configuration": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": plugin_text(plugin)
                     }
                 }
             }
-        }
-    }));
+        }),
+        Build::Native => json!({
+            "name": "envoy.filters.http.dynamic_modules",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                "dynamic_module_config": {"name": "tollgate"},
+                "filter_name": "tollgate",
+                "filter_config": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": plugin_text(plugin)
+                }
+            }
+        }),
+    }
+}
+
+fn named_listener(name: &str, plugin: &Value, opts: &Options) -> Value {
+    let mut filters = opts.filters_before.clone();
+    filters.push(tollgate_filter(plugin, opts));
     filters.extend(opts.filters_after.iter().cloned());
     filters.push(json!({
         "name": "envoy.filters.http.router",
@@ -175,6 +207,11 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
         }]},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
     });
+    if build() == Build::Native {
+        // The dynamic module's stats under the same Prometheus names as the Wasm build's
+        // (docs/envoy-native.md): Envoy strips their namespace, as it does `wasmcustom`.
+        boot["layered_runtime"] = native_runtime();
+    }
     if let Some(port) = opts.app_port {
         boot["static_resources"]["clusters"]
             .as_array_mut()
@@ -274,6 +311,20 @@ pub struct Refused {
     pub log: String,
 }
 
+/// The runtime layer the dynamic module's docs give: its stats' Prometheus names without the
+/// `dynamicmodulescustom` namespace.
+pub fn native_runtime() -> Value {
+    json!({"layers": [{"name": "static", "static_layer": {
+        "envoy.reloadable_features.dynamic_modules_strip_custom_stat_prefix": true
+    }}]})
+}
+
+/// Where Envoy looks for `libtollgate.so`: the directory of the module under test.
+pub fn module_search_path(opts: &Options) -> PathBuf {
+    let module = opts.module.clone().unwrap_or_else(native_path);
+    module.parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
 fn spawn(dir: &Path, bootstrap: &Value, opts: &Options) -> Child {
     let config = dir.join("envoy.json");
     fs::write(&config, serde_json::to_vec_pretty(bootstrap).unwrap()).unwrap();
@@ -284,10 +335,10 @@ fn spawn(dir: &Path, bootstrap: &Value, opts: &Options) -> Child {
         .arg("--disable-hot-restart")
         .args(["-l", "info"])
         .args(["--file-flush-interval-msec", "100"])
-        .args(if opts.debug_log {
-            &["--component-log-level", "wasm:debug"][..]
-        } else {
-            &[]
+        .args(match (opts.debug_log, build()) {
+            (false, _) => &[][..],
+            (true, Build::Wasm) => &["--component-log-level", "wasm:debug"][..],
+            (true, Build::Native) => &["--component-log-level", "dynamic_modules:debug"][..],
         })
         .arg("--admin-address-path")
         .arg(dir.join("admin"))
@@ -296,6 +347,12 @@ fn spawn(dir: &Path, bootstrap: &Value, opts: &Options) -> Child {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
+    if build() == Build::Native {
+        cmd.env(
+            "ENVOY_DYNAMIC_MODULES_SEARCH_PATH",
+            module_search_path(opts),
+        );
+    }
     // If the test process dies without unwinding, the kernel still stops this Envoy.
     unsafe {
         cmd.pre_exec(|| {
@@ -441,8 +498,10 @@ impl Envoy {
         );
     }
 
-    /// A plain Envoy stat, 0 if absent.
+    /// A plain Envoy stat, 0 if absent. tollgate's are named as the Wasm build names them
+    /// (`wasmcustom.tollgate.…`); for the dynamic module they are read under its names.
     pub fn stat(&self, name: &str) -> i64 {
+        let name = &native_stat_name(name);
         let text = self.admin_get("/stats");
         text.lines()
             .find_map(|l| l.strip_prefix(&format!("{name}: ")))
@@ -563,6 +622,27 @@ impl Drop for Envoy {
         } else {
             let _ = fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+/// The dynamic module's name for a stat the Wasm build calls `name`: its namespace, and a rule's
+/// name as the label it is (`wasmcustom.tollgate.rule.R.S` is
+/// `dynamicmodulescustom.tollgate.rule.S.tollgate_rule.R`).
+pub fn native_stat_name(name: &str) -> String {
+    let Some(rest) = name.strip_prefix("wasmcustom.") else {
+        return name.to_string();
+    };
+    if build() == Build::Wasm {
+        return name.to_string();
+    }
+    match rest
+        .strip_prefix("tollgate.rule.")
+        .and_then(|r| r.rsplit_once('.'))
+    {
+        Some((rule, stat)) => {
+            format!("dynamicmodulescustom.tollgate.rule.{stat}.tollgate_rule.{rule}")
+        }
+        None => format!("dynamicmodulescustom.{rest}"),
     }
 }
 

@@ -1,0 +1,286 @@
+//! The hooks driven as Envoy drives them, against the fake Envoy: configurations made and
+//! refused, requests decided, the tick reaching paused streams from the main thread, panics
+//! caught, and hostile bytes everywhere a client reaches.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use crate::abi::{self, EnvoyBuffer};
+use crate::fake_envoy::{self, new_config, new_stream, stream};
+use crate::hooks::thread_panics;
+use crate::hooks::*;
+use proptest::prelude::*;
+use std::ffi::c_void;
+
+fn buffer(bytes: &[u8]) -> EnvoyBuffer {
+    EnvoyBuffer {
+        ptr: bytes.as_ptr(),
+        length: bytes.len(),
+    }
+}
+
+/// A configuration made from `json`: (Envoy's pointer, the module's), or the module's null.
+fn configure(json: &str) -> (*mut c_void, *const c_void) {
+    assert!(!envoy_dynamic_module_on_program_init().is_null());
+    let envoy = new_config();
+    let module = envoy_dynamic_module_on_http_filter_config_new(
+        envoy,
+        buffer(b"tollgate"),
+        buffer(json.as_bytes()),
+    );
+    (envoy, module)
+}
+
+/// One request through its hooks, as far as the module lets it: its request-headers status and
+/// what Envoy recorded of it.
+fn request(
+    config: *const c_void,
+    headers: &[(&str, &str)],
+    source: &str,
+) -> (u32, fake_envoy::Stream) {
+    let filter = new_stream(0, headers, source);
+    let module = envoy_dynamic_module_on_http_filter_new(config, filter);
+    assert!(!module.is_null());
+    let status = envoy_dynamic_module_on_http_filter_request_headers(filter, module, true);
+    if status == abi::HEADERS_CONTINUE {
+        envoy_dynamic_module_on_http_filter_response_headers(filter, module, false);
+    }
+    envoy_dynamic_module_on_http_filter_stream_complete(filter, module);
+    envoy_dynamic_module_on_http_filter_destroy(module);
+    (status, stream(filter))
+}
+
+const PER_IP: &str =
+    r#"{"rules":[{"name":"per-ip","key":["client_ip"],"limit":{"requests":3,"per":"1m"}}]}"#;
+
+#[test]
+fn a_limit_admits_its_burst_then_refuses_with_the_headers_a_client_reads() {
+    let (_, config) = configure(PER_IP);
+    assert!(!config.is_null());
+    for i in 0..3 {
+        let (status, s) = request(config, &[(":path", "/")], "10.1.0.1:4000");
+        assert_eq!(status, abi::HEADERS_CONTINUE, "request {i}");
+        assert!(s.sent.is_none());
+        let policy = s
+            .response_headers
+            .iter()
+            .find(|(k, _)| k == b"ratelimit-policy");
+        assert_eq!(policy.unwrap().1, br#""per-ip";q=3;w=60"#);
+    }
+    let (status, s) = request(config, &[(":path", "/")], "10.1.0.1:4000");
+    assert_eq!(status, abi::HEADERS_STOP_ITERATION);
+    let (code, headers, body) = s.sent.unwrap();
+    assert_eq!((code, body.as_slice()), (429, &b"rate limited\n"[..]));
+    assert!(headers
+        .iter()
+        .any(|(k, v)| k == b"retry-after" && !v.is_empty()));
+    // Another client has its own bucket.
+    assert_eq!(
+        request(config, &[], "10.1.0.2:4000").0,
+        abi::HEADERS_CONTINUE
+    );
+}
+
+#[test]
+fn a_refused_configuration_or_another_filter_name_is_not_made() {
+    let (_, config) = configure(r#"{"rules":[{"name":"r","limit":{"requests":1,"per":"5x"}}]}"#);
+    assert!(config.is_null());
+    let logged = fake_envoy::with(|f| f.logs.iter().any(|(_, l)| l.contains("rules[0].limit.per")));
+    assert!(logged, "the refusal names the field");
+    let envoy = new_config();
+    let other = envoy_dynamic_module_on_http_filter_config_new(
+        envoy,
+        buffer(b"other"),
+        buffer(PER_IP.as_bytes()),
+    );
+    assert!(other.is_null());
+    // Metadata below a namespace's own fields is refused, naming the build.
+    let (_, nested) = configure(
+        r#"{"rules":[{"name":"r","key":["metadata:ns/a/b"],"limit":{"requests":1,"per":"1s"}}]}"#,
+    );
+    assert!(nested.is_null());
+    let logged = fake_envoy::with(|f| {
+        f.logs
+            .iter()
+            .any(|(_, l)| l.contains("Envoy (dynamic module)"))
+    });
+    assert!(logged);
+}
+
+#[test]
+fn stats_are_one_labelled_metric_per_rule_stat_handed_over_on_the_tick() {
+    let (envoy, config) =
+        configure(r#"{"rules":[{"name":"tick-stats","limit":{"requests":1,"per":"1m"}}]}"#);
+    request(config, &[], "10.2.0.1:1");
+    request(config, &[], "10.2.0.1:1");
+    envoy_dynamic_module_on_http_filter_config_scheduled(envoy, config, 0);
+    let value = |stat: &str| {
+        fake_envoy::with(|f| {
+            let (&(_, _, id), _) = f
+                .metrics
+                .iter()
+                .find(|((c, labelled, _), (name, _))| {
+                    *c == envoy as usize && *labelled && name == stat
+                })
+                .unwrap();
+            f.values
+                .get(&(envoy as usize, id, b"tick-stats".to_vec()))
+                .copied()
+        })
+    };
+    assert_eq!(value("tollgate.rule.allowed"), Some(1));
+    assert_eq!(value("tollgate.rule.limited"), Some(1));
+}
+
+#[test]
+fn metadata_keys_read_a_namespace_field_as_a_string_or_a_number() {
+    let (_, config) = configure(
+        r#"{"rules":[{"name":"plan","key":["metadata:auth/sub"],"missing_key":"skip","limit":{"requests":1,"per":"1m"}}]}"#,
+    );
+    let with_meta = |value: Result<Vec<u8>, f64>| {
+        let filter = new_stream(0, &[], "10.3.0.1:1");
+        fake_envoy::with(|f| {
+            let s = f.streams.get_mut(&(filter as usize)).unwrap();
+            s.metadata
+                .insert((b"auth".to_vec(), b"sub".to_vec()), value);
+        });
+        let module = envoy_dynamic_module_on_http_filter_new(config, filter);
+        let status = envoy_dynamic_module_on_http_filter_request_headers(filter, module, true);
+        envoy_dynamic_module_on_http_filter_stream_complete(filter, module);
+        envoy_dynamic_module_on_http_filter_destroy(module);
+        status
+    };
+    assert_eq!(with_meta(Ok(b"alice".to_vec())), abi::HEADERS_CONTINUE);
+    assert_eq!(
+        with_meta(Ok(b"alice".to_vec())),
+        abi::HEADERS_STOP_ITERATION
+    );
+    assert_eq!(with_meta(Err(7.0)), abi::HEADERS_CONTINUE);
+    assert_eq!(with_meta(Err(7.0)), abi::HEADERS_STOP_ITERATION);
+    // No metadata: skipped by the rule.
+    assert_eq!(request(config, &[], "10.3.0.1:1").0, abi::HEADERS_CONTINUE);
+}
+
+/// A request that waits for a global rule's first lease is paused; the tick (Envoy's main
+/// thread) sends the refill as a configuration callout, and its answer admits the request on its
+/// own worker, through the stream's scheduler.
+#[test]
+fn a_waiting_request_is_resumed_on_its_worker_by_the_answer_the_tick_asked_for() {
+    let json = r#"{"rules":[{"name":"g","scope":"global","limit":{"requests":100,"per":"1s"}}],
+                   "quota_service":{"upstream":"quota","timeout":"1s"}}"#;
+    let (envoy, config) = configure(json);
+    let filter = new_stream(0, &[(":path", "/")], "10.4.0.1:1");
+    let module = envoy_dynamic_module_on_http_filter_new(config, filter);
+    let status = envoy_dynamic_module_on_http_filter_request_headers(filter, module, true);
+    assert_eq!(status, abi::HEADERS_STOP_ITERATION);
+    envoy_dynamic_module_on_http_filter_config_scheduled(envoy, config, 0);
+    let call = fake_envoy::with(|f| {
+        f.callouts
+            .iter()
+            .rev()
+            .find(|c| c.from == envoy as usize)
+            .cloned()
+    });
+    let call = call.expect("the tick's refill call");
+    assert_eq!(call.cluster, "quota");
+    assert!(call
+        .headers
+        .iter()
+        .any(|(k, v)| k == b":path" && v == b"/v1/lease"));
+    assert!(call.headers.iter().any(|(k, _)| k == b"host"));
+    let asked: serde_json::Value = serde_json::from_slice(&call.body).unwrap();
+    assert_eq!(asked["items"].as_array().map(Vec::len), Some(1));
+    let answer = serde_json::json!({"items": [{"granted": 10, "remaining": 90, "ttl_ms": 10000,
+                                               "reset_ms": 100}]});
+    let body = serde_json::to_vec(&answer).unwrap();
+    let (k, v) = (b":status", b"200");
+    let headers = [abi::EnvoyHeader {
+        key_ptr: k.as_ptr(),
+        key_length: k.len(),
+        value_ptr: v.as_ptr(),
+        value_length: v.len(),
+    }];
+    let chunk = [buffer(&body)];
+    envoy_dynamic_module_on_http_filter_config_http_callout_done(
+        envoy,
+        config,
+        call.id,
+        abi::CALLOUT_RESULT_SUCCESS,
+        headers.as_ptr(),
+        1,
+        chunk.as_ptr(),
+        1,
+    );
+    // The next tick decides the waiting request: queued for its worker, not done off it.
+    envoy_dynamic_module_on_http_filter_config_scheduled(envoy, config, 0);
+    assert_eq!(stream(filter).decoding_continued, 0);
+    let events = fake_envoy::with(|f| {
+        f.schedulers
+            .values_mut()
+            .filter(|(owner, _)| *owner == filter as usize)
+            .flat_map(|(_, e)| std::mem::take(e))
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(
+        events.len(),
+        1,
+        "one event committed to the stream's scheduler"
+    );
+    envoy_dynamic_module_on_http_filter_scheduled(filter, module, events[0]);
+    let s = stream(filter);
+    assert_eq!((s.decoding_continued, s.sent.is_none()), (1, true));
+    envoy_dynamic_module_on_http_filter_stream_complete(filter, module);
+    envoy_dynamic_module_on_http_filter_destroy(module);
+    let gone = fake_envoy::with(|f| !f.schedulers.values().any(|(o, _)| *o == filter as usize));
+    assert!(gone, "the stream's scheduler is deleted with it");
+}
+
+#[test]
+fn a_hook_that_panics_answers_its_request_503_and_the_next_one_is_served() {
+    let (_, config) = configure(PER_IP);
+    let before = thread_panics();
+    let (status, s) = request(config, &[("x-tollgate-panic", "1")], "10.5.0.1:1");
+    assert_eq!(status, abi::HEADERS_STOP_ITERATION);
+    assert_eq!(s.sent.map(|(code, ..)| code), Some(503));
+    assert!(thread_panics() > before);
+    assert_eq!(request(config, &[], "10.5.0.1:1").0, abi::HEADERS_CONTINUE);
+}
+
+proptest! {
+    /// Whatever bytes a client sends — header names and values, the address Envoy reports —
+    /// every hook answers a status of the ABI's and nothing panics.
+    #[test]
+    fn hostile_requests_never_panic(
+        headers in proptest::collection::vec((".{0,12}", proptest::collection::vec(any::<u8>(), 0..40)), 0..8),
+        source in proptest::collection::vec(any::<u8>(), 0..40),
+    ) {
+        use std::sync::OnceLock;
+        static CONFIG: OnceLock<usize> = OnceLock::new();
+        let config = *CONFIG.get_or_init(|| {
+            configure(r#"{"rules":[
+                {"name":"ip","key":["client_ip"],"limit":{"requests":2,"per":"1m"}},
+                {"name":"h","key":["header:x-user","query:q","host","path","method"],"limit":{"requests":2,"per":"1m"}},
+                {"name":"c","algorithm":"concurrency","key":["header:x-user"],"limit":{"concurrent":1}}
+              ],"rate_limit_headers":"both"}"#).1 as usize
+        }) as *const c_void;
+        let filter = fake_envoy::new_stream(0, &[], "");
+        fake_envoy::with(|f| {
+            let s = f.streams.get_mut(&(filter as usize)).unwrap();
+            s.request_headers = headers.iter().map(|(k, v)| (k.as_bytes().to_vec(), v.clone())).collect();
+            s.source = Some(source.clone());
+        });
+        let before = thread_panics();
+        let module = envoy_dynamic_module_on_http_filter_new(config, filter);
+        prop_assert!(!module.is_null());
+        let status = envoy_dynamic_module_on_http_filter_request_headers(filter, module, false);
+        prop_assert!(status == abi::HEADERS_CONTINUE || status == abi::HEADERS_STOP_ITERATION);
+        let body = envoy_dynamic_module_on_http_filter_request_body(filter, module, true);
+        prop_assert!(body <= abi::BODY_STOP_AND_WATERMARK);
+        envoy_dynamic_module_on_http_filter_response_headers(filter, module, true);
+        envoy_dynamic_module_on_http_filter_stream_complete(filter, module);
+        envoy_dynamic_module_on_http_filter_destroy(module);
+        // (Other tests' panics are on purpose; a hostile request's may be none.)
+        let panicked = headers.iter().any(|(k, _)| k == "x-tollgate-panic");
+        prop_assert!(panicked || thread_panics() == before
+            || cfg!(feature = "probe"));
+    }
+}
