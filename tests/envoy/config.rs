@@ -1,6 +1,6 @@
 //! Bad configurations are refused at load, and Envoy's log names the field and the reason.
 
-use crate::harness::Envoy;
+use crate::harness::{Envoy, Options};
 use serde_json::{json, Value};
 
 fn rule(extra: Value) -> Value {
@@ -117,38 +117,33 @@ fn invalid_configurations_are_refused_with_the_field_named() {
             "rules[0].cost: missing field `max`",
         ),
     ];
-    // Each refusal is its own short-lived Envoy: run them a few at a time.
-    let results: Vec<(String, String, String)> = corpus
-        .chunks(4)
-        .flat_map(|chunk| {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = chunk
-                    .iter()
-                    .map(|(config, want)| {
-                        s.spawn(move || {
-                            // A raw string is passed through as the plugin configuration text.
-                            let refused = Envoy::expect_refusal(config);
-                            assert!(!refused.status.success(), "Envoy must exit with an error");
-                            (config.to_string(), want.to_string(), refused.log)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap())
-                    .collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    for (config, want, log) in results {
-        let line = log
-            .lines()
-            .find(|l| l.contains("invalid configuration: "))
-            .unwrap_or_else(|| panic!("no tollgate error for {config} in:\n{log}"));
+    // A configuration refused at start-up stops Envoy with an error.
+    let refused = Envoy::expect_refusal(&corpus[0].0);
+    assert!(!refused.status.success(), "Envoy must exit with an error");
+    assert!(refused
+        .log
+        .contains(&format!("invalid configuration: {}", corpus[0].1)));
+    // The others are served to one running Envoy through LDS: each is refused in turn (the
+    // listener update is rejected), and the Envoy keeps serving the configuration it had.
+    let opts = Options {
+        lds: true,
+        concurrency: 1,
+        ..Options::default()
+    };
+    let good = json!({"rules": [rule(json!({}))]});
+    let envoy = Envoy::start_with(&good, &opts);
+    for (config, want) in &corpus[1..] {
+        let line = envoy.refuse_reconfiguration(config, &opts);
         let message = line.split("invalid configuration: ").nth(1).unwrap();
         assert!(
-            message.starts_with(&want),
+            message.starts_with(want),
             "for {config}\n got: {message}\nwant: {want}…"
         );
     }
+    assert_eq!(
+        crate::harness::Client::new()
+            .get(&envoy.url("/"), &[])
+            .status,
+        200
+    );
 }

@@ -463,6 +463,33 @@ impl Envoy {
         assert!(applied, "LDS update not applied:\n{}", self.log());
     }
 
+    /// Serve a plugin configuration that must be refused (as [`Envoy::reconfigure`]); returns
+    /// the tollgate error line the refusal logged. Envoy goes on with the configuration it had.
+    pub fn refuse_reconfiguration(&self, plugin: &Value, opts: &Options) -> String {
+        let before = self.stat("listener_manager.lds.update_rejected");
+        let seen = self.log().len();
+        write_lds(&self.dir, plugin, opts);
+        let mut line = None;
+        let refused = eventually(START_TIMEOUT, || {
+            if self.stat("listener_manager.lds.update_rejected") <= before {
+                return false;
+            }
+            let log = self.log();
+            line = log.get(seen..).and_then(|new| {
+                new.lines()
+                    .find(|l| l.contains("invalid configuration: "))
+                    .map(str::to_string)
+            });
+            line.is_some()
+        });
+        assert!(
+            refused,
+            "not refused, or no tollgate line, for {plugin}:\n{}",
+            self.log()
+        );
+        line.unwrap_or_default()
+    }
+
     /// Wait until a stat the filter updates on its tick reads `value` on two reads more than two
     /// ticks apart (so a change made just before the first read has been reported by the second).
     pub fn wait_for_stat(&self, name: &str, value: i64) {
