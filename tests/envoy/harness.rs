@@ -47,6 +47,15 @@ pub struct Options {
     /// The wasm filter's `allow_on_headers_stop_iteration` (what rules that read the request
     /// body need; off by default, as in Envoy).
     pub body_readable: bool,
+    /// The build to run, whatever `TOLLGATE_BUILD` says (a test of one build's own interface).
+    pub build: Option<Build>,
+}
+
+impl Options {
+    /// The build this Envoy runs.
+    pub fn build(&self) -> Build {
+        self.build.unwrap_or_else(build)
+    }
 }
 
 impl Default for Options {
@@ -66,6 +75,7 @@ impl Default for Options {
             app_port: None,
             routes: Vec::new(),
             body_readable: false,
+            build: None,
         }
     }
 }
@@ -109,7 +119,7 @@ fn plugin_text(plugin: &Value) -> String {
 /// tollgate's HTTP filter, of the build under test ([`build`]): the Wasm filter, or the
 /// dynamic module (found in the search path [`spawn`] gives Envoy).
 pub fn tollgate_filter(plugin: &Value, opts: &Options) -> Value {
-    match build() {
+    match opts.build() {
         Build::Wasm => json!({
             "name": "envoy.filters.http.wasm",
             "typed_config": {
@@ -207,7 +217,7 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
         }]},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
     });
-    if build() == Build::Native {
+    if opts.build() == Build::Native {
         // The dynamic module's stats under the same Prometheus names as the Wasm build's
         // (docs/envoy-native.md): Envoy strips their namespace, as it does `wasmcustom`.
         boot["layered_runtime"] = native_runtime();
@@ -335,7 +345,7 @@ fn spawn(dir: &Path, bootstrap: &Value, opts: &Options) -> Child {
         .arg("--disable-hot-restart")
         .args(["-l", "info"])
         .args(["--file-flush-interval-msec", "100"])
-        .args(match (opts.debug_log, build()) {
+        .args(match (opts.debug_log, opts.build()) {
             (false, _) => &[][..],
             (true, Build::Wasm) => &["--component-log-level", "wasm:debug"][..],
             (true, Build::Native) => &["--component-log-level", "dynamic_modules:debug"][..],
@@ -347,7 +357,7 @@ fn spawn(dir: &Path, bootstrap: &Value, opts: &Options) -> Child {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    if build() == Build::Native {
+    if opts.build() == Build::Native {
         cmd.env(
             "ENVOY_DYNAMIC_MODULES_SEARCH_PATH",
             module_search_path(opts),

@@ -24,6 +24,7 @@ mod limits;
 mod matching;
 mod module;
 mod monitoring;
+mod native_module;
 mod operations;
 mod overload;
 mod plugins;
