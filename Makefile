@@ -96,8 +96,9 @@ probe: setup
 	cargo build --profile native -p tollgate-native --features probe --target-dir target/probe
 	@mkdir -p dist/probe && cp target/probe/native/libtollgate_native.so $(PROBE_NATIVE)
 
-# The release artifacts: the module optimised by binaryen's wasm-opt -O (about 15% smaller, no
-# measurable speed change; docs/release.md) and its sha256, in dist/release/.
+# The release artifacts: the Wasm module optimised by binaryen's wasm-opt -O (about 15% smaller,
+# no measurable speed change; docs/release.md), the Envoy dynamic module, and their sha256s, in
+# dist/release/.
 WASM_FEATURES := --enable-bulk-memory --enable-sign-ext --enable-nontrapping-float-to-int \
 	--enable-mutable-globals --enable-multivalue --enable-reference-types
 dist: build
@@ -105,9 +106,10 @@ dist: build
 		$$apt_get update -qq && $$apt_get install -y -qq binaryen >/dev/null; }
 	@mkdir -p dist/release
 	wasm-opt $(WASM_FEATURES) -O $(WASM) -o dist/release/tollgate.wasm
-	cd dist/release && sha256sum tollgate.wasm > tollgate.wasm.sha256
-	@echo "dist/release/tollgate.wasm: $$(wc -c < dist/release/tollgate.wasm) bytes (plain release: $$(wc -c < $(WASM)))"
-	@cat dist/release/tollgate.wasm.sha256
+	cp $(NATIVE) dist/release/libtollgate.so
+	cd dist/release && sha256sum tollgate.wasm > tollgate.wasm.sha256 && sha256sum libtollgate.so > libtollgate.so.sha256
+	@echo "dist/release/tollgate.wasm: $$(wc -c < dist/release/tollgate.wasm) bytes (plain release: $$(wc -c < $(WASM))); dist/release/libtollgate.so: $$(wc -c < dist/release/libtollgate.so) bytes"
+	@cat dist/release/tollgate.wasm.sha256 dist/release/libtollgate.so.sha256
 
 demo: build
 	cargo build --release -p tollgate-quota

@@ -63,6 +63,10 @@ pub fn end_config(config: &Arc<ModuleConfig>) {
     config.stop_scheduler();
     retire(config, config.roots.get().map_or(&[][..], Vec::as_slice));
     config.callouts.lock().clear();
+    log::info!(
+        "configuration removed ({} worker(s))",
+        config.roots.get().map_or(0, Vec::len)
+    );
 }
 
 fn retire(config: &ModuleConfig, roots: &[u32]) {

@@ -125,8 +125,29 @@ fn body_status(action: Action) -> u32 {
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
     guarded(std::ptr::null, || {
         crate::log::install();
+        stay_loaded();
         abi::ABI_VERSION.as_ptr().cast()
     })
+}
+
+/// Keep the library loaded for the process's life (as `do_not_close` would): its tick thread and
+/// the workers' state outlive any one configuration, and Envoy closes a module once no
+/// configuration uses it.
+fn stay_loaded() {
+    // SAFETY: dladdr reads the address of a function of this library and writes one Dl_info;
+    // dlopen with RTLD_NOLOAD only takes another reference to the library already loaded.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        let here = envoy_dynamic_module_on_program_init as *const c_void;
+        if libc::dladdr(here, &mut info) == 0 || info.dli_fname.is_null() {
+            log::warn!("cannot pin the module: removing every tollgate filter may unload it");
+            return;
+        }
+        let flags = libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_NODELETE;
+        if libc::dlopen(info.dli_fname, flags).is_null() {
+            log::warn!("cannot pin the module: removing every tollgate filter may unload it");
+        }
+    }
 }
 
 #[no_mangle]

@@ -49,6 +49,8 @@ pub struct Options {
     pub body_readable: bool,
     /// The build to run, whatever `TOLLGATE_BUILD` says (a test of one build's own interface).
     pub build: Option<Build>,
+    /// Envoy's `--drain-time-s`: how long a replaced listener (and its filters) lives on.
+    pub drain_time_s: Option<u32>,
 }
 
 impl Options {
@@ -76,6 +78,7 @@ impl Default for Options {
             routes: Vec::new(),
             body_readable: false,
             build: None,
+            drain_time_s: None,
         }
     }
 }
@@ -298,8 +301,11 @@ pub fn bootstrap(plugin: &Value, opts: &Options, dir: &Path) -> Value {
 
 /// Replace the LDS file atomically (Envoy reloads on the move into the watched directory).
 fn write_lds(dir: &Path, plugin: &Value, opts: &Options) {
+    write_listener(dir, listener(plugin, opts));
+}
+
+fn write_listener(dir: &Path, mut resource: Value) {
     let tmp = dir.join("listeners.json.tmp");
-    let mut resource = listener(plugin, opts);
     resource["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
     let body = json!({"resources": [resource]});
     fs::write(&tmp, serde_json::to_vec_pretty(&body).unwrap()).unwrap();
@@ -350,6 +356,11 @@ fn spawn(dir: &Path, bootstrap: &Value, opts: &Options) -> Child {
             (true, Build::Wasm) => &["--component-log-level", "wasm:debug"][..],
             (true, Build::Native) => &["--component-log-level", "dynamic_modules:debug"][..],
         })
+        .args(
+            opts.drain_time_s
+                .map(|s| vec!["--drain-time-s".to_string(), s.to_string()])
+                .unwrap_or_default(),
+        )
         .arg("--admin-address-path")
         .arg(dir.join("admin"))
         .arg("--log-path")
@@ -465,8 +476,13 @@ impl Envoy {
     /// Serve a new plugin configuration (the Envoy must have been started with `opts.lds`, and
     /// `opts` must be the same but for the plugin). Returns once LDS has applied it.
     pub fn reconfigure(&self, plugin: &Value, opts: &Options) {
+        self.serve_listener(listener(plugin, opts));
+    }
+
+    /// Serve `resource` as the main listener (the Envoy must have been started with `opts.lds`).
+    pub fn serve_listener(&self, resource: Value) {
         let before = self.stat("listener_manager.lds.update_success");
-        write_lds(&self.dir, plugin, opts);
+        write_listener(&self.dir, resource);
         let applied = eventually(START_TIMEOUT, || {
             self.stat("listener_manager.lds.update_success") > before
         });

@@ -2,7 +2,9 @@
 //! callbacks the pinned Envoy exports and exports every hook Envoy requires, loads without an ABI
 //! mismatch, and a hook that panics answers its request and leaves Envoy serving.
 
-use crate::harness::{envoy_bin, native_path, probe_native_path, Build, Client, Envoy, Options};
+use crate::harness::{
+    envoy_bin, listener, native_path, probe_native_path, Build, Client, Envoy, Options,
+};
 use serde_json::json;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -146,4 +148,40 @@ fn a_hook_that_panics_answers_its_request_503_and_envoy_goes_on_serving() {
     for _ in 0..10 {
         assert_eq!(client.get(&envoy.url("/"), &[]).status, 200);
     }
+}
+
+#[test]
+fn a_listener_without_tollgate_and_back_leaves_the_module_loaded_and_envoy_serving() {
+    // The replaced listener, and with it the filter's configuration, goes after a second.
+    let opts = Options {
+        build: Some(Build::Native),
+        lds: true,
+        drain_time_s: Some(1),
+        ..Options::default()
+    };
+    let plugin = json!({"rules": [{"name": "r", "limit": {"requests": 2, "per": "1h"}}]});
+    let envoy = Envoy::start_with(&plugin, &opts);
+    let client = Client::new();
+    assert_eq!(client.get(&envoy.url("/"), &[]).status, 200);
+    // The same listener without the filter: no configuration of the module is left (Envoy would
+    // close the library), while its tick thread runs on.
+    let mut bare = listener(&plugin, &opts);
+    let chain = &mut bare["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"];
+    let without: Vec<_> = chain.as_array().unwrap().iter().skip(1).cloned().collect();
+    *chain = json!(without);
+    envoy.serve_listener(bare);
+    let port = envoy.port;
+    let url = format!("http://127.0.0.1:{port}/");
+    assert!(crate::harness::eventually(
+        std::time::Duration::from_secs(10),
+        || { (0..5).all(|_| client.get(&url, &[]).status == 200) }
+    ));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // Back: the process's state kept the rule's bucket (one token left of two).
+    envoy.reconfigure(&plugin, &opts);
+    assert!(crate::harness::eventually(
+        std::time::Duration::from_secs(10),
+        || { client.get(&url, &[]).status == 429 }
+    ));
+    assert!(!envoy.log().contains("critical"), "{}", envoy.log());
 }
