@@ -411,11 +411,17 @@ impl Envoy {
 
     /// Start Envoy with a whole bootstrap of the caller's (e.g. one from the docs), given an
     /// admin address; its first listener is served as `main`.
-    pub fn start_bootstrap(mut bootstrap: Value) -> Self {
+    pub fn start_bootstrap(bootstrap: Value) -> Self {
+        Self::start_bootstrap_with(bootstrap, &Options::default())
+    }
+
+    /// [`Envoy::start_bootstrap`] with `opts`' process settings (the build's search path, the
+    /// workers).
+    pub fn start_bootstrap_with(mut bootstrap: Value, opts: &Options) -> Self {
         bootstrap["admin"] =
             json!({"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}});
         bootstrap["static_resources"]["listeners"][0]["name"] = json!("main");
-        Self::launch(scratch_dir("envoy-tests"), &bootstrap, &Options::default())
+        Self::launch(scratch_dir("envoy-tests"), &bootstrap, opts)
     }
 
     /// Start Envoy with a configuration it must refuse; returns its exit status and log.

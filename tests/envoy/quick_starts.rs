@@ -376,3 +376,60 @@ fn the_readme_llm_budget_reserves_a_requests_maxima_and_settles_its_usage() {
     assert!((1..=60).contains(&wait), "retry-after {wait}");
     assert_eq!(client.post(&url, &key, body(8_000).as_bytes()).status, 200);
 }
+
+/// The README's section `heading`, up to the next heading of its level or above.
+fn readme_section(heading: &str) -> String {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let after = readme
+        .split_once(&format!("\n{heading}\n"))
+        .unwrap_or_else(|| panic!("no {heading:?} in the README"))
+        .1;
+    after.split("\n## ").next().unwrap().split("\n### ").next().unwrap().to_string()
+}
+
+/// The ```lang blocks of `text`, in order.
+fn blocks<'a>(text: &'a str, lang: &str) -> Vec<&'a str> {
+    text.split(&format!("```{lang}\n"))
+        .skip(1)
+        .filter_map(|b| b.split_once("```").map(|(block, _)| block))
+        .collect()
+}
+
+#[test]
+fn the_readme_native_quick_start_runs_as_written() {
+    let section = readme_section("### Envoy, native (a dynamic module)");
+    let sh = blocks(&section, "sh");
+    let commands = sh[0];
+    assert!(commands.contains("make build"));
+    assert!(commands.contains(
+        "ENVOY_DYNAMIC_MODULES_SEARCH_PATH=$PWD/dist .venv/bin/envoy -c envoy/envoy-native.yaml"
+    ));
+    let file = std::fs::read_to_string(repo().join("envoy/envoy-native.yaml")).unwrap();
+    let bootstrap: Value = serde_yaml_ng::from_str(&file).unwrap();
+    // The snippets are the file's own filter and runtime layer.
+    let yaml = blocks(&section, "yaml");
+    let filters: Value = serde_yaml_ng::from_str(yaml[0]).unwrap();
+    let chain = &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"];
+    assert_eq!(filters["http_filters"][0], chain[0]);
+    let runtime: Value = serde_yaml_ng::from_str(yaml[1]).unwrap();
+    assert_eq!(runtime["layered_runtime"], bootstrap["layered_runtime"]);
+    // Run as written (only the ports change): the module from dist/, by its name.
+    let file = file.replace("port_value: 10000", "port_value: 0");
+    let opts = Options {
+        build: Some(crate::harness::Build::Native),
+        module: Some(repo().join("dist/libtollgate.so")),
+        ..Options::default()
+    };
+    let envoy = Envoy::start_bootstrap_with(serde_yaml_ng::from_str(&file).unwrap(), &opts);
+    // `curl` seven times, each on a connection of its own.
+    let codes: Vec<u16> = (0..7)
+        .map(|_| Client::new().get(&envoy.url("/"), &[]).status)
+        .collect();
+    assert_eq!(codes, [200, 200, 200, 200, 200, 429, 429]);
+    assert!(commands.contains("200 200 200 200 200 429 429"));
+    let refused = Client::new().get(&envoy.url("/"), &[]);
+    assert_eq!(refused.header("ratelimit-policy"), Some(r#""per-ip";q=5;w=60"#));
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(envoy.counter("per-ip", "allowed"), 5);
+}
