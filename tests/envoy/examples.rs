@@ -56,7 +56,13 @@ fn every_envoy_config_in_the_repository_validates() {
             .replace("filename: dist/tollgate.wasm", &here);
         let path = dir.join(name.replace('/', "_"));
         std::fs::write(&path, local).unwrap();
+        // The dynamic module, where a configuration loads it, from the one just built.
+        let native = crate::harness::native_path();
         let out = Command::new(envoy_bin())
+            .env(
+                "ENVOY_DYNAMIC_MODULES_SEARCH_PATH",
+                native.parent().unwrap(),
+            )
             .args(["--mode", "validate", "-l", "error", "-c"])
             .arg(&path)
             .output()
@@ -74,18 +80,21 @@ fn every_envoy_config_in_the_repository_validates() {
 fn plugin_config(envoy: &serde_json::Value) -> serde_json::Value {
     let filters = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         ["typed_config"]["http_filters"];
-    let wasm = filters
+    let tollgate = filters
         .as_array()
         .unwrap()
         .iter()
-        .find(|f| f["name"] == "envoy.filters.http.wasm")
-        .expect("a wasm filter");
-    serde_json::from_str(
-        wasm["typed_config"]["config"]["configuration"]["value"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap()
+        .find(|f| {
+            f["name"] == "envoy.filters.http.wasm"
+                || f["name"] == "envoy.filters.http.dynamic_modules"
+        })
+        .expect("a tollgate filter (Wasm or the dynamic module)");
+    let config = &tollgate["typed_config"];
+    let value = match tollgate["name"].as_str() {
+        Some("envoy.filters.http.wasm") => &config["config"]["configuration"]["value"],
+        _ => &config["filter_config"]["value"],
+    };
+    serde_json::from_str(value.as_str().unwrap()).unwrap()
 }
 
 #[test]

@@ -384,7 +384,14 @@ fn readme_section(heading: &str) -> String {
         .split_once(&format!("\n{heading}\n"))
         .unwrap_or_else(|| panic!("no {heading:?} in the README"))
         .1;
-    after.split("\n## ").next().unwrap().split("\n### ").next().unwrap().to_string()
+    after
+        .split("\n## ")
+        .next()
+        .unwrap()
+        .split("\n### ")
+        .next()
+        .unwrap()
+        .to_string()
 }
 
 /// The ```lang blocks of `text`, in order.
@@ -429,7 +436,10 @@ fn the_readme_native_quick_start_runs_as_written() {
     assert_eq!(codes, [200, 200, 200, 200, 200, 429, 429]);
     assert!(commands.contains("200 200 200 200 200 429 429"));
     let refused = Client::new().get(&envoy.url("/"), &[]);
-    assert_eq!(refused.header("ratelimit-policy"), Some(r#""per-ip";q=5;w=60"#));
+    assert_eq!(
+        refused.header("ratelimit-policy"),
+        Some(r#""per-ip";q=5;w=60"#)
+    );
     assert!(refused.header("retry-after").is_some());
     assert_eq!(envoy.counter("per-ip", "allowed"), 5);
 }
