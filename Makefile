@@ -126,10 +126,14 @@ bench: dist
 	$(MAKE) probe
 	.venv/bin/python bench/run.py
 
-# The do-nothing modules the benchmarks compare tollgate with, and the raw-ABI floors (a module
-# that makes the host calls a setup needs and nothing else).
+# The do-nothing modules the benchmarks compare tollgate with (Wasm and dynamic module), and the
+# raw-ABI floors (a module that makes the host calls a setup needs and nothing else); the dynamic
+# modules where the benchmarks' Envoys find them (target/bench-native).
 bench-modules:
 	cd bench/noop && cargo build --release --target wasm32-wasip1
+	cd bench/noop-native && cargo build --release
+	@mkdir -p target/bench-native && cp bench/noop-native/target/release/libnoop.so target/bench-native/ \
+		&& cp $(NATIVE) target/bench-native/libtollgate.so
 	cd bench/rawnoop && cargo build --release --target wasm32-wasip1 \
 		&& for f in every-callback reads-path per-ip-calls; do \
 			cargo build --release --target wasm32-wasip1 --features $$f --target-dir target/$$f || exit 1; done

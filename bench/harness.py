@@ -23,6 +23,9 @@ RAW_NOOP_ALL = REPO / "bench/rawnoop/target/every-callback/wasm32-wasip1/release
 # tollgate built with `--features probe` (times its callbacks) and the host-call probe filter.
 TOLLGATE_PROBE = REPO / "target/probe/wasm32-wasip1/release/tollgate.wasm"
 HOST_PROBE = REPO / "bench/probe/target/wasm32-wasip1/release/tollgate_bench_probe.wasm"
+# The dynamic modules, where Envoy finds them by name (`make bench-modules` copies them there):
+# tollgate's native build (`make dist`'s libtollgate.so) and a do-nothing one (libnoop.so).
+NATIVE_DIR = REPO / "target/bench-native"
 QUOTA = REPO / "target/release/tollgate-quota"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HUGE = 1_000_000_000  # a limit nobody reaches: every request allowed
@@ -135,6 +138,26 @@ def wasm_filter(path, plugin):
     }
 
 
+def native_filter(plugin, module="tollgate"):
+    """tollgate's native build (an Envoy dynamic module) with `plugin`; `module="noop"`: the
+    do-nothing one."""
+    return {
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": module},
+            "filter_name": "tollgate",
+            "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                              "value": json.dumps(plugin)},
+        },
+    }
+
+
+def native_env():
+    """The environment an Envoy needs to find the dynamic modules."""
+    return {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(NATIVE_DIR)}
+
+
 def native_local_ratelimit(tokens, action=None, entry="remote_address", max_keys=100000):
     """Envoy's local_ratelimit with one bucket per value of a descriptor entry (dynamic descriptors):
     by default per client address."""
@@ -193,13 +216,20 @@ class EnvoyServer:
         cfg = Path(self.dir) / "envoy.json"
         cfg.write_text(json.dumps(envoy_config(self.port, self.admin, filters, clusters, upstream, route_extra)))
         self.proc = Proc((PROXY_CPU if pin else []) + [str(ENVOY), "-c", str(cfg), "--concurrency", str(concurrency),
-                          "--disable-hot-restart", "-l", "error", "--base-id", str(free_port())])
+                          "--disable-hot-restart", "-l", "error", "--base-id", str(free_port())],
+                         env=native_env())
         wait_http(f"http://127.0.0.1:{self.admin}/ready")
         self.url = f"http://127.0.0.1:{self.port}/"
         self.pids = [self.proc.p.pid]
 
     def stat(self, name):
-        """A stat's value (0 if absent); the filter's own stats carry Envoy's `wasmcustom.` prefix."""
+        """A stat's value (0 if absent); the filter's own stats carry Envoy's `wasmcustom.` prefix
+        (the dynamic module's, `dynamicmodulescustom.`: both are asked for)."""
+        if name.startswith("wasmcustom."):
+            return self.stat_named(name) + self.stat_named("dynamicmodulescustom." + name[len("wasmcustom."):])
+        return self.stat_named(name)
+
+    def stat_named(self, name):
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats?filter={re.escape(name)}$",
                                       timeout=5).read().decode()
         for line in text.splitlines():
@@ -377,6 +407,7 @@ def setups(quota_port, quota_redis_port):
     def envoy(filters, clusters=()):
         return lambda: EnvoyServer(filters, clusters)
     tg = lambda plugin, clusters=(): envoy([wasm_filter(TOLLGATE, plugin)], clusters)
+    tn = lambda plugin, clusters=(): envoy([native_filter(plugin)], clusters)
     out = []
     for path, limit in (("allowed", HUGE), ("rejected", 1)):
         out += [
@@ -407,7 +438,31 @@ def setups(quota_port, quota_redis_port):
             ("tollgate global, lease (Redis)", path, tg(tollgate_plugin(limit, scope="global"), [quota_cluster(quota_redis_port)]), None),
             ("tollgate global, strict (memory)", path, tg(tollgate_plugin(limit, scope="global", mode="strict"), [quota_cluster(quota_port)]), None),
         ]
+        # The native build (an Envoy dynamic module) in the same setups, and its own floor.
+        out += [
+            ("Envoy + do-nothing dynamic module", path, envoy([native_filter({}, module="noop")]), None)
+            if path == "allowed" else None,
+            (NATIVE + ", one rule that matches nothing", path,
+             tn({"rules": [{"name": "bench", "match": {"path": "/never"}, "limit": {"requests": 1, "per": "1m"}}]}),
+             None) if path == "allowed" else None,
+            (NATIVE + " token bucket per client IP", path, tn(tollgate_plugin(limit)), None),
+            (NATIVE + " per client IP, no rate-limit headers", path,
+             tn(tollgate_plugin(limit, extra={"rate_limit_headers": "none"})), None),
+            (NATIVE + " per client IP, worker_batch 8 (stash)", path,
+             tn(tollgate_plugin(limit, rule_extra={"worker_batch": 8})), None),
+            (NATIVE + " one bucket (no key), no rate-limit headers", path,
+             tn(tollgate_plugin(limit, key=(), extra={"rate_limit_headers": "none"})), None)
+            if path == "allowed" else None,
+            (NATIVE + ", 10 000 active keys", path, tn(tollgate_plugin(limit, key=("header:x-key",))), 10000),
+            (NATIVE + " global, lease (memory)", path, tn(tollgate_plugin(limit, scope="global"), [quota_cluster(quota_port)]), None),
+            (NATIVE + " global, lease (Redis)", path, tn(tollgate_plugin(limit, scope="global"), [quota_cluster(quota_redis_port)]), None),
+            (NATIVE + " global, strict (memory)", path, tn(tollgate_plugin(limit, scope="global", mode="strict"), [quota_cluster(quota_port)]), None),
+        ]
     return [s for s in out if s]
+
+
+# Setup names of the native build: the Wasm build's with this instead of "tollgate".
+NATIVE = "tollgate native"
 
 
 # ---------------------------------------------------------------- the report's sections

@@ -70,7 +70,7 @@ def count(filters, requests, idle_s=3.0, method="GET", body=None):
          "--smc-check=all-non-file", envoy_binary(), "-c", str(work / "envoy.json"),
          "--concurrency", "1", "--disable-hot-restart", "-l", "error",
          "--base-id", str(harness.free_port())],
-        stdout=subprocess.DEVNULL, stderr=(work / "valgrind.log").open("w"))
+        stdout=subprocess.DEVNULL, stderr=(work / "valgrind.log").open("w"), env=harness.native_env())
     try:
         harness.wait_http(f"http://127.0.0.1:{admin}/ready", timeout=600)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -128,11 +128,18 @@ FLOORS = [
     ("raw-ABI: reads `:path`, nothing else", wasm(RAW_PATH, {}), "GET", None),
     ("raw-ABI: the host calls of a per-IP rule with draft headers, nothing else", wasm(RAW_PER_IP, {}),
      "GET", None),
+    ("Envoy local_ratelimit per client IP", [harness.native_local_ratelimit(HUGE)], "GET", None),
     ("tollgate, one rule that matches nothing", wasm(TOLLGATE, {"rules": [NEVER]}), "GET", None),
     ("tollgate per client IP, draft headers (defaults)", wasm(TOLLGATE, harness.tollgate_plugin(HUGE)),
      "GET", None),
     ("tollgate per client IP, no rate-limit headers", wasm(TOLLGATE, harness.tollgate_plugin(
         HUGE, extra={"rate_limit_headers": "none"})), "GET", None),
+    ("Envoy + do-nothing dynamic module", [harness.native_filter({}, module="noop")], "GET", None),
+    ("tollgate native, one rule that matches nothing", [harness.native_filter({"rules": [NEVER]})], "GET", None),
+    ("tollgate native per client IP, draft headers (defaults)",
+     [harness.native_filter(harness.tollgate_plugin(HUGE))], "GET", None),
+    ("tollgate native per client IP, no rate-limit headers",
+     [harness.native_filter(harness.tollgate_plugin(HUGE, extra={"rate_limit_headers": "none"}))], "GET", None),
 ]
 BASE = "per client IP, `worker_batch: 0`, no headers"
 FEATURES = [

@@ -7,11 +7,13 @@ set -eu
 cd "$(dirname "$0")/.."
 cases=${FUZZ_CASES:-50000}
 seconds=${FUZZ_SECONDS:-60}
-targets=${FUZZ_TARGETS:-configuration requests quota_answers call_bodies}
+targets=${FUZZ_TARGETS:-configuration requests quota_answers call_bodies native_hooks}
 
 PROPTEST_CASES=$cases cargo test -p tollgate --lib -- fuzz_ every_configuration_seed_parses \
     arbitrary_header_bytes_are_handled keys_are_unambiguous any_lease_answer_is_read_safely
 PROPTEST_CASES=$cases cargo test -p tollgate-quota --test service -- fuzz_
+# The dynamic module's hooks against Rust's stand-in for Envoy.
+PROPTEST_CASES=$cases cargo test --release -p tollgate-native --lib -- fuzz_ hostile_
 # The fleet's bound: a simulated fleet over the real lease code, checked at every admission.
 PROPTEST_CASES=$cases cargo test --release -p tollgate-core --test fleet -- bound::
 
@@ -21,7 +23,8 @@ command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked
 # Seeds: the configuration examples of the docs (the configuration target) and a request through
 # each of them (the requests target); libFuzzer adds what it finds to the same directories.
 corpus=target/fuzz-corpus
-mkdir -p "$corpus/configuration" "$corpus/requests" "$corpus/quota_answers" "$corpus/call_bodies"
+mkdir -p "$corpus/configuration" "$corpus/requests" "$corpus/quota_answers" "$corpus/call_bodies" \
+    "$corpus/native_hooks"
 python3 - "$corpus" <<'PY'
 import json, pathlib, sys
 corpus = pathlib.Path(sys.argv[1])
@@ -41,6 +44,16 @@ item = {"rule": "r", "limit_id": "l", "key": "k", "requests": 10, "per_ms": 1000
 (corpus / "call_bodies" / "lease").write_bytes(b"\x00" + json.dumps({"instance": "p", "items": [item]}).encode())
 slot = {"rule": "r", "limit_id": "l", "key": "k", "concurrent": 10, "wanted": 2, "keep": 1, "known_held": 1}
 (corpus / "call_bodies" / "slots").write_bytes(b"\x01" + json.dumps({"instance": "p", "items": [slot]}).encode())
+# The dynamic module's hooks: fields split by 0xff, pairs by 0xfe (native/src/fuzz_harness.rs).
+sep, pair = b"\xff", b"\xfe"
+request = pair.join([b":path", b"/api?q=1", b"x-user", b"u1", b"x-forwarded-for", b"10.1.1.1"])
+answer = pair.join([b":status", b"200"]) + sep + json.dumps(lease).encode()
+for config in range(4):
+    for strict in (0, 1):
+        (corpus / "native_hooks" / f"c{config}-{strict}").write_bytes(
+            bytes([config, strict, 0, 0, 0]) + sep + request + sep + b"10.0.0.1:4000" + sep + pair.join([b"k", b"v"])
+            + sep + b'{"model":"a","max_tokens":7}' + sep + pair.join([b":status", b"200"]) + sep
+            + b'{"usage":{"total_tokens":3}}' + sep + answer + sep + answer)
 PY
 
 summary=""

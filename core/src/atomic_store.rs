@@ -45,9 +45,15 @@ impl Entry {
             large.clear();
             large.extend_from_slice(value);
         } else {
-            for (word, chunk) in self.words.iter().zip(value.chunks(8)) {
+            let mut chunks = value.chunks_exact(8);
+            for (word, chunk) in self.words.iter().zip(&mut chunks) {
+                let bytes = <[u8; 8]>::try_from(chunk).unwrap_or_default();
+                word.store(u64::from_le_bytes(bytes), Ordering::Relaxed);
+            }
+            let tail = chunks.remainder();
+            if let Some(word) = self.words.get(value.len() / 8).filter(|_| !tail.is_empty()) {
                 let mut bytes = [0; 8];
-                bytes[..chunk.len()].copy_from_slice(chunk);
+                bytes[..tail.len()].copy_from_slice(tail);
                 word.store(u64::from_le_bytes(bytes), Ordering::Relaxed);
             }
         }
@@ -73,9 +79,12 @@ impl Entry {
                         return f(&copy, before);
                     }
                 } else {
-                    for (word, chunk) in self.words.iter().zip(buf[..len].chunks_mut(8)) {
-                        let bytes = word.load(Ordering::Relaxed).to_le_bytes();
-                        chunk.copy_from_slice(&bytes[..chunk.len()]);
+                    // Whole words (the buffer has room for all of them), then the value's length.
+                    let words = len.div_ceil(8);
+                    for (word, chunk) in self.words[..words].iter().zip(buf.chunks_exact_mut(8)) {
+                        if let Ok(bytes) = <&mut [u8; 8]>::try_from(chunk) {
+                            *bytes = word.load(Ordering::Relaxed).to_le_bytes();
+                        }
                     }
                     fence(Ordering::Acquire);
                     if self.seq.load(Ordering::Relaxed) == before {

@@ -73,9 +73,19 @@ fn refuse_after_panic(filter: FilterEnvoy) {
     });
 }
 
-/// The stream id the module gave Envoy for a filter.
+/// What the module gives Envoy for a stream: its id (the low 32 bits, from 2^20 up: never null)
+/// and its configuration's root context in its worker (the high bits). Nothing is made for a
+/// stream until its request headers come.
+fn stream_handle(root: u32, id: u32) -> *const c_void {
+    ((u64::from(root) << 32) | u64::from(id)) as usize as *const c_void
+}
+
 fn stream_id(module: *const c_void) -> u32 {
-    u32::try_from(module as usize).unwrap_or(0)
+    (module as usize as u64 & u64::from(u32::MAX)) as u32
+}
+
+fn stream_root(module: *const c_void) -> u32 {
+    ((module as usize as u64) >> 32) as u32
 }
 
 /// Run `f` for stream `module` on its worker, entered as its current context.
@@ -202,11 +212,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
                 log::error!("no configuration for worker {}", w.index);
                 return std::ptr::null();
             };
-            let id = w.new_stream(|id| w.host().linked(id));
-            w.host().link(id, filter);
-            w.contexts.create(id, root);
-            // (Never null: stream ids start at 2^20.)
-            id as usize as *const c_void
+            let id = w.new_stream(|id| w.contexts.has_stream(id));
+            stream_handle(root, id)
         })
     })
 }
@@ -227,6 +234,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
         on_stream(filter, module, abi::HEADERS_CONTINUE, |w, id| {
             #[cfg(any(test, feature = "probe"))]
             panic_if_asked(w.host());
+            w.contexts.create(id, stream_root(module));
             let action = w.contexts.request_headers(id, end_of_stream);
             headers_status(noting_pause(w, id, action))
         })

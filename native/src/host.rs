@@ -132,29 +132,6 @@ impl NativeHost {
         self.enter_as(Current::Root(id), true)
     }
 
-    /// Stream `id` began at Envoy.
-    pub fn link(&self, id: u32, filter: abi::FilterEnvoy) {
-        if let Ok(mut streams) = self.0.streams.try_borrow_mut() {
-            streams.insert(
-                id,
-                StreamLink {
-                    filter,
-                    scheduler: std::ptr::null_mut(),
-                    ops: SmallVec::new(),
-                    posted: false,
-                },
-            );
-        }
-    }
-
-    /// True if stream `id` is live.
-    pub fn linked(&self, id: u32) -> bool {
-        self.0
-            .streams
-            .try_borrow()
-            .is_ok_and(|s| s.contains_key(&id))
-    }
-
     /// Stream `id` is gone at Envoy: its scheduler too.
     pub fn unlink(&self, id: u32) {
         let link = self
@@ -171,17 +148,22 @@ impl NativeHost {
         }
     }
 
-    /// Stream `id` paused (on its worker, in a hook): make sure the tick can reach it.
+    /// Stream `id` paused (on its worker, in one of its hooks): the tick can reach it from now
+    /// on (streams that never pause are never linked).
     pub fn paused(&self, id: u32) {
+        let Current::Stream { filter, .. } = self.0.current.get() else {
+            return;
+        };
         let Ok(mut streams) = self.0.streams.try_borrow_mut() else {
             return;
         };
-        if let Some(link) = streams.get_mut(&id) {
-            if link.scheduler.is_null() {
-                // SAFETY: the stream's own filter, in one of its hooks on its worker.
-                link.scheduler = unsafe { abi::filter_scheduler_new(link.filter) };
-            }
-        }
+        streams.entry(id).or_insert_with(|| StreamLink {
+            filter,
+            // SAFETY: the stream's own filter, in one of its hooks on its worker.
+            scheduler: unsafe { abi::filter_scheduler_new(filter) },
+            ops: SmallVec::new(),
+            posted: false,
+        });
     }
 
     /// The work queued for stream `id` (its scheduled event came).

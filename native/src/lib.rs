@@ -13,6 +13,8 @@ mod config;
 #[cfg(any(test, feature = "fake-envoy"))]
 pub mod fake_envoy;
 mod filters;
+#[cfg(any(test, feature = "fake-envoy"))]
+pub mod fuzz_harness;
 mod hooks;
 mod host;
 mod log;

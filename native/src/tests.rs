@@ -284,3 +284,82 @@ proptest! {
             || cfg!(feature = "probe"));
     }
 }
+
+fn bytes_of(max: usize) -> impl Strategy<Value = Vec<u8>> {
+    proptest::collection::vec(any::<u8>(), 0..max)
+}
+
+fn pairs_of() -> impl Strategy<Value = Vec<(Vec<u8>, Vec<u8>)>> {
+    proptest::collection::vec((bytes_of(12), bytes_of(40)), 0..6)
+}
+
+fn case() -> impl Strategy<Value = crate::fuzz_harness::Case> {
+    let names = proptest::sample::select(vec![
+        &b":path"[..],
+        b":method",
+        b":authority",
+        b"host",
+        b"x-user",
+        b"x-forwarded-for",
+        b"content-length",
+        b"content-type",
+        b":status",
+        b"authorization",
+    ]);
+    let known = proptest::collection::vec((names.prop_map(<[u8]>::to_vec), bytes_of(40)), 0..6);
+    let headers = (known, pairs_of()).prop_map(|(mut a, b)| {
+        a.extend(b);
+        a
+    });
+    let body = proptest::collection::vec(bytes_of(64), 0..3);
+    let json_body = proptest::collection::vec(
+        proptest::sample::select(vec![
+            br#"{"model":"a","max_tokens":7}"#.to_vec(),
+            br#"{"usage":{"total_tokens":12}}"#.to_vec(),
+            br#"{"items":[{"granted":5,"ttl_ms":1000,"remaining":3,"reset_ms":10}]}"#.to_vec(),
+            b"not json".to_vec(),
+        ]),
+        0..2,
+    );
+    let answer = (
+        0u32..4,
+        pairs_of(),
+        proptest::collection::vec(bytes_of(64), 0..2),
+    );
+    (
+        (0u8..4, any::<bool>(), headers, bytes_of(40)),
+        proptest::collection::vec((bytes_of(6), bytes_of(12)), 0..3),
+        (body, json_body),
+        (pairs_of(), proptest::collection::vec(bytes_of(64), 0..3)),
+        proptest::collection::vec(answer, 0..4),
+    )
+        .prop_map(
+            |((config, strict, headers, source), meta, (mut body, json), (rh, rb), answers)| {
+                body.extend(json);
+                crate::fuzz_harness::Case {
+                    config,
+                    strict,
+                    headers,
+                    source,
+                    metadata: meta
+                        .into_iter()
+                        .map(|(k, v)| (b"ns".to_vec(), k, Ok(v)))
+                        .collect(),
+                    body,
+                    response_headers: rh,
+                    response_body: rb,
+                    answers,
+                }
+            },
+        )
+}
+
+proptest! {
+    /// Any request and any answers to the calls it makes, through every hook of configurations
+    /// that read headers, the address, metadata and the body and call the quota service:
+    /// nothing panics (the `native_hooks` `cargo fuzz` target runs the same harness).
+    #[test]
+    fn fuzz_hooks_never_panic_whatever_the_request_and_the_answers(case in case()) {
+        prop_assert_eq!(crate::fuzz_harness::run(&case), 0, "a hook panicked on {:?}", case);
+    }
+}

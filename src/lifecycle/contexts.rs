@@ -58,7 +58,8 @@ impl<H: Host + Clone> Contexts<H> {
         }
     }
 
-    fn has_stream(&self, id: u32) -> bool {
+    /// True if request `id` is known (and not being worked on).
+    pub fn has_stream(&self, id: u32) -> bool {
         self.streams.try_borrow().is_ok_and(|m| m.contains_key(&id))
     }
 
@@ -106,9 +107,28 @@ impl<H: Host + Clone> Contexts<H> {
     }
 
     pub fn request_headers(&self, context_id: u32, end_of_stream: bool) -> Action {
-        self.with_stream(context_id, Action::Continue, |s| {
+        let action = self.with_stream(context_id, Action::Continue, |s| {
             s.on_request_headers(&self.callers, end_of_stream)
-        })
+        });
+        self.forget_if_idle(context_id, action);
+        action
+    }
+
+    /// A stream that went on and has nothing left to do or let go of is forgotten now: its later
+    /// callbacks find no stream and let it go on, which is all it would have done.
+    fn forget_if_idle(&self, context_id: u32, action: Action) {
+        if action != Action::Continue {
+            return;
+        }
+        let idle = self
+            .streams
+            .try_borrow_mut()
+            .ok()
+            .filter(|s| s.get(&context_id).is_some_and(Stream::is_idle))
+            .and_then(|mut s| s.remove(&context_id));
+        if let Some(mut stream) = idle {
+            stream.end_of_stream(&self.callers);
+        }
     }
 
     pub fn request_trailers(&self, context_id: u32) -> Action {
@@ -124,7 +144,9 @@ impl<H: Host + Clone> Contexts<H> {
     }
 
     pub fn response_headers(&self, context_id: u32) -> Action {
-        self.with_stream(context_id, Action::Continue, Stream::on_response_headers)
+        let action = self.with_stream(context_id, Action::Continue, Stream::on_response_headers);
+        self.forget_if_idle(context_id, action);
+        action
     }
 
     pub fn response_body(&self, context_id: u32, size: usize, end: bool) -> Action {

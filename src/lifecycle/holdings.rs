@@ -18,8 +18,9 @@ pub struct Holdings {
     pub seats: Seats,
     /// Set while the request is held by a leaky bucket.
     pub held_until: Option<u64>,
-    /// The call this request waits for, with its checks.
-    pub own_call: Option<(u32, Strict)>,
+    /// The call this request waits for, with its checks (boxed: a request that calls is rare,
+    /// and every stream carries this).
+    pub own_call: Option<(u32, Box<Strict>)>,
     /// Byte limits that pace its bodies, and until when each body was last held (request,
     /// response).
     pub pacers: Pacers,
@@ -38,6 +39,17 @@ pub fn hold_index(body: PaceBody) -> usize {
 }
 
 impl Holdings {
+    /// Nothing held, reserved, seated, queued, called or paced.
+    pub fn is_empty(&self) -> bool {
+        self.holds.is_empty()
+            && self.reservations.is_empty()
+            && self.seats.is_empty()
+            && self.held_until.is_none()
+            && self.own_call.is_none()
+            && self.pacers.is_empty()
+            && self.body_holds.iter().all(Option::is_none)
+    }
+
     /// Give the seats in overload rules back (the request was refused, or it ended).
     pub fn give_up_seats<H: Host>(&mut self, plugin: &Plugin<H>) {
         if self.seats.is_empty() {

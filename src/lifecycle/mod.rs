@@ -17,4 +17,5 @@ mod stream;
 mod tests;
 
 pub use contexts::Contexts;
+
 pub use host::{Action, Host, HostRequest, MetricKind, Status};

@@ -98,6 +98,18 @@ impl<H: Host> Stream<H> {
         self.decide(plugin, callers, None)
     }
 
+    /// It went on, and nothing is left for it to do or let go of: no rate-limit headers to add,
+    /// nothing held, reserved or seated, no body to read, keep or pace.
+    pub fn is_idle(&self) -> bool {
+        self.forwarded
+            && !self.ended
+            && self.report.is_none()
+            && self.holdings.is_empty()
+            && self.body_reader.is_none()
+            && !self.awaiting_body
+            && self.request_body.is_empty()
+    }
+
     /// Still paused by its decision: refused, waiting for quota or held.
     fn still_paused(&mut self, plugin: &Plugin<H>) -> bool {
         self.take_resumed();
@@ -142,7 +154,7 @@ impl<H: Host> Stream<H> {
             }
             Step::Call(strict) => {
                 let now = clock.now().unwrap_or(0);
-                self.call_own(&plugin, callers, *strict, now)
+                self.call_own(&plugin, callers, strict, now)
             }
             // (A refusal needs no time: a request blocked before any was read asks for none.)
             Step::Refuse(_) => self.carry_out(&plugin, step, 0, false),
@@ -160,7 +172,7 @@ impl<H: Host> Stream<H> {
         plugin.engine.borrow_mut().waits(&inputs);
         if !plugin.caps.resume_from_timer {
             let strict = plugin.engine.borrow().split(inputs, now);
-            return self.call_own(plugin, callers, strict, now);
+            return self.call_own(plugin, callers, Box::new(strict), now);
         }
         let timeout_ms = plugin
             .engine
@@ -184,14 +196,14 @@ impl<H: Host> Stream<H> {
         &mut self,
         plugin: &Plugin<H>,
         callers: &Callers,
-        strict: Strict,
+        strict: Box<Strict>,
         now: u64,
     ) -> Action {
         if !plugin.engine.borrow().needs_call(&strict, now) {
             let step = plugin
                 .engine
                 .borrow_mut()
-                .finish_strict(&plugin.host, strict, None, now);
+                .finish_strict(&plugin.host, *strict, None, now);
             return self.carry_out(plugin, step, now, false);
         }
         let request = LeaseRequest {
@@ -209,7 +221,7 @@ impl<H: Host> Stream<H> {
                     plugin
                         .engine
                         .borrow_mut()
-                        .finish_strict(&plugin.host, strict, None, now);
+                        .finish_strict(&plugin.host, *strict, None, now);
                 self.carry_out(plugin, step, now, false)
             }
         }
@@ -234,7 +246,7 @@ impl<H: Host> Stream<H> {
             plugin
                 .engine
                 .borrow_mut()
-                .finish_strict(&plugin.host, strict, answer.as_ref(), now);
+                .finish_strict(&plugin.host, *strict, answer.as_ref(), now);
         if step == Step::Wait {
             // The remaining checks hold no leased allowance: nothing to wait for.
             self.forwarded = true;
