@@ -34,6 +34,9 @@ const CONFIGS: [&str; 5] = [
         "quota_service":{"upstream":"quota","timeout":"1s","mode":"strict"}}"#,
 ];
 
+/// An answer to a call: its result code, headers and body chunks.
+pub type Answer = (u32, Vec<(Vec<u8>, Vec<u8>)>, Vec<Vec<u8>>);
+
 /// One request and the answers it meets.
 #[derive(Debug, Clone, Default)]
 pub struct Case {
@@ -46,7 +49,7 @@ pub struct Case {
     pub response_headers: Vec<(Vec<u8>, Vec<u8>)>,
     pub response_body: Vec<Vec<u8>>,
     /// Answers to the calls made, in turn: a result code, headers, body chunks.
-    pub answers: Vec<(u32, Vec<(Vec<u8>, Vec<u8>)>, Vec<Vec<u8>>)>,
+    pub answers: Vec<Answer>,
 }
 
 fn buffer(bytes: &[u8]) -> EnvoyBuffer {
