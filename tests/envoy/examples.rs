@@ -392,3 +392,57 @@ fn workspace_members() -> Vec<String> {
         .filter(|m| !m.is_empty())
         .collect()
 }
+
+/// The documents of a multi-document YAML file.
+fn yaml_documents(text: &str) -> Vec<serde_json::Value> {
+    use serde::Deserialize;
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|doc| serde_json::Value::deserialize(doc).unwrap())
+        .collect()
+}
+
+#[test]
+fn the_envoy_gateway_samples_give_each_build_a_configuration_it_loads() {
+    use tollgate::config::{Config, HostCaps};
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("schema/tollgate.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let check = |name: &str, config: &serde_json::Value, caps: &HostCaps| {
+        let errors: Vec<String> = validator.iter_errors(config).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "{name}: {errors:?}");
+        let parsed = Config::parse(config.to_string().as_bytes()).unwrap();
+        parsed.check_host(caps).unwrap();
+    };
+    let dir = repo().join("examples/envoy-gateway");
+    let wasm = yaml_documents(&std::fs::read_to_string(dir.join("wasm.yaml")).unwrap());
+    let policy = &wasm[0];
+    assert_eq!(policy["kind"], "EnvoyExtensionPolicy");
+    let filter = &policy["spec"]["wasm"][0];
+    assert_eq!(filter["rootID"], "tollgate");
+    check("wasm.yaml", &filter["config"], &HostCaps::ENVOY);
+
+    let native = yaml_documents(&std::fs::read_to_string(dir.join("dynamic-module.yaml")).unwrap());
+    let kind = |k: &str| native.iter().find(|d| d["kind"] == k).unwrap();
+    let proxy = kind("EnvoyProxy");
+    let allowed = &proxy["spec"]["dynamicModules"][0];
+    // Built for Envoy 1.40: the proxy runs it.
+    let image = &proxy["spec"]["provider"]["kubernetes"]["envoyDeployment"]["container"]["image"];
+    assert!(image.as_str().unwrap().ends_with("v1.40.0"), "{image}");
+    let runtime: serde_json::Value =
+        serde_yaml_ng::from_str(proxy["spec"]["bootstrap"]["value"].as_str().unwrap()).unwrap();
+    let flag = "envoy.reloadable_features.dynamic_modules_strip_custom_stat_prefix";
+    assert_eq!(runtime["layered_runtime"]["layers"][0]["static_layer"][flag], true);
+    let gateway = kind("Gateway");
+    assert_eq!(
+        gateway["spec"]["infrastructure"]["parametersRef"]["name"],
+        proxy["metadata"]["name"]
+    );
+    let policy = kind("EnvoyExtensionPolicy");
+    let filter = &policy["spec"]["dynamicModule"][0];
+    assert_eq!(filter["name"], allowed["name"]);
+    assert_eq!(filter["filterName"], "tollgate");
+    assert_eq!(policy["spec"]["targetRefs"][0]["name"], gateway["metadata"]["name"]);
+    check("dynamic-module.yaml", &filter["config"], &HostCaps::ENVOY_MODULE);
+}
