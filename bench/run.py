@@ -20,6 +20,7 @@ from report_bandwidth import BANDWIDTH_HEADING, bandwidth_chart, bandwidth_lines
 from report_llm import LLM_HEADING, llm_chart, llm_lines
 from report_overload import SLOWDOWNS_HEADING, slowdown_lines
 from section_protocols import PROTOCOLS_HEADING, protocol_lines
+import report_native
 from harness import (kept_section, splice_section, compare_headlines, recorded_headlines, HEADLINES_MARK, LOAD_THREADS, QUOTA, REPO, Proc, free_port, measure, setups, wait_http,
                      wait_port)
 
@@ -178,6 +179,10 @@ def headlines(saved):
     counted = saved.get("instructions") or instructions.recorded(REPO / "docs/benchmarks.md")
     if counted:
         out.update(instructions.headlines(counted))
+    try:
+        out.update(report_native.headlines(get, counted))
+    except (KeyError, ZeroDivisionError, statistics.StatisticsError):
+        pass
     prof = {p["config"]: p for p in saved.get("profile") or []}
     for config, name in (("token bucket per client IP", "inside tollgate's callbacks per client IP, µs"),
                          ("no rate-limit headers", "inside tollgate's callbacks, no headers, µs")):
@@ -284,6 +289,7 @@ def report(saved, args):
     counted = saved.get("instructions") or instructions.recorded(REPO / "docs/benchmarks.md")
     if counted:
         lines += instructions.target_rows(counted, ratio(NEVER, NOOP), floor_ratio)
+    lines += report_native.target_rows(get, counted)
     lines += [
         f"| the decision proper (tollgate minus the raw-ABI do-nothing module) ≤ Envoy local_ratelimit's added "
         f"cost per client IP | {proper:.1f} µs ({proper_bare:.1f} µs without headers) vs native {native:.1f} µs | "
@@ -409,6 +415,9 @@ def report(saved, args):
         "also costs Envoy time outside the module (V8 entry and exit, argument conversion, the host's side "
         "of each call) and a larger module touches more memory.",
         "",
+    ]
+    lines += report_native.section_lines(get, counted)
+    lines += [
         "## Cost per request",
         "",
         "Each proxy with one worker (Envoy `--concurrency 1`, nginx `worker_processes 1`) pinned to core 0, a "
@@ -702,12 +711,13 @@ def report(saved, args):
     except ImportError:
         print("matplotlib missing: no chart")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6.5), sharex=True)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 9), sharex=True)
     for ax, path in zip(axes, ("allowed", "rejected")):
         data = [r for r in rows if r["path"] == path]
         ax.barh([r["setup"] for r in data], [r["cpu_us"] for r in data],
                 xerr=[[r["cpu_us"] - r["cpu_min"] for r in data], [r["cpu_max"] - r["cpu_us"] for r in data]],
-                color=["#d62728" if "tollgate" in r["setup"] else "#7f7f7f" for r in data], capsize=2)
+                color=["#1f77b4" if "native" in r["setup"] or "dynamic module" in r["setup"]
+                       else "#d62728" if "tollgate" in r["setup"] else "#7f7f7f" for r in data], capsize=2)
         ax.invert_yaxis()
         ax.set_title("everything allowed" if path == "allowed" else "a 429 storm")
         ax.set_xlabel("proxy CPU µs per request (bars: rounds' range)")

@@ -234,8 +234,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
         on_stream(filter, module, abi::HEADERS_CONTINUE, |w, id| {
             #[cfg(any(test, feature = "probe"))]
             panic_if_asked(w.host());
-            w.contexts.create(id, stream_root(module));
-            let action = w.contexts.request_headers(id, end_of_stream);
+            let action = w
+                .contexts
+                .begin_request(id, stream_root(module), end_of_stream);
             headers_status(noting_pause(w, id, action))
         })
     })

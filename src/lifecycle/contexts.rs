@@ -115,20 +115,34 @@ impl<H: Host + Clone> Contexts<H> {
     }
 
     /// A stream that went on and has nothing left to do or let go of is forgotten now: its later
-    /// callbacks find no stream and let it go on, which is all it would have done.
+    /// callbacks find no stream and let it go on, which is all it would have done. (Idle, it
+    /// holds nothing and is in no queue: its end would let go of nothing.)
     fn forget_if_idle(&self, context_id: u32, action: Action) {
         if action != Action::Continue {
             return;
         }
-        let idle = self
-            .streams
-            .try_borrow_mut()
-            .ok()
-            .filter(|s| s.get(&context_id).is_some_and(Stream::is_idle))
-            .and_then(|mut s| s.remove(&context_id));
-        if let Some(mut stream) = idle {
-            stream.end_of_stream(&self.callers);
+        if let Ok(mut streams) = self.streams.try_borrow_mut() {
+            if streams.get(&context_id).is_some_and(Stream::is_idle) {
+                streams.remove(&context_id);
+            }
         }
+    }
+
+    /// A request's headers, for a host that makes nothing for a request before them (the Envoy
+    /// dynamic module): the stream of root `parent_id` is kept only if it has something left to
+    /// do once they are decided.
+    pub fn begin_request(&self, context_id: u32, parent_id: u32, end_of_stream: bool) -> Action {
+        let plugin = self.with_root(parent_id, None, |root| root.plugin());
+        let mut stream = Stream::new(context_id, plugin);
+        // (Not in the table while it decides: a callback the host re-enters for it finds it busy,
+        // as it would in the table.)
+        let action = stream.on_request_headers(&self.callers, end_of_stream);
+        if action != Action::Continue || !stream.is_idle() {
+            if let Ok(mut streams) = self.streams.try_borrow_mut() {
+                streams.insert(context_id, stream);
+            }
+        }
+        action
     }
 
     pub fn request_trailers(&self, context_id: u32) -> Action {

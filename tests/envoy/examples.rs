@@ -410,7 +410,10 @@ fn the_envoy_gateway_samples_give_each_build_a_configuration_it_loads() {
     .unwrap();
     let validator = jsonschema::validator_for(&schema).unwrap();
     let check = |name: &str, config: &serde_json::Value, caps: &HostCaps| {
-        let errors: Vec<String> = validator.iter_errors(config).map(|e| e.to_string()).collect();
+        let errors: Vec<String> = validator
+            .iter_errors(config)
+            .map(|e| e.to_string())
+            .collect();
         assert!(errors.is_empty(), "{name}: {errors:?}");
         let parsed = Config::parse(config.to_string().as_bytes()).unwrap();
         parsed.check_host(caps).unwrap();
@@ -433,7 +436,10 @@ fn the_envoy_gateway_samples_give_each_build_a_configuration_it_loads() {
     let runtime: serde_json::Value =
         serde_yaml_ng::from_str(proxy["spec"]["bootstrap"]["value"].as_str().unwrap()).unwrap();
     let flag = "envoy.reloadable_features.dynamic_modules_strip_custom_stat_prefix";
-    assert_eq!(runtime["layered_runtime"]["layers"][0]["static_layer"][flag], true);
+    assert_eq!(
+        runtime["layered_runtime"]["layers"][0]["static_layer"][flag],
+        true
+    );
     let gateway = kind("Gateway");
     assert_eq!(
         gateway["spec"]["infrastructure"]["parametersRef"]["name"],
@@ -443,6 +449,13 @@ fn the_envoy_gateway_samples_give_each_build_a_configuration_it_loads() {
     let filter = &policy["spec"]["dynamicModule"][0];
     assert_eq!(filter["name"], allowed["name"]);
     assert_eq!(filter["filterName"], "tollgate");
-    assert_eq!(policy["spec"]["targetRefs"][0]["name"], gateway["metadata"]["name"]);
-    check("dynamic-module.yaml", &filter["config"], &HostCaps::ENVOY_MODULE);
+    assert_eq!(
+        policy["spec"]["targetRefs"][0]["name"],
+        gateway["metadata"]["name"]
+    );
+    check(
+        "dynamic-module.yaml",
+        &filter["config"],
+        &HostCaps::ENVOY_MODULE,
+    );
 }
