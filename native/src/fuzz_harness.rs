@@ -7,8 +7,8 @@
 // Test support: a broken harness may panic (the hooks must not).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use crate::abi::fake::{self as fake_envoy, Metadata};
 use crate::abi::{EnvoyBuffer, EnvoyHeader};
-use crate::fake_envoy::{self, Metadata};
 use crate::hooks::*;
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;

@@ -4,8 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use crate::abi::fake::{self as fake_envoy, new_config, new_stream, stream};
 use crate::abi::{self, EnvoyBuffer};
-use crate::fake_envoy::{self, new_config, new_stream, stream};
 use crate::hooks::thread_panics;
 use crate::hooks::*;
 use proptest::prelude::*;

@@ -5,13 +5,19 @@
 
 use crate::abi::{self, EnvoyBuffer, FilterEnvoy};
 use crate::config::ModuleConfig;
-use crate::host::Op;
-use crate::worker::{known_worker, this_worker, worker, Worker};
+use crate::links::Op;
+use crate::worker::{known_worker, this_worker, Worker};
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use tollgate::lifecycle::Action;
+
+mod config;
+mod unused;
+
+// (Envoy finds the hooks by their symbols; the crate's tests and fuzz harness call them.)
+#[cfg(any(test, feature = "fake-envoy"))]
+pub use config::*;
 
 /// The filter name Envoy's `filter_name` must give.
 const FILTER_NAME: &[u8] = b"tollgate";
@@ -158,41 +164,6 @@ fn stay_loaded() {
             log::warn!("cannot pin the module: removing every tollgate filter may unload it");
         }
     }
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    config_envoy: abi::ConfigEnvoy,
-    name: EnvoyBuffer,
-    config: EnvoyBuffer,
-) -> *const c_void {
-    guarded(std::ptr::null, || {
-        // SAFETY: Envoy lends both for this call.
-        let (name, bytes) = unsafe { (name.bytes(), config.bytes()) };
-        if name != FILTER_NAME {
-            log::error!(
-                "invalid configuration: filter_name {:?}: this module's filter is \"tollgate\"",
-                String::from_utf8_lossy(name)
-            );
-            return std::ptr::null();
-        }
-        match crate::filters::make_config(config_envoy, bytes.to_vec()) {
-            Some(config) => Arc::into_raw(config).cast(),
-            None => std::ptr::null(),
-        }
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
-    guarded(
-        || (),
-        || {
-            // SAFETY: the pointer config_new made from an `Arc`, handed back once.
-            let config = unsafe { Arc::from_raw(config.cast::<ModuleConfig>()) };
-            crate::filters::end_config(&config);
-        },
-    );
 }
 
 #[no_mangle]
@@ -431,124 +402,4 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
             })
         },
     );
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
-    _config_envoy: abi::ConfigEnvoy,
-    config: *const c_void,
-    _event_id: u64,
-) {
-    guarded(
-        || (),
-        || {
-            // SAFETY: a live configuration (its scheduler goes before it).
-            let config = unsafe { &*config.cast::<ModuleConfig>() };
-            crate::filters::tick(config);
-        },
-    );
-}
-
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
-    _config_envoy: abi::ConfigEnvoy,
-    config: *const c_void,
-    callout_id: u64,
-    result: u32,
-    headers: *const abi::EnvoyHeader,
-    headers_size: usize,
-    chunks: *const EnvoyBuffer,
-    chunks_size: usize,
-) {
-    guarded(
-        || (),
-        || {
-            // SAFETY: a live configuration (Envoy cancels its callouts before it goes).
-            let config = unsafe { &*config.cast::<ModuleConfig>() };
-            let Some(index) = config.callouts.lock().remove(&callout_id) else {
-                return;
-            };
-            let Some(root) = config.root(index) else {
-                return;
-            };
-            worker(index).with(|w| {
-                let _entered = w.host().enter_root_away(root);
-                answer(
-                    w,
-                    root,
-                    callout_id,
-                    result,
-                    (headers, headers_size),
-                    (chunks, chunks_size),
-                );
-            });
-        },
-    );
-}
-
-// Hooks Envoy requires that tollgate has no use for: streamed callouts (it makes none) and the
-// write-buffer watermarks (delivered to terminal filters only).
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
-    _filter: FilterEnvoy,
-    _module: *const c_void,
-    _stream_id: u64,
-    _headers: *const abi::EnvoyHeader,
-    _headers_size: usize,
-    _end_stream: bool,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
-    _filter: FilterEnvoy,
-    _module: *const c_void,
-    _stream_id: u64,
-    _data: *const EnvoyBuffer,
-    _data_count: usize,
-    _end_stream: bool,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
-    _filter: FilterEnvoy,
-    _module: *const c_void,
-    _stream_id: u64,
-    _trailers: *const abi::EnvoyHeader,
-    _trailers_size: usize,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
-    _filter: FilterEnvoy,
-    _module: *const c_void,
-    _stream_id: u64,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
-    _filter: FilterEnvoy,
-    _module: *const c_void,
-    _stream_id: u64,
-    _reason: u32,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
-    _filter: FilterEnvoy,
-    _module: *const c_void,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
-    _filter: FilterEnvoy,
-    _module: *const c_void,
-) {
 }

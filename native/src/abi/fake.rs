@@ -5,6 +5,8 @@
 
 // Test support: a broken expectation may panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// The unit tests read parts of the record the fuzz harness has no use for.
+#![cfg_attr(not(test), allow(dead_code))]
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
