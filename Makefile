@@ -93,8 +93,10 @@ PROBE_WASM := target/probe/wasm32-wasip1/release/tollgate.wasm
 PROBE_NATIVE := dist/probe/libtollgate.so
 probe: setup
 	cargo build --release --target wasm32-wasip1 -p tollgate --lib --features probe --target-dir target/probe
-	cargo build --profile native -p tollgate-native --features probe --target-dir target/probe
-	@mkdir -p dist/probe && cp target/probe/native/libtollgate_native.so $(PROBE_NATIVE)
+	@# (In the main target directory, after `build` copied the plain library: only the crate itself
+	@# is built again, where a directory of its own built every dependency again on a fresh clone.)
+	cargo build --profile native -p tollgate-native --features probe
+	@mkdir -p dist/probe && cp $(CARGO_NATIVE) $(PROBE_NATIVE)
 
 # The release artifacts: the Wasm module optimised by binaryen's wasm-opt -O (about 15% smaller,
 # no measurable speed change; docs/release.md), the Envoy dynamic module, and their sha256s, in
@@ -144,6 +146,7 @@ bench-modules:
 bench-instructions: dist bench-modules
 	@command -v valgrind >/dev/null || { apt_get=apt-get; [ "$$(id -u)" -eq 0 ] || apt_get="sudo apt-get"; \
 		$$apt_get install -y -qq valgrind >/dev/null; }
+	cargo build --release -p tollgate-quota
 	.venv/bin/python bench/instructions.py
 
 # The same, left running for your own requests until Ctrl-C.

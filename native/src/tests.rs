@@ -363,3 +363,124 @@ proptest! {
         prop_assert_eq!(crate::fuzz_harness::run(&case), 0, "a hook panicked on {:?}", case);
     }
 }
+
+/// Deliver `body` (status 200) as the answer to stream `filter`'s call `id`.
+fn answer_stream_call(
+    filter: *mut c_void,
+    module: *const c_void,
+    id: u64,
+    body: &serde_json::Value,
+) {
+    let body = serde_json::to_vec(body).unwrap();
+    let (k, v) = (b":status", b"200");
+    let headers = [abi::EnvoyHeader {
+        key_ptr: k.as_ptr(),
+        key_length: k.len(),
+        value_ptr: v.as_ptr(),
+        value_length: v.len(),
+    }];
+    let chunk = [buffer(&body)];
+    envoy_dynamic_module_on_http_filter_http_callout_done(
+        filter,
+        module,
+        id,
+        abi::CALLOUT_RESULT_SUCCESS,
+        headers.as_ptr(),
+        1,
+        chunk.as_ptr(),
+        1,
+    );
+}
+
+#[test]
+fn an_answer_reaches_the_caller_envoy_names_though_another_call_has_its_number() {
+    // Envoy numbers callouts per filter and per configuration from 1: a request's call and the
+    // tick's give-back are both 1. Before, the tick's answer went to the waiting request that
+    // had registered 1, which read it as its own, failed its call and let every request through.
+    let json = r#"{"rules":[
+        {"name":"user","scope":"global","key":["header:x-user"],"limit":{"requests":5,"per":"1h"}},
+        {"name":"team","scope":"global","key":["header:x-team"],"limit":{"requests":1,"per":"1h"}}],
+        "quota_service":{"upstream":"quota","mode":"strict"}}"#;
+    let (envoy, config) = configure(json);
+    let start = |team: &str| {
+        let filter = new_stream(
+            0,
+            &[(":path", "/"), ("x-user", "u"), ("x-team", team)],
+            "10.5.0.1:1",
+        );
+        let module = envoy_dynamic_module_on_http_filter_new(config, filter);
+        let status = envoy_dynamic_module_on_http_filter_request_headers(filter, module, true);
+        assert_eq!(status, abi::HEADERS_STOP_ITERATION, "waits for its call");
+        let id = fake_envoy::with(|f| {
+            f.callouts
+                .iter()
+                .rfind(|c| c.from == filter as usize)
+                .map(|c| c.id)
+        });
+        assert_eq!(id, Some(1), "a stream's first callout is 1");
+        (filter, module)
+    };
+    let item = |granted: u32| serde_json::json!({"granted": granted, "remaining": 0, "ttl_ms": 10000, "reset_ms": 3_600_000});
+    // A refused by the team: the user's token it was granted goes back on the tick.
+    let (a, a_module) = start("t0");
+    answer_stream_call(
+        a,
+        a_module,
+        1,
+        &serde_json::json!({"items": [item(1), item(0)]}),
+    );
+    assert_eq!(stream(a).sent.as_ref().map(|s| s.0), Some(429));
+    envoy_dynamic_module_on_http_filter_stream_complete(a, a_module);
+    envoy_dynamic_module_on_http_filter_destroy(a_module);
+    // B waits for its own call 1 while the tick's give-back, also 1, is answered.
+    let (b, b_module) = start("t1");
+    let seen = fake_envoy::with(|f| f.callouts.len());
+    envoy_dynamic_module_on_http_filter_config_scheduled(envoy, config, 0);
+    let give_back = fake_envoy::with(|f| {
+        f.callouts[seen..]
+            .iter()
+            .find(|c| c.from == envoy as usize)
+            .cloned()
+    });
+    let give_back = give_back.expect("the tick gives the user's token back");
+    assert_eq!(give_back.id, 1);
+    let body = serde_json::to_vec(&serde_json::json!({"items": [item(0)]})).unwrap();
+    let chunk = [buffer(&body)];
+    let (k, v) = (b":status", b"200");
+    let headers = [abi::EnvoyHeader {
+        key_ptr: k.as_ptr(),
+        key_length: k.len(),
+        value_ptr: v.as_ptr(),
+        value_length: v.len(),
+    }];
+    envoy_dynamic_module_on_http_filter_config_http_callout_done(
+        envoy,
+        config,
+        1,
+        abi::CALLOUT_RESULT_SUCCESS,
+        headers.as_ptr(),
+        1,
+        chunk.as_ptr(),
+        1,
+    );
+    let s = stream(b);
+    assert_eq!(
+        (s.decoding_continued, s.sent.is_none()),
+        (0, true),
+        "B still waits for its own answer"
+    );
+    answer_stream_call(
+        b,
+        b_module,
+        1,
+        &serde_json::json!({"items": [item(1), item(1)]}),
+    );
+    let s = stream(b);
+    assert_eq!(
+        (s.decoding_continued, s.sent.is_none()),
+        (1, true),
+        "B admitted by its answer"
+    );
+    envoy_dynamic_module_on_http_filter_stream_complete(b, b_module);
+    envoy_dynamic_module_on_http_filter_destroy(b_module);
+}

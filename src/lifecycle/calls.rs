@@ -22,6 +22,16 @@ impl Callers {
         self.0.try_borrow_mut().ok()?.remove(&token)
     }
 
+    /// Forget call `token` if context `context_id` made it (a host whose tokens are not unique
+    /// per VM: another context's call may have the same token).
+    pub fn forget_if(&self, token: u32, context_id: u32) {
+        if let Ok(mut calls) = self.0.try_borrow_mut() {
+            if calls.get(&token) == Some(&context_id) {
+                calls.remove(&token);
+            }
+        }
+    }
+
     /// Forget a call whose answer is no longer wanted (its context went away, or it was
     /// delivered by the context's own id).
     pub fn forget(&self, token: u32) {

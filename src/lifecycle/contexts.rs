@@ -201,6 +201,22 @@ impl<H: Host + Clone> Contexts<H> {
         }
     }
 
+    /// The answer to the call `token` of context `caller`, for a host that names the caller of
+    /// every answer and numbers calls per caller (the Envoy dynamic module: a stream's first
+    /// call and a configuration's are both 1), so a token alone names no one.
+    pub fn answer_call(&self, caller: u32, token: u32, num_headers: usize, body_size: usize) {
+        self.callers.forget_if(token, caller);
+        let for_stream = self.with_stream(caller, false, |stream| {
+            stream.on_call_response(token, num_headers, body_size);
+            true
+        });
+        if !for_stream {
+            self.with_root(caller, (), |root| {
+                root.on_call_response(token, num_headers, body_size)
+            });
+        }
+    }
+
     /// The answer to the call `token`, delivered to `context_id`.
     pub fn call_response(&self, context_id: u32, token: u32, num_headers: usize, body_size: usize) {
         // ngx_wasm_module names the context that made the call (and numbers tokens per context);

@@ -328,6 +328,7 @@ fn a_slower_then_faster_upstream_is_followed_within_seconds() {
     // and p99 within 2.5 times the new service time. (The bug this guards against gave 20/s for
     // 15 s; measured figures, which vary with the machine, are in docs/algorithms.md — bounds at
     // twice the service time and 80% failed on this 2-core machine without a change of code.)
+    // Once fast again: the p99 of before the slowdown, within a quarter.
     let (_turn, app, envoy) = start(
         json!({"rules": [adaptive_rule()]}),
         &["--capacity", "10", "--service-ms", "50"],
@@ -362,9 +363,12 @@ fn a_slower_then_faster_upstream_is_followed_within_seconds() {
         slow >= 50.0 && slow_p99 <= 250,
         "slow: {slow}/s, p99 {slow_p99} ms"
     );
+    // Back to what it was before the slowdown, measured in the same run: the p99 at 50 ms is
+    // itself about 2.5 times the service time here (91-149 ms over runs), so a fixed 125 ms
+    // failed one run in several whatever the rule did (a run kept: 127 ms before, 149 after).
     assert!(
-        fast >= 100.0 && fast_p99 <= 125,
-        "fast again: {fast}/s, p99 {fast_p99} ms"
+        fast >= 100.0 && fast_p99 <= before_p99 * 5 / 4 + 10,
+        "fast again: {fast}/s, p99 {fast_p99} ms (before the slowdown: {before_p99} ms)"
     );
 }
 

@@ -352,7 +352,9 @@ pub mod callbacks {
             body: bytes(body),
         };
         with(|f| {
-            let id = u64::try_from(f.callouts.len()).unwrap() + 1;
+            // As Envoy numbers them: per filter and per configuration, from 1.
+            let made = f.callouts.iter().filter(|c| c.from == from).count();
+            let id = u64::try_from(made).unwrap() + 1;
             *id_out = id;
             f.callouts.push(Callout { id, ..call });
         });

@@ -111,6 +111,15 @@ fn on_stream<R>(
     }
 }
 
+/// Run the lifecycle's `f` with the calls that complete a stream held until it returns
+/// ([`crate::host::NativeHost::hold`]). (The request headers are not held: the stream is in no
+/// table while they are decided, so a refusal sent at once finds nothing busy, and holding it
+/// would copy the response.)
+fn held<R>(w: &Worker, f: impl FnOnce(&Worker) -> R) -> R {
+    let _held = w.host().hold();
+    f(w)
+}
+
 /// A hook's action, noting a pause (the tick must be able to reach the stream).
 fn noting_pause(w: &Worker, id: u32, action: Action) -> Action {
     if action != Action::Continue {
@@ -226,7 +235,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     guarded(panicked, || {
         on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
             let size = crate::host::NativeHost::received_size(filter, abi::RECEIVED_REQUEST_BODY);
-            let action = w.contexts.request_body(id, size, end_of_stream);
+            let action = held(w, |w| w.contexts.request_body(id, size, end_of_stream));
             body_status(noting_pause(w, id, action))
         })
     })
@@ -246,7 +255,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
             filter,
             module,
             abi::TRAILERS_CONTINUE,
-            |w, id| match noting_pause(w, id, w.contexts.request_trailers(id)) {
+            |w, id| match noting_pause(w, id, held(w, |w| w.contexts.request_trailers(id))) {
                 Action::Continue => abi::TRAILERS_CONTINUE,
                 _ => abi::TRAILERS_STOP_ITERATION,
             },
@@ -266,7 +275,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
         || abi::HEADERS_CONTINUE,
         || {
             on_stream(filter, module, abi::HEADERS_CONTINUE, |w, id| {
-                headers_status(noting_pause(w, id, w.contexts.response_headers(id)))
+                headers_status(noting_pause(
+                    w,
+                    id,
+                    held(w, |w| w.contexts.response_headers(id)),
+                ))
             })
         },
     )
@@ -284,7 +297,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
             on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
                 let size =
                     crate::host::NativeHost::received_size(filter, abi::RECEIVED_RESPONSE_BODY);
-                let action = w.contexts.response_body(id, size, end_of_stream);
+                let action = held(w, |w| w.contexts.response_body(id, size, end_of_stream));
                 body_status(noting_pause(w, id, action))
             })
         },
@@ -308,7 +321,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     let _t = crate::probe::start(crate::probe::Hook::Log);
     guarded(
         || (),
-        || on_stream(filter, module, (), |w, id| w.contexts.log(id)),
+        || on_stream(filter, module, (), |w, id| held(w, |w| w.contexts.log(id))),
     );
 }
 
@@ -379,8 +392,11 @@ fn answer(
     w.host()
         .answering(headers, headers_size, chunks, chunks_size);
     let token = u32::try_from(callout_id).unwrap_or(0);
-    w.contexts.call_response(id, token, headers_size, body_size);
-    w.host().answered();
+    {
+        let _held = w.host().hold();
+        w.contexts.answer_call(id, token, headers_size, body_size);
+        w.host().answered();
+    }
 }
 
 #[no_mangle]
@@ -395,7 +411,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
             on_stream(filter, module, (), |w, id| {
                 for op in w.host().take_ops(id) {
                     match op {
-                        Op::Work => w.contexts.stream_work(id),
+                        Op::Work => held(w, |w| w.contexts.stream_work(id)),
                         op => w.host().carry_out(id, filter, op),
                     }
                 }

@@ -238,6 +238,14 @@ impl Host for NativeHost {
     }
 
     fn send_local_response(&self, status: u32, headers: &[u8], body: &[u8]) -> Result<(), Status> {
+        let respond = || Op::Respond {
+            status,
+            headers: headers.to_vec(),
+            body: body.to_vec(),
+        };
+        if self.held_back(respond) {
+            return Ok(());
+        }
         let Some(filter) = self.here() else {
             return self.queue(Op::Respond {
                 status,
@@ -250,7 +258,7 @@ impl Host for NativeHost {
             pairs.map(|(k, v)| ModuleHeader::of(k, v)).collect();
         // SAFETY: the stream's filter in its hook; Envoy copies everything. (Envoy may complete
         // the stream inside this call: its hooks come back into the module, which takes them as
-        // a busy stream's.)
+        // a busy stream's unless the call was held back until the lifecycle returned.)
         unsafe {
             abi::send_response(
                 filter,
@@ -265,6 +273,9 @@ impl Host for NativeHost {
     }
 
     fn continue_request(&self) -> Result<(), Status> {
+        if self.held_back(|| Op::Continue) {
+            return Ok(());
+        }
         match self.here() {
             // SAFETY: the stream's filter in its hook, on its worker.
             Some(filter) => unsafe { abi::continue_decoding(filter) },
@@ -274,6 +285,9 @@ impl Host for NativeHost {
     }
 
     fn continue_response(&self) -> Result<(), Status> {
+        if self.held_back(|| Op::ContinueResponse) {
+            return Ok(());
+        }
         match self.here() {
             // SAFETY: the stream's filter in its hook, on its worker.
             Some(filter) => unsafe { abi::continue_encoding(filter) },

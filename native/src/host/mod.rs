@@ -54,6 +54,38 @@ pub struct WorkerHost {
     links: Links,
     roots: RefCell<FxHashMap<u32, Arc<ModuleConfig>>>,
     answer: Cell<Option<Answer>>,
+    /// Set while a hook's lifecycle call runs: what would complete or resume a stream at once
+    /// waits in `held` until the call has returned.
+    holding: Cell<bool>,
+    held: RefCell<SmallVec<[(u32, abi::FilterEnvoy, Op); 1]>>,
+}
+
+/// Ends a hold ([`NativeHost::hold`]): the outermost carries out what was held.
+pub struct Held<'h> {
+    host: &'h NativeHost,
+    outer: bool,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if self.outer {
+            return;
+        }
+        self.host.0.holding.set(false);
+        loop {
+            let next = {
+                let Ok(mut held) = self.host.0.held.try_borrow_mut() else {
+                    return;
+                };
+                if held.is_empty() {
+                    return;
+                }
+                held.remove(0)
+            };
+            let (id, filter, op) = next;
+            self.host.carry_out(id, filter, op);
+        }
+    }
 }
 
 /// Restores the context current before a hook (hooks nest: a local reply completes its stream
@@ -80,7 +112,38 @@ impl NativeHost {
             links: Links::default(),
             roots: RefCell::default(),
             answer: Cell::new(None),
+            holding: Cell::new(false),
+            held: RefCell::default(),
         }))
+    }
+
+    /// Hold back, until the guard goes, the calls that would make Envoy complete or resume a
+    /// stream inside this one (a resumed request's response and end come at once, into a
+    /// lifecycle still busy with the call that resumed it): as Envoy's Wasm host runs them
+    /// after the module's callback has returned, so both builds see the same callbacks.
+    pub fn hold(&self) -> Held<'_> {
+        Held {
+            host: self,
+            outer: self.0.holding.replace(true),
+        }
+    }
+
+    /// Keep `op` for the current stream if calls are held; false if it must be made now.
+    fn held_back(&self, op: impl FnOnce() -> Op) -> bool {
+        if !self.0.holding.get() {
+            return false;
+        }
+        let (Current::Stream { id, filter }, false) = (self.0.current.get(), self.0.away.get())
+        else {
+            return false;
+        };
+        match self.0.held.try_borrow_mut() {
+            Ok(mut held) => {
+                held.push((id, filter, op()));
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     fn enter_as(&self, current: Current, away: bool) -> Entered<'_> {
