@@ -215,8 +215,8 @@ def report(saved, args):
 
     floor_ratio, floor_ratio_bare = ratio(PER_IP, NOOP), ratio(PER_IP_BARE, NOOP)
     proper, proper_bare = paired(PER_IP, RAW2), paired(PER_IP_BARE, RAW2)
-    instructions = {k: r.get("instructions") for k, r in get.items()}
-    have_instructions = any(v is not None for v in instructions.values())
+    perf_counts = {k: r.get("instructions") for k, r in get.items()}
+    have_instructions = any(v is not None for v in perf_counts.values())
     # Where each µs goes: paired differences of setups that add one thing at a time.
     steps = [
         ("Envoy enters a module twice per request (context create, request headers)", RAW2, NONE),
@@ -368,7 +368,7 @@ def report(saved, args):
         PER_IP: ours_inside - bare_inside,
     }
     for label, a, b in steps:
-        ia, ib = instructions.get((a, "allowed")), instructions.get((b, "allowed"))
+        ia, ib = perf_counts.get((a, "allowed")), perf_counts.get((b, "allowed"))
         instr = f"{ia - ib:+,.0f}" if ia is not None and ib is not None else "n/a"
         ins = inside_of.get(a)
         lines.append(f"| {label} | {paired(a, b):+.1f} | {instr} | {'' if ins is None else f'{ins:.1f} µs'} |")
@@ -596,6 +596,9 @@ def report(saved, args):
         lines += quota_items.replicas_lines(saved["quota_replicas"])
     else:
         lines += kept_section(REPO / "docs/benchmarks.md", quota_items.REPLICAS_HEADING)
+    # `bench/redis_instructions.py` writes this one.
+    import redis_instructions  # noqa: E402
+    lines += kept_section(REPO / "docs/benchmarks.md", redis_instructions.HEADING)
     lines += [
         "## Global limits under and over the limit",
         "",

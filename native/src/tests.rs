@@ -191,25 +191,7 @@ fn a_waiting_request_is_resumed_on_its_worker_by_the_answer_the_tick_asked_for()
     assert_eq!(asked["items"].as_array().map(Vec::len), Some(1));
     let answer = serde_json::json!({"items": [{"granted": 10, "remaining": 90, "ttl_ms": 10000,
                                                "reset_ms": 100}]});
-    let body = serde_json::to_vec(&answer).unwrap();
-    let (k, v) = (b":status", b"200");
-    let headers = [abi::EnvoyHeader {
-        key_ptr: k.as_ptr(),
-        key_length: k.len(),
-        value_ptr: v.as_ptr(),
-        value_length: v.len(),
-    }];
-    let chunk = [buffer(&body)];
-    envoy_dynamic_module_on_http_filter_config_http_callout_done(
-        envoy,
-        config,
-        call.id,
-        abi::CALLOUT_RESULT_SUCCESS,
-        headers.as_ptr(),
-        1,
-        chunk.as_ptr(),
-        1,
-    );
+    answer_config_call(envoy, config, call.id, &answer);
     // The next tick decides the waiting request: queued for its worker, not done off it.
     envoy_dynamic_module_on_http_filter_config_scheduled(envoy, config, 0);
     assert_eq!(stream(filter).decoding_continued, 0);
@@ -364,12 +346,10 @@ proptest! {
     }
 }
 
-/// Deliver `body` (status 200) as the answer to stream `filter`'s call `id`.
-fn answer_stream_call(
-    filter: *mut c_void,
-    module: *const c_void,
-    id: u64,
+/// `body` as a callout's answer with `:status: 200`, handed to `deliver` as Envoy lends it.
+fn with_answer(
     body: &serde_json::Value,
+    deliver: impl FnOnce(&[abi::EnvoyHeader], &[EnvoyBuffer]),
 ) {
     let body = serde_json::to_vec(body).unwrap();
     let (k, v) = (b":status", b"200");
@@ -379,17 +359,49 @@ fn answer_stream_call(
         value_ptr: v.as_ptr(),
         value_length: v.len(),
     }];
-    let chunk = [buffer(&body)];
-    envoy_dynamic_module_on_http_filter_http_callout_done(
-        filter,
-        module,
-        id,
-        abi::CALLOUT_RESULT_SUCCESS,
-        headers.as_ptr(),
-        1,
-        chunk.as_ptr(),
-        1,
-    );
+    deliver(&headers, &[buffer(&body)]);
+}
+
+/// Deliver `body` as the answer to stream `filter`'s call `id`.
+fn answer_stream_call(
+    filter: *mut c_void,
+    module: *const c_void,
+    id: u64,
+    body: &serde_json::Value,
+) {
+    with_answer(body, |headers, chunks| {
+        envoy_dynamic_module_on_http_filter_http_callout_done(
+            filter,
+            module,
+            id,
+            abi::CALLOUT_RESULT_SUCCESS,
+            headers.as_ptr(),
+            headers.len(),
+            chunks.as_ptr(),
+            chunks.len(),
+        );
+    });
+}
+
+/// Deliver `body` as the answer to configuration `config`'s call `id`.
+fn answer_config_call(
+    envoy: *mut c_void,
+    config: *const c_void,
+    id: u64,
+    body: &serde_json::Value,
+) {
+    with_answer(body, |headers, chunks| {
+        envoy_dynamic_module_on_http_filter_config_http_callout_done(
+            envoy,
+            config,
+            id,
+            abi::CALLOUT_RESULT_SUCCESS,
+            headers.as_ptr(),
+            headers.len(),
+            chunks.as_ptr(),
+            chunks.len(),
+        );
+    });
 }
 
 #[test]
@@ -444,25 +456,7 @@ fn an_answer_reaches_the_caller_envoy_names_though_another_call_has_its_number()
     });
     let give_back = give_back.expect("the tick gives the user's token back");
     assert_eq!(give_back.id, 1);
-    let body = serde_json::to_vec(&serde_json::json!({"items": [item(0)]})).unwrap();
-    let chunk = [buffer(&body)];
-    let (k, v) = (b":status", b"200");
-    let headers = [abi::EnvoyHeader {
-        key_ptr: k.as_ptr(),
-        key_length: k.len(),
-        value_ptr: v.as_ptr(),
-        value_length: v.len(),
-    }];
-    envoy_dynamic_module_on_http_filter_config_http_callout_done(
-        envoy,
-        config,
-        1,
-        abi::CALLOUT_RESULT_SUCCESS,
-        headers.as_ptr(),
-        1,
-        chunk.as_ptr(),
-        1,
-    );
+    answer_config_call(envoy, config, 1, &serde_json::json!({"items": [item(0)]}));
     let s = stream(b);
     assert_eq!(
         (s.decoding_continued, s.sent.is_none()),

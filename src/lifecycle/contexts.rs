@@ -206,6 +206,11 @@ impl<H: Host + Clone> Contexts<H> {
     /// call and a configuration's are both 1), so a token alone names no one.
     pub fn answer_call(&self, caller: u32, token: u32, num_headers: usize, body_size: usize) {
         self.callers.forget_if(token, caller);
+        self.deliver(caller, token, num_headers, body_size);
+    }
+
+    /// Hand the answer to `token` to its caller, a stream or else a root.
+    fn deliver(&self, caller: u32, token: u32, num_headers: usize, body_size: usize) {
         let for_stream = self.with_stream(caller, false, |stream| {
             stream.on_call_response(token, num_headers, body_size);
             true
@@ -235,14 +240,6 @@ impl<H: Host + Clone> Contexts<H> {
         if caller != context_id {
             let _ = self.host.set_effective_context(caller);
         }
-        let for_stream = self.with_stream(caller, false, |stream| {
-            stream.on_call_response(token, num_headers, body_size);
-            true
-        });
-        if !for_stream {
-            self.with_root(caller, (), |root| {
-                root.on_call_response(token, num_headers, body_size)
-            });
-        }
+        self.deliver(caller, token, num_headers, body_size);
     }
 }
