@@ -125,6 +125,19 @@ impl NativeHost {
         }
     }
 
+    /// Resume the current stream with `go` now, once the lifecycle returns (held), or from its
+    /// worker when the tick asked (queued as `op`).
+    fn resume(&self, op: fn() -> Op, go: impl FnOnce(abi::FilterEnvoy)) -> Result<(), Status> {
+        if self.held_back(op) {
+            return Ok(());
+        }
+        match self.here() {
+            Some(filter) => go(filter),
+            None => return self.queue(op()),
+        }
+        Ok(())
+    }
+
     fn metadata(&self, path: &[u8]) -> Option<Value<'_>> {
         let filter = self.here()?;
         let mut segments = path.split(|&b| b == 0);
@@ -273,27 +286,19 @@ impl Host for NativeHost {
     }
 
     fn continue_request(&self) -> Result<(), Status> {
-        if self.held_back(|| Op::Continue) {
-            return Ok(());
-        }
-        match self.here() {
-            // SAFETY: the stream's filter in its hook, on its worker.
-            Some(filter) => unsafe { abi::continue_decoding(filter) },
-            None => return self.queue(Op::Continue),
-        }
-        Ok(())
+        // SAFETY: the stream's filter in its hook, on its worker.
+        self.resume(
+            || Op::Continue,
+            |filter| unsafe { abi::continue_decoding(filter) },
+        )
     }
 
     fn continue_response(&self) -> Result<(), Status> {
-        if self.held_back(|| Op::ContinueResponse) {
-            return Ok(());
-        }
-        match self.here() {
-            // SAFETY: the stream's filter in its hook, on its worker.
-            Some(filter) => unsafe { abi::continue_encoding(filter) },
-            None => return self.queue(Op::ContinueResponse),
-        }
-        Ok(())
+        // SAFETY: the stream's filter in its hook, on its worker.
+        self.resume(
+            || Op::ContinueResponse,
+            |filter| unsafe { abi::continue_encoding(filter) },
+        )
     }
 
     fn set_effective_context(&self, context_id: u32) -> Result<(), Status> {
