@@ -98,9 +98,30 @@ pub fn this_worker(index: impl FnOnce() -> u32) -> &'static WorkerCell {
         None => {
             let w = worker(index());
             mine.set(Some(w));
+            make_parking_record();
             w
         }
     })
+}
+
+/// Make this thread's parking record now, in its first stream's set-up. parking_lot makes it (and,
+/// for the process's first, its wait table: two heap allocations) the first time the thread waits
+/// for a lock; a worker waits when the main thread holds its lock for the tick, which happens at a
+/// random request long after set-up, and would then allocate on that request's path.
+fn make_parking_record() {
+    // SAFETY: a park that validates false never sleeps; parking_lot makes the thread's record,
+    // then returns `Invalid`. The key is a static's address, which no lock uses.
+    static KEY: u8 = 0;
+    let _ = unsafe {
+        parking_lot_core::park(
+            std::ptr::addr_of!(KEY) as usize,
+            || false,
+            || {},
+            |_, _| {},
+            parking_lot_core::DEFAULT_PARK_TOKEN,
+            None,
+        )
+    };
 }
 
 /// The worker the current thread entered before (a hook that has no filter to tell it).
