@@ -49,9 +49,10 @@ schema:
 	UPDATE_SCHEMA=1 cargo test --lib the_committed_schema_is_current
 
 # Unit and property tests of the core and the host-independent filter code, the quota service's
-# tests, then the real-Envoy tests with the Wasm module, then again with the dynamic module (all
-# but the slow engine-level ones: the `native` profile of .config/nextest.toml), with
-# cargo-nextest; then the slowest tests of each run, also when some failed.
+# tests, and the real-Envoy tests twice — the `envoy` binary against the Wasm module, the
+# `envoy_native` binary against the dynamic module (all but the slow engine-level tests:
+# .config/nextest.toml) — in one cargo-nextest run; then the slowest tests of each build, also
+# when some failed.
 test: build probe lint quota
 	@status=0; \
 	TOLLGATE_WASM=$(abspath $(WASM)) ENVOY_BIN=$(abspath $(ENVOY)) TOLLGATE_PROBE_WASM=$(abspath $(PROBE_WASM)) \
@@ -59,9 +60,8 @@ test: build probe lint quota
 	TOLLGATE_QUOTA_BIN=$(abspath target/debug/tollgate-quota) \
 	TOLLGATE_TESTBED_BIN=$(abspath target/debug/tollgate-testbed) \
 	cargo nextest run --workspace || status=$$?; \
-	TOLLGATE_BUILD=native cargo nextest run -p tollgate --test envoy --profile native || status=$$?; \
-	python3 scripts/slowest-tests.py target/nextest/default/junit.xml 10; \
-	python3 scripts/slowest-tests.py target/nextest/native/junit.xml 5; \
+	python3 scripts/slowest-tests.py target/nextest/default/junit.xml 10 --not envoy_native; \
+	python3 scripts/slowest-tests.py target/nextest/default/junit.xml 5 --only envoy_native; \
 	exit $$status
 
 # The behaviour checks in nginx with Kong's ngx_wasm_module, against the nginx binary NGINX_BIN

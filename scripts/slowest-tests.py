@@ -1,21 +1,43 @@
 #!/usr/bin/env python3
-"""Print the slowest tests of a cargo-nextest JUnit report (make test runs it after the tests)."""
+"""Print the slowest tests of a cargo-nextest JUnit report (make test runs it after the tests).
+
+    slowest-tests.py [REPORT] [COUNT] [--only BINARY | --not BINARY]
+"""
 import sys
 import xml.etree.ElementTree as ET
 
-path = sys.argv[1] if len(sys.argv) > 1 else "target/nextest/default/junit.xml"
-count = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+args = sys.argv[1:]
+which = None
+for flag in ("--only", "--not"):
+    if flag in args:
+        i = args.index(flag)
+        which = (flag, args[i + 1])
+        del args[i:i + 2]
+path = args[0] if args else "target/nextest/default/junit.xml"
+count = int(args[1]) if len(args) > 1 else 10
 try:
     root = ET.parse(path).getroot()
 except (OSError, ET.ParseError) as e:
     print(f"no test times ({path}: {e})")
     sys.exit(0)
+
+
+def chosen(classname):
+    """nextest names a test's class `crate::binary`."""
+    if which is None:
+        return True
+    binary = classname.rsplit("::", 1)[-1]
+    return (binary == which[1]) == (which[0] == "--only")
+
+
 cases = [
     (float(c.get("time", "0")), f"{c.get('classname', '')} {c.get('name', '')}".strip())
-    for c in root.iter("testcase")
+    for c in root.iter("testcase") if chosen(c.get("classname", ""))
 ]
-total = float(root.get("time", "0") or 0)
 cases.sort(reverse=True)
-print(f"slowest {min(count, len(cases))} of {len(cases)} tests ({total:.0f} s in all, wall clock):")
+total = sum(seconds for seconds, _ in cases)
+wall = float(root.get("time", "0") or 0)
+print(f"slowest {min(count, len(cases))} of {len(cases)} tests ({total:.0f} s of test time; "
+      f"the whole run took {wall:.0f} s):")
 for seconds, name in cases[:count]:
     print(f"  {seconds:7.1f} s  {name}")

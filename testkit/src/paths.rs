@@ -19,8 +19,9 @@ pub fn probe_wasm_path() -> PathBuf {
     )
 }
 
-/// Which build of tollgate the Envoy tests run: the Wasm module (the default) or, with
-/// `TOLLGATE_BUILD=native`, the Envoy dynamic module.
+/// Which build of tollgate the Envoy tests run: in the `envoy_native` test binary (the same
+/// tests, tests/envoy_native.rs) the Envoy dynamic module; in the `envoy` binary the Wasm module,
+/// or the dynamic module with `TOLLGATE_BUILD=native`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Build {
     Wasm,
@@ -28,6 +29,14 @@ pub enum Build {
 }
 
 pub fn build() -> Build {
+    let binary = std::env::current_exe().ok();
+    let name = binary
+        .as_ref()
+        .and_then(|p| p.file_name())
+        .and_then(|n| n.to_str());
+    if name.is_some_and(|n| n.starts_with("envoy_native-")) {
+        return Build::Native;
+    }
     match std::env::var("TOLLGATE_BUILD").as_deref() {
         Ok("native") => Build::Native,
         Ok("wasm") | Err(_) => Build::Wasm,

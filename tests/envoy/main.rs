@@ -4,7 +4,7 @@
 // Test code: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod harness;
+pub(crate) mod harness;
 
 mod algorithms;
 mod answers;
@@ -23,13 +23,13 @@ mod hot_path;
 mod limits;
 mod matching;
 mod module;
-mod monitoring;
+pub(crate) mod monitoring;
 mod native_module;
 mod operations;
 mod overload;
 mod plugins;
 mod quick_starts;
 mod rlqs;
-mod rls;
-mod settle;
+pub(crate) mod rls;
+pub(crate) mod settle;
 mod state;
