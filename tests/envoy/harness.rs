@@ -625,7 +625,10 @@ impl Envoy {
         }
     }
 
-    fn prometheus_now(&self, series: &str) -> i64 {
+    /// One read of a series, for a value that keeps moving (`prometheus` reads until it stops:
+    /// on a gauge that moves under load that is a loop of whole dumps, every 25 ms, on Envoy's
+    /// main thread and the test's).
+    pub fn prometheus_now(&self, series: &str) -> i64 {
         let text = self.admin_get("/stats/prometheus");
         let line = format!("{series} ");
         text.lines()

@@ -186,7 +186,7 @@ fn the_cpu_the_upstream_reports_is_the_signal() {
             let mut samples = Vec::new();
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
                 std::thread::sleep(std::time::Duration::from_millis(250));
-                samples.push(envoy.prometheus("tollgate_rule_signal{tollgate_rule=\"app\"}"));
+                samples.push(envoy.prometheus_now("tollgate_rule_signal{tollgate_rule=\"app\"}"));
             }
             samples
         });
