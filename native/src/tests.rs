@@ -362,17 +362,30 @@ fn with_answer(
     deliver(&headers, &[buffer(&body)]);
 }
 
-/// Deliver `body` as the answer to stream `filter`'s call `id`.
-fn answer_stream_call(
-    filter: *mut c_void,
-    module: *const c_void,
+/// A callout-done hook: the stream's or the configuration's (the same signature).
+type CalloutDone = extern "C" fn(
+    *mut c_void,
+    *const c_void,
+    u64,
+    u32,
+    *const abi::EnvoyHeader,
+    usize,
+    *const abi::EnvoyBuffer,
+    usize,
+);
+
+/// Deliver `body` through `done` as the answer to call `id` of `envoy`'s `ours`.
+fn answer_call(
+    done: CalloutDone,
+    envoy: *mut c_void,
+    ours: *const c_void,
     id: u64,
     body: &serde_json::Value,
 ) {
     with_answer(body, |headers, chunks| {
-        envoy_dynamic_module_on_http_filter_http_callout_done(
-            filter,
-            module,
+        done(
+            envoy,
+            ours,
             id,
             abi::CALLOUT_RESULT_SUCCESS,
             headers.as_ptr(),
@@ -383,6 +396,17 @@ fn answer_stream_call(
     });
 }
 
+/// Deliver `body` as the answer to stream `filter`'s call `id`.
+fn answer_stream_call(
+    filter: *mut c_void,
+    module: *const c_void,
+    id: u64,
+    body: &serde_json::Value,
+) {
+    let done: CalloutDone = envoy_dynamic_module_on_http_filter_http_callout_done;
+    answer_call(done, filter, module, id, body);
+}
+
 /// Deliver `body` as the answer to configuration `config`'s call `id`.
 fn answer_config_call(
     envoy: *mut c_void,
@@ -390,18 +414,8 @@ fn answer_config_call(
     id: u64,
     body: &serde_json::Value,
 ) {
-    with_answer(body, |headers, chunks| {
-        envoy_dynamic_module_on_http_filter_config_http_callout_done(
-            envoy,
-            config,
-            id,
-            abi::CALLOUT_RESULT_SUCCESS,
-            headers.as_ptr(),
-            headers.len(),
-            chunks.as_ptr(),
-            chunks.len(),
-        );
-    });
+    let done: CalloutDone = envoy_dynamic_module_on_http_filter_config_http_callout_done;
+    answer_call(done, envoy, config, id, body);
 }
 
 #[test]
