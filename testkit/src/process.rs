@@ -126,3 +126,51 @@ fn signal(pid: u32, signal: i32) {
         libc::kill(pid, signal);
     }
 }
+
+/// The machine's CPU time by kind since boot (`/proc/stat`'s first line, in seconds): a timing
+/// test prints what the machine did meanwhile, so a failure under load says whether other
+/// processes (user, system), the hypervisor (steal) or the disk (iowait) took the time.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MachineTimes {
+    pub user: f64,
+    pub system: f64,
+    pub idle: f64,
+    pub iowait: f64,
+    pub steal: f64,
+}
+
+impl MachineTimes {
+    pub fn now() -> Self {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<f64> = stat
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .map(|t| t.parse::<f64>().unwrap_or(0.0) / 100.0)
+            .collect();
+        let at = |i: usize| ticks.get(i).copied().unwrap_or(0.0);
+        // user nice system idle iowait irq softirq steal
+        MachineTimes {
+            user: at(0) + at(1),
+            system: at(2) + at(5) + at(6),
+            idle: at(3),
+            iowait: at(4),
+            steal: at(7),
+        }
+    }
+
+    /// What the machine spent since `self`, as one line.
+    pub fn since(&self) -> String {
+        let now = MachineTimes::now();
+        format!(
+            "machine meanwhile: user {:.1} s, system {:.1} s, idle {:.1} s, iowait {:.1} s, steal {:.1} s",
+            now.user - self.user,
+            now.system - self.system,
+            now.idle - self.idle,
+            now.iowait - self.iowait,
+            now.steal - self.steal
+        )
+    }
+}

@@ -3,7 +3,7 @@
 //! throttle. The bounds here are loose on purpose (a 2-core machine shared with the load); the
 //! measured figures are in docs/benchmarks.md (`bench/run.py --sections overload`).
 
-use crate::harness::{load, Envoy, MachineLock, Options, Upstream};
+use crate::harness::{load, Envoy, MachineLock, MachineTimes, Options, Upstream};
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -47,7 +47,11 @@ fn run(envoy: &Envoy, rate: f64, seconds: f64, warmup: f64, classes: &[&str]) ->
     for c in classes {
         args.extend(["--class", c]);
     }
-    load(&envoy.url("/app"), &args)
+    let before = MachineTimes::now();
+    let mut r = load(&envoy.url("/app"), &args);
+    // In every assertion's message: whether the machine gave the time to something else.
+    r["machine"] = before.since().into();
+    r
 }
 
 fn f(v: &Value, path: &[&str]) -> f64 {
