@@ -285,8 +285,8 @@ fn killing_the_quota_service_falls_back_locally_and_leases_resume_after_restart(
 fn a_dead_redis_makes_the_filter_apply_its_failure_mode_quickly() {
     let mut redis = Redis::start();
     // The service's default storage timeout (100 ms): at 20 ms, a Redis slowed by three other
-    // tests on the 2 cores missed it on the first call (503, refused by `deny` while up; log kept
-    // in the session's note). A dead Redis refuses the connection at once: no timeout is waited.
+    // tests on the 2 cores missed it on the first call (Envoy's log: "quota service answered status
+    // 503"; refused by `deny` while Redis was up). A dead Redis refuses the connection at once: no timeout is waited.
     let quota = Quota::start(&["--redis", &redis.url()]);
     let plugin = config(
         json!({"name": "api", "scope": "global", "limit": {"requests": 1, "per": "1d"}, "burst": 1000}),

@@ -47,9 +47,14 @@ fn run(envoy: &Envoy, rate: f64, seconds: f64, warmup: f64, classes: &[&str]) ->
     for c in classes {
         args.extend(["--class", c]);
     }
+    with_machine_times(|| load(&envoy.url("/app"), &args))
+}
+
+/// `measure`'s result with what the machine did meanwhile under "machine": in every assertion's
+/// message, whether the machine gave the time to something else.
+fn with_machine_times(measure: impl FnOnce() -> Value) -> Value {
     let before = MachineTimes::now();
-    let mut r = load(&envoy.url("/app"), &args);
-    // In every assertion's message: whether the machine gave the time to something else.
+    let mut r = measure();
     r["machine"] = before.since().into();
     r
 }
@@ -290,24 +295,23 @@ fn load_while_changing(
     changes: &[(u64, &str)],
 ) -> Value {
     let secs = seconds.to_string();
-    let before = MachineTimes::now();
-    let mut r = std::thread::scope(|s| {
-        let load = s.spawn(|| {
-            load(
-                &envoy.url("/app"),
-                &["--rate", "300", "--seconds", &secs, "--bucket-ms", "500"],
-            )
-        });
-        let mut at = 0;
-        for &(when, what) in changes {
-            std::thread::sleep(Duration::from_secs(when - at));
-            set_upstream(app, what);
-            at = when;
-        }
-        load.join().unwrap()
-    });
-    r["machine"] = before.since().into();
-    r
+    with_machine_times(|| {
+        std::thread::scope(|s| {
+            let load = s.spawn(|| {
+                load(
+                    &envoy.url("/app"),
+                    &["--rate", "300", "--seconds", &secs, "--bucket-ms", "500"],
+                )
+            });
+            let mut at = 0;
+            for &(when, what) in changes {
+                std::thread::sleep(Duration::from_secs(when - at));
+                set_upstream(app, what);
+                at = when;
+            }
+            load.join().unwrap()
+        })
+    })
 }
 
 /// Over the timeline's buckets `from..to`: answers per second and the p99 response time (ms) of
