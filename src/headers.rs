@@ -14,6 +14,16 @@ pub fn retry_after_secs(retry_after_ns: u64) -> u64 {
     ceil_secs(retry_after_ns).max(1)
 }
 
+/// The `RateLimit-Policy` value of `rule`'s quota: `q` per `w` seconds.
+pub fn policy_value(rule: &str, (q, w): (u64, Option<u64>)) -> String {
+    let mut value = format!("\"{rule}\";q={q}");
+    if let Some(w) = w {
+        value.push_str(";w=");
+        value.push_str(itoa::Buffer::new().format(w));
+    }
+    value
+}
+
 /// Response headers rendered into one buffer, which a worker reuses from response to response:
 /// adding rate-limit headers allocates nothing once the buffer has grown.
 #[derive(Debug, Default)]
@@ -53,14 +63,9 @@ impl HeaderSet {
         remaining: u64,
         reset_secs: u64,
     ) {
-        let (mut q_buf, mut w_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
-        let (mut r_buf, mut t_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
-        let (q, r, t) = (
-            q_buf.format(q),
-            r_buf.format(remaining),
-            t_buf.format(reset_secs),
-        );
         if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
+            let (mut q_buf, mut w_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
+            let q = q_buf.format(q);
             match w {
                 Some(w) => {
                     let w = w_buf.format(w);
@@ -68,10 +73,42 @@ impl HeaderSet {
                 }
                 None => self.push("ratelimit-policy", &["\"", rule, "\";q=", q]),
             }
+        }
+        self.push_state(format, rule, q, remaining, reset_secs);
+    }
+
+    /// [`HeaderSet::push_quota`] with the `RateLimit-Policy` value rendered already
+    /// ([`policy_value`]: a rule's own, rendered when its configuration loads).
+    pub fn push_quota_with(
+        &mut self,
+        format: HeaderFormat,
+        rule: &str,
+        (q, policy): (u64, &str),
+        remaining: u64,
+        reset_secs: u64,
+    ) {
+        if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
+            self.push("ratelimit-policy", &[policy]);
+        }
+        self.push_state(format, rule, q, remaining, reset_secs);
+    }
+
+    /// The headers after the policy: `RateLimit`, and the legacy set.
+    fn push_state(
+        &mut self,
+        format: HeaderFormat,
+        rule: &str,
+        q: u64,
+        remaining: u64,
+        reset_secs: u64,
+    ) {
+        let (mut r_buf, mut t_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (r, t) = (r_buf.format(remaining), t_buf.format(reset_secs));
+        if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
             self.push("ratelimit", &["\"", rule, "\";r=", r, ";t=", t]);
         }
         if matches!(format, HeaderFormat::Legacy | HeaderFormat::Both) {
-            self.push("x-ratelimit-limit", &[q]);
+            self.push_number("x-ratelimit-limit", q);
             self.push("x-ratelimit-remaining", &[r]);
             self.push("x-ratelimit-reset", &[t]);
         }
@@ -107,6 +144,22 @@ mod tests {
         assert_eq!(retry_after_secs(NS_PER_SEC + 1), 2);
         assert_eq!(retry_after_secs(0), 1);
         assert_eq!(ceil_secs(0), 0);
+    }
+
+    #[test]
+    fn a_rendered_policy_gives_the_same_headers() {
+        for (policy, format) in [
+            ((100, Some(60)), HeaderFormat::Both),
+            ((5, None), HeaderFormat::Draft),
+        ] {
+            let (mut parts, mut rendered) = (HeaderSet::default(), HeaderSet::default());
+            parts.push_quota(format, "r", policy, 7, 3);
+            rendered.push_quota_with(format, "r", (policy.0, &policy_value("r", policy)), 7, 3);
+            assert_eq!(
+                parts.iter().collect::<Vec<_>>(),
+                rendered.iter().collect::<Vec<_>>()
+            );
+        }
     }
 
     #[test]

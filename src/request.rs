@@ -235,19 +235,14 @@ pub fn forwarded_hop(xff: &[u8], hops: u32) -> Option<IpAddr> {
 pub fn peer_ip<'a>(peer: Value<'a>, client: &ClientIp) -> Value<'a> {
     // The common case, IPv4 `a.b.c.d:port` as hosts write it, keyed by the whole address: cut,
     // don't reformat.
-    if let Some(colon) = peer.iter().position(|&b| b == b':') {
-        let (ip, port) = (&peer[..colon], &peer[colon + 1..]);
-        let dotted = !ip.is_empty() && ip.iter().all(|b| b.is_ascii_digit() || *b == b'.');
-        let port_ok = !port.is_empty() && port.len() <= 5 && port.iter().all(u8::is_ascii_digit);
-        if dotted && port_ok && client.ipv4_prefix >= 32 {
-            return match peer {
-                Cow::Borrowed(b) => Cow::Borrowed(&b[..colon]),
-                Cow::Owned(mut v) => {
-                    v.truncate(colon);
-                    Cow::Owned(v)
-                }
-            };
-        }
+    if let (Some(colon), true) = (ipv4_with_port(&peer), client.ipv4_prefix >= 32) {
+        return match peer {
+            Cow::Borrowed(b) => Cow::Borrowed(&b[..colon]),
+            Cow::Owned(mut v) => {
+                v.truncate(colon);
+                Cow::Owned(v)
+            }
+        };
     }
     let parsed = std::str::from_utf8(&peer)
         .ok()
@@ -256,6 +251,20 @@ pub fn peer_ip<'a>(peer: Value<'a>, client: &ClientIp) -> Value<'a> {
         Some(addr) => Cow::Owned(client.key_of(addr.ip())),
         None => peer,
     }
+}
+
+/// Where the port starts in `a.b.c.d:port` (digits and dots, a colon, 1 to 5 digits), in one pass.
+fn ipv4_with_port(peer: &[u8]) -> Option<usize> {
+    let mut colon = None;
+    for (i, &b) in peer.iter().enumerate() {
+        match (b, colon) {
+            (b'0'..=b'9', _) | (b'.', None) => {}
+            (b':', None) if i > 0 => colon = Some(i),
+            _ => return None,
+        }
+    }
+    let colon = colon?;
+    (1..=5).contains(&(peer.len() - colon - 1)).then_some(colon)
 }
 
 pub use crate::network::strip_port;
@@ -406,6 +415,35 @@ mod tests {
             "x",
         ));
         assert_eq!(Request::new(&f, 0).host(), Some(&b"real.example"[..]));
+    }
+
+    #[test]
+    fn only_dotted_digits_with_a_port_are_cut_without_parsing() {
+        let cut = |p: &[u8]| ipv4_with_port(p);
+        assert_eq!(cut(b"127.0.0.1:4000"), Some(9));
+        assert_eq!(cut(b"1:1"), Some(1));
+        assert_eq!(cut(b"1.2.3.4:65535"), Some(7));
+        for no in [
+            &b""[..],
+            b"1.2.3.4",
+            b"1.2.3.4:",
+            b":80",
+            b"1.2.3.4:123456",
+            b"1.2.3.4:8.0",
+            b"1.2.3.4:80:1",
+            b"[::1]:80",
+            b"1.2.3.x:80",
+            b"1.2.3.4:8\xff",
+        ] {
+            assert_eq!(cut(no), None, "{no:?}");
+        }
+        // What the cut refuses is parsed, or kept as it came.
+        let client = ClientIp::default();
+        assert_eq!(
+            &*peer_ip(Cow::Borrowed(b"1.2.3.4:123456"), &client),
+            b"1.2.3.4:123456"
+        );
+        assert_eq!(&*peer_ip(Cow::Borrowed(b"1.2.3.4:80"), &client), b"1.2.3.4");
     }
 
     #[test]

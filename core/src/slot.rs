@@ -197,11 +197,17 @@ impl SlotTable {
 
     /// The store key of group `index`.
     pub fn store_key(&self, index: u32) -> StoreKey {
-        let mut key = StoreKey(SmallVec::new());
-        key.0.extend_from_slice(self.prefix.as_bytes());
-        key.0
-            .extend_from_slice(itoa::Buffer::new().format(index).as_bytes());
-        key
+        let mut digits = itoa::Buffer::new();
+        let (prefix, digits) = (self.prefix.as_bytes(), digits.format(index).as_bytes());
+        let len = prefix.len() + digits.len();
+        if len > STORE_KEY_INLINE {
+            return StoreKey([prefix, digits].concat().into());
+        }
+        // (Two copies into one buffer: a vector's appends cost several times as much.)
+        let mut inline = [0u8; STORE_KEY_INLINE];
+        inline[..prefix.len()].copy_from_slice(prefix);
+        inline[prefix.len()..len].copy_from_slice(digits);
+        StoreKey(SmallVec::from_buf_and_len(inline, len))
     }
 
     /// Create every group that does not exist yet; returns how many were created. Existing groups
@@ -225,12 +231,17 @@ impl SlotTable {
 /// A group's name in the store, built on the stack for names of usual length: a request that
 /// reads a group allocates nothing for its name.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StoreKey(SmallVec<[u8; 96]>);
+pub struct StoreKey(SmallVec<[u8; STORE_KEY_INLINE]>);
+
+/// Bytes of a group's name kept on the stack.
+const STORE_KEY_INLINE: usize = 96;
 
 impl StoreKey {
     pub fn as_str(&self) -> &str {
-        // Built from a `String` prefix and ASCII digits: always UTF-8.
-        std::str::from_utf8(&self.0).unwrap_or_default()
+        // SAFETY: only `SlotTable::store_key` makes a key with bytes (the field is private, and
+        // the default is empty): a `str` prefix followed by ASCII digits, which is UTF-8. (The
+        // check would cost the request path its longest loop over the name, twice.)
+        unsafe { std::str::from_utf8_unchecked(&self.0) }
     }
 }
 
@@ -250,6 +261,19 @@ mod tests {
         assert_ne!(a.tag, table.locate(b"10.0.0.2").tag);
         assert_eq!(table.locate_hash(key_hash(b"10.0.0.1")), a);
         assert_eq!(table.store_key(17).as_str(), "t.17");
+        // Names at, and past, what the stack holds (a rule named at length, in any script).
+        for len in [
+            STORE_KEY_INLINE - 10,
+            STORE_KEY_INLINE - 1,
+            STORE_KEY_INLINE,
+            300,
+        ] {
+            let prefix: String = "é.".chars().cycle().take(len).collect();
+            let table = SlotTable::new(prefix.clone(), 1 << 20);
+            for index in [0, 7, 4_294_967_295 % table.groups(), table.groups() - 1] {
+                assert_eq!(table.store_key(index).as_str(), format!("{prefix}{index}"));
+            }
+        }
     }
 
     #[test]

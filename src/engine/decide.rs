@@ -32,6 +32,24 @@ impl Engine {
         hold_for_stashes: bool,
     ) -> Option<Outcome> {
         let (config, stash) = (&self.config, &mut self.stash);
+        if let [input] = inputs {
+            if stashed_quota(config, input).is_none() {
+                // One check no stash serves (the usual request): the shared slots decide it, as
+                // below, without the per-check bookkeeping.
+                let quota = quota_of(config, input.which)?;
+                let limit = quota.limit_for(input.own_requests);
+                let check = Check {
+                    limit: &limit,
+                    table: &quota.table,
+                    slot: input.slot,
+                    cost: input.cost,
+                    enforced: input.enforced,
+                    batch: 0,
+                    wait_for_stashes: false,
+                };
+                return Some(admit(store, &[check], now));
+            }
+        }
         let limits = inputs
             .iter()
             .map(|i| Some(quota_of(config, i.which)?.limit_for(i.own_requests)))
@@ -98,19 +116,27 @@ impl Engine {
                 stashed: 0,
             });
         }
-        let mut outcome = Outcome {
-            admitted: refused.is_none(),
-            refused_by: refused,
-            checks: results,
-        };
-        if refused.is_none() && !checks.is_empty() {
-            let shared = admit(store, &checks, now);
-            outcome.admitted = shared.admitted;
-            outcome.refused_by = shared.refused_by.map(|i| asked[i]);
-            for (&n, result) in asked.iter().zip(shared.checks) {
-                outcome.checks[n] = result;
+        let outcome = if refused.is_some() || checks.is_empty() {
+            Outcome {
+                admitted: refused.is_none(),
+                refused_by: refused,
+                checks: results,
             }
-        }
+        } else if asked.len() == inputs.len() {
+            // Every check asked the shared slots (no stash served one): their outcome is the
+            // request's, in the same order.
+            admit(store, &checks, now)
+        } else {
+            let shared = admit(store, &checks, now);
+            for (&n, result) in asked.iter().zip(&shared.checks) {
+                results[n] = *result;
+            }
+            Outcome {
+                admitted: shared.admitted,
+                refused_by: shared.refused_by.map(|i| asked[i]),
+                checks: results,
+            }
+        };
         drop(checks);
         self.keep_stashes(store, inputs, &outcome, &asked, now);
         Some(outcome)

@@ -172,6 +172,8 @@ pub struct Engine {
     holds_for_stashes: bool,
     /// The keys each rule sees most, for the status path (none without one).
     top: top::TopCounts,
+    /// Each rule's own `RateLimit-Policy` value, rendered once (empty for rules without one).
+    policies: Vec<String>,
 }
 
 impl Engine {
@@ -190,8 +192,18 @@ impl Engine {
                 ),
             None => top::TopCounts::default(),
         };
+        let policies = config
+            .rules
+            .iter()
+            .map(|r| {
+                r.quota().map_or_else(String::new, |q| {
+                    crate::headers::policy_value(&r.name, q.policy)
+                })
+            })
+            .collect();
         Self {
             top,
+            policies,
             stats: Stats::new(config.rules.len()),
             dry_run_log: dry_run::DryRunLog::new(config.rules.len()),
             config,

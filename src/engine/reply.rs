@@ -1,7 +1,7 @@
 //! What a decision tells the client: rate-limit headers on admitted responses, and the refusal
 //! (status, body, headers) of a refused request.
 
-use super::{Engine, QuotaReport, Refusal};
+use super::{Engine, QuotaRef, QuotaReport, Refusal};
 use crate::config::Response;
 use crate::headers::HeaderSet;
 
@@ -14,6 +14,22 @@ impl Engine {
         ) else {
             return;
         };
+        let format = self.config.rate_limit_headers;
+        let rendered = match (report.which, report.own_requests) {
+            (QuotaRef::Rule(i), None) => self.policies.get(i).filter(|p| !p.is_empty()),
+            _ => None,
+        };
+        if let Some(policy) = rendered {
+            let q = quota.policy.0;
+            out.push_quota_with(
+                format,
+                &rule.name,
+                (q, policy),
+                report.remaining,
+                report.reset_secs,
+            );
+            return;
+        }
         let policy = match report.own_requests {
             Some(q) => (q, quota.policy.1),
             None => quota.policy,

@@ -234,13 +234,14 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
 
 /// Decide one request against `checks` at `now_ns`, charging every rule or none.
 pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
-    let mut plans: SmallVec<[Plan; INLINE_RULES]> = checks
-        .iter()
-        .map(|c| plan(store, c, c.table.store_key(c.slot.group), now_ns))
-        .collect();
+    // (Pushed in place: collecting builds the inline vector of plans, over a KiB, then moves it.)
+    let mut plans: SmallVec<[Plan; INLINE_RULES]> = SmallVec::new();
+    for c in checks {
+        plans.push(plan(store, c, c.table.store_key(c.slot.group), now_ns));
+    }
 
     if let Some(i) = worst_refusal(checks, &plans) {
-        return finish(false, Some(i), plans);
+        return finish(false, Some(i), &plans);
     }
     // Claims of refills go out whatever happens to the request (one attempt: if it loses a race,
     // someone else changed the slot and a later request claims).
@@ -258,7 +259,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
         c.enforced && matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback)
     });
     if undecided {
-        return finish(false, None, plans);
+        return finish(false, None, &plans);
     }
 
     let mut committed: SmallVec<[usize; INLINE_RULES]> = SmallVec::new();
@@ -318,7 +319,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
                 plans[j].outcome.stashed = 0;
             }
             if refused {
-                return finish(false, Some(i), plans);
+                return finish(false, Some(i), &plans);
             }
             let p = &mut plans[i];
             if let Some((group, cas)) = p.write.take() {
@@ -327,7 +328,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
                         .limit
                         .claims_refill(&p.before, &group.slots[p.index].state);
             }
-            return finish(false, None, plans);
+            return finish(false, None, &plans);
         }
     }
     for &i in &committed {
@@ -339,7 +340,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
             });
         }
     }
-    finish(true, None, plans)
+    finish(true, None, &plans)
 }
 
 /// Give back what an admitted request held (the end of a request under a concurrency rule).
@@ -462,12 +463,12 @@ pub fn return_stash<S: CasStore + ?Sized>(
 /// What [`admit`] would decide from one read of each check, writing nothing (no claims either):
 /// a refusal here is one `admit` would make now.
 pub fn preview<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
-    let plans: SmallVec<[Plan; INLINE_RULES]> = checks
-        .iter()
-        .map(|c| plan(store, c, c.table.store_key(c.slot.group), now_ns))
-        .collect();
+    let mut plans: SmallVec<[Plan; INLINE_RULES]> = SmallVec::new();
+    for c in checks {
+        plans.push(plan(store, c, c.table.store_key(c.slot.group), now_ns));
+    }
     let refused = worst_refusal(checks, &plans);
-    finish(refused.is_none(), refused, plans)
+    finish(refused.is_none(), refused, &plans)
 }
 
 fn worst_refusal(checks: &[Check], plans: &[Plan]) -> Option<usize> {
@@ -521,14 +522,10 @@ fn give_back<S: CasStore + ?Sized>(
     }
 }
 
-fn finish(
-    admitted: bool,
-    refused_by: Option<usize>,
-    plans: SmallVec<[Plan; INLINE_RULES]>,
-) -> Outcome {
+fn finish(admitted: bool, refused_by: Option<usize>, plans: &[Plan]) -> Outcome {
     Outcome {
         admitted,
         refused_by,
-        checks: plans.into_iter().map(|p| p.outcome).collect(),
+        checks: plans.iter().map(|p| p.outcome).collect(),
     }
 }

@@ -234,6 +234,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     };
     guarded(panicked, || {
         on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
+            if !w.contexts.has_stream(id) {
+                return abi::BODY_CONTINUE;
+            }
             let size = crate::host::NativeHost::received_size(filter, abi::RECEIVED_REQUEST_BODY);
             let action = held(w, |w| w.contexts.request_body(id, size, end_of_stream));
             body_status(noting_pause(w, id, action))
@@ -295,6 +298,10 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
         || abi::BODY_CONTINUE,
         || {
             on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
+                if !w.contexts.has_stream(id) {
+                    // Forgotten once its response headers left nothing to do (most streams).
+                    return abi::BODY_CONTINUE;
+                }
                 let size =
                     crate::host::NativeHost::received_size(filter, abi::RECEIVED_RESPONSE_BODY);
                 let action = held(w, |w| w.contexts.response_body(id, size, end_of_stream));
@@ -321,7 +328,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     let _t = crate::probe::start(crate::probe::Hook::Log);
     guarded(
         || (),
-        || on_stream(filter, module, (), |w, id| held(w, |w| w.contexts.log(id))),
+        || {
+            on_stream(filter, module, (), |w, id| {
+                if w.contexts.has_stream(id) {
+                    held(w, |w| w.contexts.log(id));
+                }
+            })
+        },
     );
 }
 

@@ -274,8 +274,13 @@ impl<H: Host> Stream<H> {
     fn keep(&mut self, a: Admitted, held_until: Option<u64>) {
         self.forwarded = true;
         self.report = a.report;
-        self.holdings.holds.extend(a.holds);
-        self.holdings.reservations.extend(a.reservations);
+        // (Most requests hold and reserve nothing: no iterator over empty vectors.)
+        if !a.holds.is_empty() {
+            self.holdings.holds.extend(a.holds);
+        }
+        if !a.reservations.is_empty() {
+            self.holdings.reservations.extend(a.reservations);
+        }
         if held_until.is_some() {
             self.holdings.held_until = held_until;
         }
