@@ -297,6 +297,12 @@ def native_reading(floors):
     ]
 
 
+def own(floors, label, floor):
+    """Instructions of `label` above its host floor, to the hundred."""
+    per = lambda k: floors[k]["per_request"] if k in floors else 0.0
+    return round((per(label) - per(floor)) / 100) * 100
+
+
 def section_lines(result):
     floors, features = result["floors"], result["features"]
     noop = floors["Envoy + SDK do-nothing filter"]["per_request"]
@@ -325,8 +331,9 @@ def section_lines(result):
         "that only reads `:path` and does nothing else already costs about 1.10× the do-nothing "
         "filter, and one that only makes the four calls of a per-client-IP rule with the draft headers "
         "(the client address, the time, two response headers) about 1.20×: the host, not the filter, "
-        "sets these floors. tollgate's own work is what it costs above them: about 1 500 instructions "
-        "for a request no rule applies to, about 19 000 per client IP with the draft headers (the key, "
+        "sets these floors. tollgate's own work is what it costs above them: about "
+        f"{own(floors, NEVER_LABEL, NEVER_FLOOR):,.0f} instructions for a request no rule applies to, about "
+        f"{own(floors, PER_IP_LABEL, PER_IP_FLOOR):,.0f} per client IP with the draft headers (the key, "
         "the bucket, the two headers' text, and a visit to the shared bucket once per `worker_batch` "
         "requests). The per-IP rows with the default `worker_batch` are upper bounds: under callgrind a "
         "request takes milliseconds, so a worker's stash (20 ms) serves fewer requests before it is "
