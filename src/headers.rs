@@ -15,13 +15,21 @@ pub fn retry_after_secs(retry_after_ns: u64) -> u64 {
 }
 
 /// The `RateLimit-Policy` value of `rule`'s quota: `q` per `w` seconds.
-pub fn policy_value(rule: &str, (q, w): (u64, Option<u64>)) -> String {
-    let mut value = format!("\"{rule}\";q={q}");
-    if let Some(w) = w {
-        value.push_str(";w=");
-        value.push_str(itoa::Buffer::new().format(w));
-    }
+pub fn policy_value(rule: &str, policy: (u64, Option<u64>)) -> String {
+    let mut value = String::new();
+    write_policy(&mut value, rule, policy);
     value
+}
+
+/// [`policy_value`], written at the end of `out`.
+fn write_policy(out: &mut String, rule: &str, (q, w): (u64, Option<u64>)) {
+    for part in ["\"", rule, "\";q=", itoa::Buffer::new().format(q)] {
+        out.push_str(part);
+    }
+    if let Some(w) = w {
+        out.push_str(";w=");
+        out.push_str(itoa::Buffer::new().format(w));
+    }
 }
 
 /// Response headers rendered into one buffer, which a worker reuses from response to response:
@@ -41,11 +49,18 @@ impl HeaderSet {
 
     /// A header whose value is the concatenation of `parts`.
     pub fn push(&mut self, name: &str, parts: &[&str]) {
+        self.push_with(name, |text| {
+            for part in parts {
+                text.push_str(part);
+            }
+        });
+    }
+
+    /// A header whose value `write` appends to the text.
+    fn push_with(&mut self, name: &str, write: impl FnOnce(&mut String)) {
         self.text.push_str(name);
         let name_end = self.text.len();
-        for part in parts {
-            self.text.push_str(part);
-        }
+        write(&mut self.text);
         self.fields.push((name_end, self.text.len()));
     }
 
@@ -64,15 +79,7 @@ impl HeaderSet {
         reset_secs: u64,
     ) {
         if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
-            let (mut q_buf, mut w_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
-            let q = q_buf.format(q);
-            match w {
-                Some(w) => {
-                    let w = w_buf.format(w);
-                    self.push("ratelimit-policy", &["\"", rule, "\";q=", q, ";w=", w]);
-                }
-                None => self.push("ratelimit-policy", &["\"", rule, "\";q=", q]),
-            }
+            self.push_with("ratelimit-policy", |text| write_policy(text, rule, (q, w)));
         }
         self.push_state(format, rule, q, remaining, reset_secs);
     }

@@ -2,7 +2,7 @@
 //! otherwise (all or nothing), then the stats, logs and headers of the outcome.
 
 use super::{quota_of, saturating_i64, Admitted, CheckInput, Engine, QuotaRef, Refusal, Step};
-use crate::config::Config;
+use crate::config::{Config, Quota};
 use crate::headers::{ceil_secs, retry_after_secs};
 use crate::stats::RuleStat;
 use log::debug;
@@ -22,6 +22,25 @@ pub(super) fn stashed_quota(config: &Config, input: &CheckInput) -> Option<u32> 
     input.which.stash_id().filter(|_| batches && input.enforced)
 }
 
+/// The shared slots' check of `input` against `limit` (its quota's, or the key's own).
+fn check<'a>(
+    input: &CheckInput,
+    limit: &'a tollgate_core::Limit,
+    quota: &'a Quota,
+    batch: u64,
+    wait_for_stashes: bool,
+) -> Check<'a> {
+    Check {
+        limit,
+        table: &quota.table,
+        slot: input.slot,
+        cost: input.cost,
+        enforced: input.enforced,
+        batch,
+        wait_for_stashes,
+    }
+}
+
 impl Engine {
     /// Decide `inputs` as one all-or-nothing outcome aligned with them. `None` if a quota is gone.
     pub(super) fn admit_checks<S: CasStore + ?Sized>(
@@ -38,16 +57,7 @@ impl Engine {
                 // below, without the per-check bookkeeping.
                 let quota = quota_of(config, input.which)?;
                 let limit = quota.limit_for(input.own_requests);
-                let check = Check {
-                    limit: &limit,
-                    table: &quota.table,
-                    slot: input.slot,
-                    cost: input.cost,
-                    enforced: input.enforced,
-                    batch: 0,
-                    wait_for_stashes: false,
-                };
-                return Some(admit(store, &[check], now));
+                return Some(admit(store, &[check(input, &limit, quota, 0, false)], now));
             }
         }
         let limits = inputs
@@ -94,17 +104,9 @@ impl Engine {
                 }
                 Lookup::Ask { batch } => {
                     asked.push(n);
-                    checks.push(Check {
-                        limit: &limits[n],
-                        table: &quota.table,
-                        slot: input.slot,
-                        cost: input.cost,
-                        enforced: input.enforced,
-                        batch,
-                        // Only rules that stash can have tokens in other workers' stashes.
-                        wait_for_stashes: hold_for_stashes
-                            && stashed_quota(config, input).is_some(),
-                    });
+                    // Only rules that stash can have tokens in other workers' stashes.
+                    let wait = hold_for_stashes && stashed_quota(config, input).is_some();
+                    checks.push(check(input, &limits[n], quota, batch, wait));
                     Verdict::Skipped
                 }
             };

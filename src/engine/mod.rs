@@ -172,8 +172,8 @@ pub struct Engine {
     holds_for_stashes: bool,
     /// The keys each rule sees most, for the status path (none without one).
     top: top::TopCounts,
-    /// Each rule's own `RateLimit-Policy` value, rendered once (empty for rules without one).
-    policies: Vec<String>,
+    /// Each rule's own `RateLimit-Policy` value, rendered once (none for overload rules).
+    policies: Vec<Option<String>>,
 }
 
 impl Engine {
@@ -196,9 +196,8 @@ impl Engine {
             .rules
             .iter()
             .map(|r| {
-                r.quota().map_or_else(String::new, |q| {
-                    crate::headers::policy_value(&r.name, q.policy)
-                })
+                r.quota()
+                    .map(|q| crate::headers::policy_value(&r.name, q.policy))
             })
             .collect();
         Self {

@@ -16,7 +16,7 @@ impl Engine {
         };
         let format = self.config.rate_limit_headers;
         let rendered = match (report.which, report.own_requests) {
-            (QuotaRef::Rule(i), None) => self.policies.get(i).filter(|p| !p.is_empty()),
+            (QuotaRef::Rule(i), None) => self.policies.get(i).and_then(Option::as_deref),
             _ => None,
         };
         if let Some(policy) = rendered {

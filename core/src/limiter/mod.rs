@@ -232,13 +232,23 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
     }
 }
 
-/// Decide one request against `checks` at `now_ns`, charging every rule or none.
-pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
-    // (Pushed in place: collecting builds the inline vector of plans, over a KiB, then moves it.)
-    let mut plans: SmallVec<[Plan; INLINE_RULES]> = SmallVec::new();
+/// A plan for each check, from one read each, pushed into the caller's `plans` (returned, the
+/// inline vector of plans — over a KiB — would be moved).
+fn plan_each<S: CasStore + ?Sized>(
+    store: &S,
+    checks: &[Check],
+    now_ns: u64,
+    plans: &mut SmallVec<[Plan; INLINE_RULES]>,
+) {
     for c in checks {
         plans.push(plan(store, c, c.table.store_key(c.slot.group), now_ns));
     }
+}
+
+/// Decide one request against `checks` at `now_ns`, charging every rule or none.
+pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
+    let mut plans = SmallVec::new();
+    plan_each(store, checks, now_ns, &mut plans);
 
     if let Some(i) = worst_refusal(checks, &plans) {
         return finish(false, Some(i), &plans);
@@ -463,10 +473,8 @@ pub fn return_stash<S: CasStore + ?Sized>(
 /// What [`admit`] would decide from one read of each check, writing nothing (no claims either):
 /// a refusal here is one `admit` would make now.
 pub fn preview<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
-    let mut plans: SmallVec<[Plan; INLINE_RULES]> = SmallVec::new();
-    for c in checks {
-        plans.push(plan(store, c, c.table.store_key(c.slot.group), now_ns));
-    }
+    let mut plans = SmallVec::new();
+    plan_each(store, checks, now_ns, &mut plans);
     let refused = worst_refusal(checks, &plans);
     finish(refused.is_none(), refused, &plans)
 }

@@ -111,6 +111,24 @@ fn on_stream<R>(
     }
 }
 
+/// [`on_stream`] for a hook that has nothing to do for a stream no longer in the table (forgotten
+/// once its response headers left it nothing to do: most streams), which returns `neutral` before
+/// asking Envoy anything.
+fn on_known_stream<R: Copy>(
+    filter: FilterEnvoy,
+    module: *const c_void,
+    neutral: R,
+    f: impl FnOnce(&Worker, u32) -> R,
+) -> R {
+    on_stream(filter, module, neutral, |w, id| {
+        if w.contexts.has_stream(id) {
+            f(w, id)
+        } else {
+            neutral
+        }
+    })
+}
+
 /// Run the lifecycle's `f` with the calls that complete a stream held until it returns
 /// ([`crate::host::NativeHost::hold`]). (The request headers are not held: the stream is in no
 /// table while they are decided, so a refusal sent at once finds nothing busy, and holding it
@@ -233,10 +251,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
         abi::BODY_STOP_AND_BUFFER
     };
     guarded(panicked, || {
-        on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
-            if !w.contexts.has_stream(id) {
-                return abi::BODY_CONTINUE;
-            }
+        on_known_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
             let size = crate::host::NativeHost::received_size(filter, abi::RECEIVED_REQUEST_BODY);
             let action = held(w, |w| w.contexts.request_body(id, size, end_of_stream));
             body_status(noting_pause(w, id, action))
@@ -297,11 +312,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     guarded(
         || abi::BODY_CONTINUE,
         || {
-            on_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
-                if !w.contexts.has_stream(id) {
-                    // Forgotten once its response headers left nothing to do (most streams).
-                    return abi::BODY_CONTINUE;
-                }
+            on_known_stream(filter, module, abi::BODY_CONTINUE, |w, id| {
                 let size =
                     crate::host::NativeHost::received_size(filter, abi::RECEIVED_RESPONSE_BODY);
                 let action = held(w, |w| w.contexts.response_body(id, size, end_of_stream));
@@ -328,13 +339,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     let _t = crate::probe::start(crate::probe::Hook::Log);
     guarded(
         || (),
-        || {
-            on_stream(filter, module, (), |w, id| {
-                if w.contexts.has_stream(id) {
-                    held(w, |w| w.contexts.log(id));
-                }
-            })
-        },
+        || on_known_stream(filter, module, (), |w, id| held(w, |w| w.contexts.log(id))),
     );
 }
 
