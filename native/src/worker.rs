@@ -3,8 +3,10 @@
 //! worker's tick. No lock is shared by two workers.
 
 use crate::host::NativeHost;
-use parking_lot::{Mutex, ReentrantMutex};
+use parking_lot::lock_api::RawMutex as _;
+use parking_lot::{Mutex, RawMutex};
 use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use tollgate::lifecycle::Contexts;
 
 /// Stream ids start above the roots' (a worker's roots are few: one per configuration made).
@@ -42,25 +44,52 @@ impl Worker {
     }
 }
 
-/// A worker's state, made `Send` for its lock.
-struct Unshared(Worker);
-
-// SAFETY: everything in a `Worker` (the lifecycle's `Rc`s and `RefCell`s) is reached only through
-// its `WorkerCell`'s lock, whose guard cannot leave the thread that took it, and nothing of it is
-// kept outside (the hooks and the tick copy out ids and Envoy pointers only).
-unsafe impl Send for Unshared {}
-
+/// A worker's state behind a lock that its thread may take again while it holds it (a hook inside
+/// a callback into Envoy). `lock_api`'s reentrant mutex asks for the thread's id on every lock,
+/// a lazily made thread-local: this one uses the address of [`MINE`], which the hooks read anyway.
 pub struct WorkerCell {
-    lock: ReentrantMutex<Unshared>,
+    raw: RawMutex,
+    /// The holding thread's [`thread_token`], 0 when free. Only the holder writes its own token,
+    /// so a thread reading its own token here holds the lock.
+    owner: AtomicUsize,
+    worker: Worker,
 }
 
+// SAFETY: everything in a `Worker` (the lifecycle's `Rc`s and `RefCell`s) is reached only
+// through `with`, while this thread holds `raw`; no reference to it outlives the call, and
+// nothing of it is kept outside (the hooks and the tick copy out ids and Envoy pointers only).
+unsafe impl Sync for WorkerCell {}
+// SAFETY: as above: the worker moves between threads only inside its lock.
+unsafe impl Send for WorkerCell {}
+
 impl WorkerCell {
-    /// Run `f` with the worker held: re-entered on the same thread (a hook inside a callback
-    /// into Envoy), the lock is already ours.
+    /// Run `f` with the worker held: re-entered on the same thread, the lock is already ours.
     pub fn with<R>(&self, f: impl FnOnce(&Worker) -> R) -> R {
-        let guard = self.lock.lock();
-        f(&guard.0)
+        let me = thread_token();
+        if self.owner.load(Ordering::Relaxed) == me {
+            return f(&self.worker);
+        }
+        self.raw.lock();
+        self.owner.store(me, Ordering::Relaxed);
+        let _release = Release(self);
+        f(&self.worker)
     }
+}
+
+/// Lets go of a [`WorkerCell`] this thread locked, when `with` returns or unwinds.
+struct Release<'a>(&'a WorkerCell);
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        self.0.owner.store(0, Ordering::Relaxed);
+        // SAFETY: made only in `with`, right after this thread locked `raw`.
+        unsafe { self.0.raw.unlock() };
+    }
+}
+
+/// This thread's token: the address of its [`MINE`], never 0 and no other live thread's.
+fn thread_token() -> usize {
+    MINE.with(|mine| std::ptr::from_ref(mine) as usize)
 }
 
 /// Every worker the process has seen, by index. Workers live as long as the process (Envoy
@@ -80,12 +109,14 @@ pub fn worker(index: u32) -> &'static WorkerCell {
     while workers.len() <= i {
         let next = u32::try_from(workers.len()).unwrap_or(u32::MAX);
         workers.push(Box::leak(Box::new(WorkerCell {
-            lock: ReentrantMutex::new(Unshared(Worker {
+            raw: RawMutex::INIT,
+            owner: AtomicUsize::new(0),
+            worker: Worker {
                 index: next,
                 contexts: Contexts::new(NativeHost::new(next)),
                 next_root: Cell::new(1),
                 next_stream: Cell::new(FIRST_STREAM),
-            })),
+            },
         })));
     }
     workers[i]

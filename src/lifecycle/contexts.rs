@@ -5,11 +5,17 @@
 
 use super::calls::Callers;
 use super::host::{Action, Host};
+use super::plugin::Plugin;
 use super::root::Root;
 use super::stream::Stream;
+use crate::engine::QuotaReport;
 use log::debug;
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
+use std::rc::Rc;
+
+/// What a request let through keeps for its response: the rate-limit headers to add.
+type KeptReport<H> = (Rc<Plugin<H>>, QuotaReport);
 
 /// Every context of one VM (one worker's copy of the module). Roots and streams are borrowed
 /// apart: a stream's callback re-entered from a root's (a refusal sent from the tick runs the
@@ -21,6 +27,10 @@ pub struct Contexts<H: Host + Clone> {
     roots: RefCell<FxHashMap<u32, Root<H>>>,
     /// Requests in progress. The map keeps its capacity: a new request allocates nothing.
     streams: RefCell<FxHashMap<u32, Stream<H>>>,
+    /// Requests let through whose only work left is their response's rate-limit headers (most
+    /// requests, with the default headers): a few words each, where a stream is several hundred
+    /// bytes to move in and out of its table.
+    reports: RefCell<FxHashMap<u32, KeptReport<H>>>,
     callers: Callers,
 }
 
@@ -30,6 +40,7 @@ impl<H: Host + Clone> Contexts<H> {
             host,
             roots: RefCell::default(),
             streams: RefCell::default(),
+            reports: RefCell::default(),
             callers: Callers::default(),
         }
     }
@@ -61,6 +72,11 @@ impl<H: Host + Clone> Contexts<H> {
     /// True if request `id` is known (and not being worked on).
     pub fn has_stream(&self, id: u32) -> bool {
         self.streams.try_borrow().is_ok_and(|m| m.contains_key(&id))
+    }
+
+    /// True if request `id` has anything left to do: a stream, or headers to add to its response.
+    pub fn has_work(&self, id: u32) -> bool {
+        self.has_stream(id) || self.reports.try_borrow().is_ok_and(|m| m.contains_key(&id))
     }
 
     /// A new context: a root (no parent) or a request of the root `parent_id`.
@@ -121,11 +137,31 @@ impl<H: Host + Clone> Contexts<H> {
         if action != Action::Continue {
             return;
         }
-        if let Ok(mut streams) = self.streams.try_borrow_mut() {
-            if streams.get(&context_id).is_some_and(Stream::is_idle) {
-                streams.remove(&context_id);
-            }
+        let Ok(mut streams) = self.streams.try_borrow_mut() else {
+            return;
+        };
+        let Some(stream) = streams.get(&context_id) else {
+            return;
+        };
+        if stream.is_idle() {
+            streams.remove(&context_id);
+        } else if let Some(report) = stream.only_report() {
+            streams.remove(&context_id);
+            drop(streams);
+            self.keep_report(context_id, report);
         }
+    }
+
+    /// Keep `report` (with its plugin) for the response of request `id`.
+    fn keep_report(&self, id: u32, report: KeptReport<H>) {
+        if let Ok(mut reports) = self.reports.try_borrow_mut() {
+            reports.insert(id, report);
+        }
+    }
+
+    /// The report request `id` kept for its response, taken.
+    fn take_report(&self, id: u32) -> Option<KeptReport<H>> {
+        self.reports.try_borrow_mut().ok()?.remove(&id)
     }
 
     /// A request's headers, for a host that makes nothing for a request before them (the Envoy
@@ -137,9 +173,15 @@ impl<H: Host + Clone> Contexts<H> {
         // (Not in the table while it decides: a callback the host re-enters for it finds it busy,
         // as it would in the table.)
         let action = stream.on_request_headers(&self.callers, end_of_stream);
-        if action != Action::Continue || !stream.is_idle() {
-            if let Ok(mut streams) = self.streams.try_borrow_mut() {
-                streams.insert(context_id, stream);
+        if action == Action::Continue && stream.is_idle() {
+            return action;
+        }
+        match stream.only_report().filter(|_| action == Action::Continue) {
+            Some(report) => self.keep_report(context_id, report),
+            None => {
+                if let Ok(mut streams) = self.streams.try_borrow_mut() {
+                    streams.insert(context_id, stream);
+                }
             }
         }
         action
@@ -158,6 +200,10 @@ impl<H: Host + Clone> Contexts<H> {
     }
 
     pub fn response_headers(&self, context_id: u32) -> Action {
+        if let Some((plugin, report)) = self.take_report(context_id) {
+            plugin.add_quota_headers(report);
+            return Action::Continue;
+        }
         let action = self.with_stream(context_id, Action::Continue, Stream::on_response_headers);
         self.forget_if_idle(context_id, action);
         action
@@ -182,6 +228,9 @@ impl<H: Host + Clone> Contexts<H> {
     /// A context goes away. A stream that never saw its log callback (an aborted request on some
     /// hosts) ends here.
     pub fn delete(&self, context_id: u32) {
+        if self.take_report(context_id).is_some() {
+            return;
+        }
         let stream = self
             .streams
             .try_borrow_mut()

@@ -121,7 +121,7 @@ fn on_known_stream<R: Copy>(
     f: impl FnOnce(&Worker, u32) -> R,
 ) -> R {
     on_stream(filter, module, neutral, |w, id| {
-        if w.contexts.has_stream(id) {
+        if w.contexts.has_work(id) {
             f(w, id)
         } else {
             neutral
@@ -210,7 +210,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
                 log::error!("no configuration for worker {}", w.index);
                 return std::ptr::null();
             };
-            let id = w.new_stream(|id| w.contexts.has_stream(id));
+            let id = w.new_stream(|id| w.contexts.has_work(id));
             stream_handle(root, id)
         })
     })

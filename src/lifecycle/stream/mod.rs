@@ -101,13 +101,24 @@ impl<H: Host> Stream<H> {
     /// It went on, and nothing is left for it to do or let go of: no rate-limit headers to add,
     /// nothing held, reserved or seated, no body to read, keep or pace.
     pub fn is_idle(&self) -> bool {
+        self.report.is_none() && self.holds_nothing()
+    }
+
+    /// Let through, and nothing held, read or waited for (a report aside).
+    fn holds_nothing(&self) -> bool {
         self.forwarded
             && !self.ended
-            && self.report.is_none()
             && self.holdings.is_empty()
             && self.body_reader.is_none()
             && !self.awaiting_body
             && self.request_body.is_empty()
+    }
+
+    /// Let through, with nothing left to do but add its quota's headers to the response: its
+    /// plugin and report (kept without the stream).
+    pub fn only_report(&self) -> Option<(Rc<Plugin<H>>, QuotaReport)> {
+        let report = self.report.filter(|_| self.holds_nothing())?;
+        Some((self.plugin.clone()?, report))
     }
 
     /// Still paused by its decision: refused, waiting for quota or held.

@@ -262,6 +262,32 @@ fn admitted_responses_carry_the_rate_limit_headers() {
 }
 
 #[test]
+fn a_request_whose_only_work_left_is_its_headers_is_kept_as_its_report_until_it_ends() {
+    let config = r#"{"rules":[{"name":"t","limit":{"requests":5,"per":"1m"},"burst":5}]}"#;
+    for caps in BOTH {
+        let mut proxy = Proxy::new(caps, config);
+        let (answered, action) = proxy.request(&[]);
+        assert_eq!(action, Action::Continue);
+        // Not a stream any more: an answer's token naming it finds no stream.
+        assert!(!proxy.contexts.has_stream(answered), "{}", caps.name);
+        assert!(proxy.contexts.has_work(answered), "{}", caps.name);
+        proxy.upstream_answers(answered, 200);
+        assert!(proxy
+            .response_header(answered, "ratelimit-policy")
+            .is_some());
+        assert!(!proxy.contexts.has_work(answered), "{}", caps.name);
+        proxy.end(answered);
+        // Cut before any answer, or ended without one: nothing is left of it.
+        for end in [Proxy::abort, Proxy::end] {
+            let (id, _) = proxy.request(&[]);
+            assert!(proxy.contexts.has_work(id));
+            end(&proxy, id);
+            assert!(!proxy.contexts.has_work(id), "{}", caps.name);
+        }
+    }
+}
+
+#[test]
 fn a_strict_requests_own_call_finds_it_however_the_host_delivers_the_answer() {
     // Envoy delivers the answer to the root context: the request is found by the call's token.
     let config = GLOBAL
