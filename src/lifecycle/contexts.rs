@@ -5,17 +5,11 @@
 
 use super::calls::Callers;
 use super::host::{Action, Host};
-use super::plugin::Plugin;
 use super::root::Root;
-use super::stream::Stream;
-use crate::engine::QuotaReport;
+use super::stream::{KeptReport, Left, Stream};
 use log::debug;
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
-use std::rc::Rc;
-
-/// What a request let through keeps for its response: the rate-limit headers to add.
-type KeptReport<H> = (Rc<Plugin<H>>, QuotaReport);
 
 /// Every context of one VM (one worker's copy of the module). Roots and streams are borrowed
 /// apart: a stream's callback re-entered from a root's (a refusal sent from the tick runs the
@@ -130,25 +124,26 @@ impl<H: Host + Clone> Contexts<H> {
         action
     }
 
-    /// A stream that went on and has nothing left to do or let go of is forgotten now: its later
-    /// callbacks find no stream and let it go on, which is all it would have done. (Idle, it
-    /// holds nothing and is in no queue: its end would let go of nothing.)
+    /// A stream that went on and has nothing left to do or let go of is forgotten now (one with
+    /// only its response's rate-limit headers left keeps just those): its later callbacks find no
+    /// stream and let it go on, which is all it would have done. (It holds nothing and is in no
+    /// queue: its end would let go of nothing.)
     fn forget_if_idle(&self, context_id: u32, action: Action) {
-        if action != Action::Continue {
-            return;
-        }
         let Ok(mut streams) = self.streams.try_borrow_mut() else {
             return;
         };
-        let Some(stream) = streams.get(&context_id) else {
-            return;
+        let left = match streams.get(&context_id) {
+            Some(stream) => stream.left_after(action),
+            None => return,
         };
-        if stream.is_idle() {
-            streams.remove(&context_id);
-        } else if let Some(report) = stream.only_report() {
-            streams.remove(&context_id);
-            drop(streams);
-            self.keep_report(context_id, report);
+        match left {
+            Left::Stream => {}
+            Left::Nothing => drop(streams.remove(&context_id)),
+            Left::Report(report) => {
+                streams.remove(&context_id);
+                drop(streams);
+                self.keep_report(context_id, report);
+            }
         }
     }
 
@@ -173,12 +168,10 @@ impl<H: Host + Clone> Contexts<H> {
         // (Not in the table while it decides: a callback the host re-enters for it finds it busy,
         // as it would in the table.)
         let action = stream.on_request_headers(&self.callers, end_of_stream);
-        if action == Action::Continue && stream.is_idle() {
-            return action;
-        }
-        match stream.only_report().filter(|_| action == Action::Continue) {
-            Some(report) => self.keep_report(context_id, report),
-            None => {
+        match stream.left_after(action) {
+            Left::Nothing => {}
+            Left::Report(report) => self.keep_report(context_id, report),
+            Left::Stream => {
                 if let Ok(mut streams) = self.streams.try_borrow_mut() {
                     streams.insert(context_id, stream);
                 }

@@ -111,8 +111,8 @@ fn on_stream<R>(
     }
 }
 
-/// [`on_stream`] for a hook that has nothing to do for a stream no longer in the table (forgotten
-/// once its response headers left it nothing to do: most streams), which returns `neutral` before
+/// [`on_stream`] for a hook that has nothing to do for a stream with no work left (forgotten once
+/// its response headers left it nothing to do: most streams), which returns `neutral` before
 /// asking Envoy anything.
 fn on_known_stream<R: Copy>(
     filter: FilterEnvoy,

@@ -44,6 +44,16 @@ pub struct Stream<H: Host> {
     ended: bool,
 }
 
+/// What a request let through keeps for its response: the rate-limit headers to add.
+pub type KeptReport<H> = (Rc<Plugin<H>>, QuotaReport);
+
+/// What a stream leaves to keep once a callback is done with it ([`Stream::left_after`]).
+pub enum Left<H: Host> {
+    Nothing,
+    Report(KeptReport<H>),
+    Stream,
+}
+
 impl<H: Host> Stream<H> {
     pub fn new(id: u32, plugin: Option<Rc<Plugin<H>>>) -> Self {
         Self {
@@ -98,13 +108,8 @@ impl<H: Host> Stream<H> {
         self.decide(plugin, callers, None)
     }
 
-    /// It went on, and nothing is left for it to do or let go of: no rate-limit headers to add,
-    /// nothing held, reserved or seated, no body to read, keep or pace.
-    pub fn is_idle(&self) -> bool {
-        self.report.is_none() && self.holds_nothing()
-    }
-
-    /// Let through, and nothing held, read or waited for (a report aside).
+    /// It went on, and nothing is held, reserved or seated, no body to read, keep or pace (its
+    /// rate-limit headers aside).
     fn holds_nothing(&self) -> bool {
         self.forwarded
             && !self.ended
@@ -114,11 +119,17 @@ impl<H: Host> Stream<H> {
             && self.request_body.is_empty()
     }
 
-    /// Let through, with nothing left to do but add its quota's headers to the response: its
-    /// plugin and report (kept without the stream).
-    pub fn only_report(&self) -> Option<(Rc<Plugin<H>>, QuotaReport)> {
-        let report = self.report.filter(|_| self.holds_nothing())?;
-        Some((self.plugin.clone()?, report))
+    /// What is left of it once a callback answered `action`: nothing, only its quota's headers to
+    /// add to the response (its plugin and report, kept without the stream), or the stream itself.
+    pub fn left_after(&self, action: Action) -> Left<H> {
+        if action != Action::Continue || !self.holds_nothing() {
+            return Left::Stream;
+        }
+        match (self.report, &self.plugin) {
+            (None, _) => Left::Nothing,
+            (Some(report), Some(plugin)) => Left::Report((plugin.clone(), report)),
+            (Some(_), None) => Left::Stream,
+        }
     }
 
     /// Still paused by its decision: refused, waiting for quota or held.

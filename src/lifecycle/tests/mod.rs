@@ -243,9 +243,13 @@ fn an_overload_rules_seat_is_left_on_abort_and_learns_from_an_answer() {
     }
 }
 
+/// One bucket of five requests a minute.
+const FIVE_A_MINUTE: &str =
+    r#"{"rules":[{"name":"t","limit":{"requests":5,"per":"1m"},"burst":5}]}"#;
+
 #[test]
 fn admitted_responses_carry_the_rate_limit_headers() {
-    let config = r#"{"rules":[{"name":"t","limit":{"requests":5,"per":"1m"},"burst":5}]}"#;
+    let config = FIVE_A_MINUTE;
     for caps in BOTH {
         let mut proxy = Proxy::new(caps, config);
         let (id, action) = proxy.request(&[]);
@@ -263,7 +267,7 @@ fn admitted_responses_carry_the_rate_limit_headers() {
 
 #[test]
 fn a_request_whose_only_work_left_is_its_headers_is_kept_as_its_report_until_it_ends() {
-    let config = r#"{"rules":[{"name":"t","limit":{"requests":5,"per":"1m"},"burst":5}]}"#;
+    let config = FIVE_A_MINUTE;
     for caps in BOTH {
         let mut proxy = Proxy::new(caps, config);
         let (answered, action) = proxy.request(&[]);
