@@ -14,14 +14,28 @@ pub fn retry_after_secs(retry_after_ns: u64) -> u64 {
     ceil_secs(retry_after_ns).max(1)
 }
 
-/// The `RateLimit-Policy` value of `rule`'s quota: `q` per `w` seconds.
-pub fn policy_value(rule: &str, policy: (u64, Option<u64>)) -> String {
-    let mut value = String::new();
-    write_policy(&mut value, rule, policy);
-    value
+/// A rule's own quota headers, the parts that never change rendered when its configuration loads:
+/// the `RateLimit-Policy` value and the start of the `RateLimit` value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedQuota {
+    /// `"rule";q=Q;w=W`
+    pub policy: String,
+    /// `"rule";r=`
+    state_prefix: String,
 }
 
-/// [`policy_value`], written at the end of `out`.
+impl RenderedQuota {
+    pub fn new(rule: &str, policy: (u64, Option<u64>)) -> Self {
+        let mut value = String::new();
+        write_policy(&mut value, rule, policy);
+        Self {
+            policy: value,
+            state_prefix: format!("\"{rule}\";r="),
+        }
+    }
+}
+
+/// [`RenderedQuota::policy`], written at the end of `out`.
 fn write_policy(out: &mut String, rule: &str, (q, w): (u64, Option<u64>)) {
     for part in ["\"", rule, "\";q=", itoa::Buffer::new().format(q)] {
         out.push_str(part);
@@ -84,20 +98,21 @@ impl HeaderSet {
         self.push_state(format, rule, q, remaining, reset_secs);
     }
 
-    /// [`HeaderSet::push_quota`] with the `RateLimit-Policy` value rendered already
-    /// ([`policy_value`]: a rule's own, rendered when its configuration loads).
-    pub fn push_quota_with(
+    /// [`HeaderSet::push_quota`] for a rule's own quota, rendered when its configuration loads.
+    pub fn push_rendered(
         &mut self,
         format: HeaderFormat,
-        rule: &str,
-        (q, policy): (u64, &str),
+        (q, rendered): (u64, &RenderedQuota),
         remaining: u64,
         reset_secs: u64,
     ) {
+        let (mut r_buf, mut t_buf) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (r, t) = (r_buf.format(remaining), t_buf.format(reset_secs));
         if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
-            self.push("ratelimit-policy", &[policy]);
+            self.push("ratelimit-policy", &[&rendered.policy]);
+            self.push("ratelimit", &[&rendered.state_prefix, r, ";t=", t]);
         }
-        self.push_state(format, rule, q, remaining, reset_secs);
+        self.push_legacy(format, q, r, t);
     }
 
     /// The headers after the policy: `RateLimit`, and the legacy set.
@@ -114,10 +129,15 @@ impl HeaderSet {
         if matches!(format, HeaderFormat::Draft | HeaderFormat::Both) {
             self.push("ratelimit", &["\"", rule, "\";r=", r, ";t=", t]);
         }
+        self.push_legacy(format, q, r, t);
+    }
+
+    /// The legacy `X-RateLimit-*` set, where the format has it.
+    fn push_legacy(&mut self, format: HeaderFormat, q: u64, remaining: &str, reset: &str) {
         if matches!(format, HeaderFormat::Legacy | HeaderFormat::Both) {
             self.push_number("x-ratelimit-limit", q);
-            self.push("x-ratelimit-remaining", &[r]);
-            self.push("x-ratelimit-reset", &[t]);
+            self.push("x-ratelimit-remaining", &[remaining]);
+            self.push("x-ratelimit-reset", &[reset]);
         }
     }
 
@@ -161,7 +181,7 @@ mod tests {
         ] {
             let (mut parts, mut rendered) = (HeaderSet::default(), HeaderSet::default());
             parts.push_quota(format, "r", policy, 7, 3);
-            rendered.push_quota_with(format, "r", (policy.0, &policy_value("r", policy)), 7, 3);
+            rendered.push_rendered(format, (policy.0, &RenderedQuota::new("r", policy)), 7, 3);
             assert_eq!(
                 parts.iter().collect::<Vec<_>>(),
                 rendered.iter().collect::<Vec<_>>()

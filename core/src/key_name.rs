@@ -12,10 +12,10 @@ pub type KeyBytes = SmallVec<[u8; 128]>;
 pub fn push_key_part(key: &mut KeyBytes, value: Option<&[u8]>) {
     match value {
         Some(v) => {
-            key.push(1);
             // A value longer than 4 GiB cannot reach a filter; saturate rather than wrap.
-            let len = u32::try_from(v.len()).unwrap_or(u32::MAX);
-            key.extend_from_slice(&len.to_le_bytes());
+            let len = u32::try_from(v.len()).unwrap_or(u32::MAX).to_le_bytes();
+            // (The marker and the length in one append: each append checks where the key lives.)
+            key.extend_from_slice(&[1, len[0], len[1], len[2], len[3]]);
             key.extend_from_slice(v);
         }
         None => key.push(0),

@@ -96,16 +96,23 @@ pub struct Group {
 impl Group {
     /// Anything that is not a group of ours (absent, another layout) reads as all free.
     pub fn decode(bytes: &[u8]) -> Self {
-        let mut slots = [Slot::default(); WAYS];
+        let mut group = Self {
+            slots: [Slot::default(); WAYS],
+        };
+        group.decode_from(bytes);
+        group
+    }
+
+    /// [`Group::decode`] into this group; bytes that are not a group leave it as it was.
+    pub fn decode_from(&mut self, bytes: &[u8]) {
         if bytes.len() == GROUP_BYTES {
-            for (i, slot) in slots.iter_mut().enumerate() {
+            for (i, slot) in self.slots.iter_mut().enumerate() {
                 let at = i * SLOT_BYTES;
                 slot.tag = le_u64(&bytes[at..at + 8]);
                 slot.last_ns = le_u64(&bytes[at + 8..at + 16]);
                 slot.state.copy_from_slice(&bytes[at + 16..at + SLOT_BYTES]);
             }
         }
-        Self { slots }
     }
 
     pub fn encode(&self) -> [u8; GROUP_BYTES] {

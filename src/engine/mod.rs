@@ -172,8 +172,8 @@ pub struct Engine {
     holds_for_stashes: bool,
     /// The keys each rule sees most, for the status path (none without one).
     top: top::TopCounts,
-    /// Each rule's own `RateLimit-Policy` value, rendered once (none for overload rules).
-    policies: Vec<Option<String>>,
+    /// Each rule's own quota headers, rendered once (none for overload rules).
+    policies: Vec<Option<crate::headers::RenderedQuota>>,
 }
 
 impl Engine {
@@ -197,7 +197,7 @@ impl Engine {
             .iter()
             .map(|r| {
                 r.quota()
-                    .map(|q| crate::headers::policy_value(&r.name, q.policy))
+                    .map(|q| crate::headers::RenderedQuota::new(&r.name, q.policy))
             })
             .collect();
         Self {

@@ -16,18 +16,12 @@ impl Engine {
         };
         let format = self.config.rate_limit_headers;
         let rendered = match (report.which, report.own_requests) {
-            (QuotaRef::Rule(i), None) => self.policies.get(i).and_then(Option::as_deref),
+            (QuotaRef::Rule(i), None) => self.policies.get(i).and_then(Option::as_ref),
             _ => None,
         };
         if let Some(policy) = rendered {
             let q = quota.policy.0;
-            out.push_quota_with(
-                format,
-                &rule.name,
-                (q, policy),
-                report.remaining,
-                report.reset_secs,
-            );
+            out.push_rendered(format, (q, policy), report.remaining, report.reset_secs);
             return;
         }
         let policy = match report.own_requests {

@@ -70,7 +70,8 @@ impl<H: Host + Clone> Contexts<H> {
 
     /// True if request `id` has anything left to do: a stream, or headers to add to its response.
     pub fn has_work(&self, id: u32) -> bool {
-        self.has_stream(id) || self.reports.try_borrow().is_ok_and(|m| m.contains_key(&id))
+        // (Reports first: most requests that have work left have only that.)
+        self.reports.try_borrow().is_ok_and(|m| m.contains_key(&id)) || self.has_stream(id)
     }
 
     /// A new context: a root (no parent) or a request of the root `parent_id`.

@@ -132,12 +132,16 @@ struct Plan {
 }
 
 fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u64) -> Plan {
-    let read = store.read_with(key.as_str(), |found| match found {
-        Some((bytes, cas)) => (Group::decode(bytes), cas),
-        None => (Group::decode(&[]), 0),
+    // (Decoded in place: a group returned through the read's result is copied twice more.)
+    let mut group = Group::decode(&[]);
+    let read = store.read_with(key.as_str(), |found| {
+        found.map_or(0, |(bytes, cas)| {
+            group.decode_from(bytes);
+            cas
+        })
     });
-    let (group, cas) = match read {
-        Ok(read) => read,
+    let cas = match read {
+        Ok(cas) => cas,
         Err(_) => {
             return Plan {
                 key,
@@ -247,11 +251,25 @@ fn plan_each<S: CasStore + ?Sized>(
 
 /// Decide one request against `checks` at `now_ns`, charging every rule or none.
 pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
+    // (One check, the usual request: its plan in place, not moved into a vector of them.)
+    if let [c] = checks {
+        let mut plans = [plan(store, c, c.table.store_key(c.slot.group), now_ns)];
+        return commit_plans(store, checks, now_ns, &mut plans);
+    }
     let mut plans = SmallVec::new();
     plan_each(store, checks, now_ns, &mut plans);
+    commit_plans(store, checks, now_ns, &mut plans)
+}
 
-    if let Some(i) = worst_refusal(checks, &plans) {
-        return finish(false, Some(i), &plans);
+/// [`admit`] from a plan for each check: refuse, wait or write them all.
+fn commit_plans<S: CasStore + ?Sized>(
+    store: &S,
+    checks: &[Check],
+    now_ns: u64,
+    plans: &mut [Plan],
+) -> Outcome {
+    if let Some(i) = worst_refusal(checks, plans) {
+        return finish(false, Some(i), plans);
     }
     // Claims of refills go out whatever happens to the request (one attempt: if it loses a race,
     // someone else changed the slot and a later request claims).
@@ -265,27 +283,28 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
             }
         }
     }
-    let undecided = checks.iter().zip(&plans).any(|(c, p)| {
+    let undecided = checks.iter().zip(plans.iter()).any(|(c, p)| {
         c.enforced && matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback)
     });
     if undecided {
-        return finish(false, None, &plans);
+        return finish(false, None, plans);
     }
 
     let mut committed: SmallVec<[usize; INLINE_RULES]> = SmallVec::new();
     for i in 0..checks.len() {
         let check = &checks[i];
         let mut attempts = 0;
+        // (The plan's group by reference: a copy of it each time round costs more than the loop.)
         while let (Verdict::Admitted { .. }, Some((group, cas))) =
-            (plans[i].outcome.verdict, plans[i].write)
+            (plans[i].outcome.verdict, plans[i].write.as_ref())
         {
             attempts += 1;
-            match store.write(plans[i].key.as_str(), &group.encode(), cas) {
+            match store.write(plans[i].key.as_str(), &group.encode(), *cas) {
                 Ok(()) => {
-                    let p = &mut plans[i];
-                    p.outcome.refill = check
+                    let refill = check
                         .limit
-                        .claims_refill(&p.before, &group.slots[p.index].state);
+                        .claims_refill(&plans[i].before, &group.slots[plans[i].index].state);
+                    plans[i].outcome.refill = refill;
                     committed.push(i);
                     break;
                 }
@@ -329,7 +348,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
                 plans[j].outcome.stashed = 0;
             }
             if refused {
-                return finish(false, Some(i), &plans);
+                return finish(false, Some(i), plans);
             }
             let p = &mut plans[i];
             if let Some((group, cas)) = p.write.take() {
@@ -338,7 +357,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
                         .limit
                         .claims_refill(&p.before, &group.slots[p.index].state);
             }
-            return finish(false, None, &plans);
+            return finish(false, None, plans);
         }
     }
     for &i in &committed {
@@ -350,7 +369,7 @@ pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> 
             });
         }
     }
-    finish(true, None, &plans)
+    finish(true, None, plans)
 }
 
 /// Give back what an admitted request held (the end of a request under a concurrency rule).
