@@ -193,12 +193,50 @@ impl CasStore for AtomicStore {
         let map = self.map.pin();
         match (map.get(key), cas) {
             (Some(entry), cas) if cas != 0 => entry.compare_and_store(value, cas),
-            (None, 0) => match map.try_insert(Box::from(key), Entry::new(value)) {
-                Ok(_) => Ok(()),
-                Err(_) => Err(StoreError::CasMismatch),
-            },
+            (None, 0) => insert(&map, key, value),
             _ => Err(StoreError::CasMismatch),
         }
+    }
+
+    fn read_then_write<W: AsRef<[u8]>, R>(
+        &self,
+        key: &str,
+        f: impl FnOnce(Option<(&[u8], u32)>) -> (Option<W>, R),
+    ) -> Result<(R, Option<Result<(), StoreError>>), StoreError> {
+        // (One pin and one lookup for both: the request path's read and compare-and-swap.)
+        let map = self.map.pin();
+        Ok(match map.get(key) {
+            Some(entry) => {
+                let (write, result, cas) = entry.load(|bytes, cas| {
+                    let (write, result) = f(Some((bytes, cas)));
+                    (write, result, cas)
+                });
+                let written = write.map(|bytes| entry.compare_and_store(bytes.as_ref(), cas));
+                (result, written)
+            }
+            None => {
+                let (write, result) = f(None);
+                (result, write.map(|bytes| insert(&map, key, bytes.as_ref())))
+            }
+        })
+    }
+}
+
+/// Make `key` with `value`: a race lost to another maker is a lost compare-and-swap.
+fn insert(
+    map: &papaya::HashMapRef<
+        '_,
+        Box<str>,
+        Entry,
+        rustc_hash::FxBuildHasher,
+        papaya::LocalGuard<'_>,
+    >,
+    key: &str,
+    value: &[u8],
+) -> Result<(), StoreError> {
+    match map.try_insert(Box::from(key), Entry::new(value)) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(StoreError::CasMismatch),
     }
 }
 
@@ -242,6 +280,36 @@ mod tests {
             let read = store.read_with("k", |found| found.map(|(b, _)| b.to_vec()));
             assert_eq!(read.unwrap().unwrap(), value, "length {len}");
         }
+    }
+
+    #[test]
+    fn a_read_then_write_writes_what_it_read_at_the_version_it_read() {
+        let store = AtomicStore::new();
+        let none: Option<&[u8]> = None;
+        // Absent: nothing asked, nothing made; asked, made (the write of version 0).
+        let (seen, written) = store.read_then_write("k", |f| (none, f.is_none())).unwrap();
+        assert_eq!((seen, written, store.read("k")), (true, None, Ok(None)));
+        let (_, written) = store.read_then_write("k", |_| (Some(b"a"), ())).unwrap();
+        assert_eq!(written, Some(Ok(())));
+        // Present: the bytes and version read, and the write made at that version.
+        let (read, written) = store
+            .read_then_write("k", |f| {
+                let (bytes, cas) = f.unwrap();
+                (Some(b"bb"), (bytes.to_vec(), cas))
+            })
+            .unwrap();
+        assert_eq!((read, written), ((b"a".to_vec(), 2), Some(Ok(()))));
+        assert_eq!(store.read("k"), Ok(Some((b"bb".to_vec(), 4))));
+        // Another write between its read and its write: a lost race, that write kept.
+        let (_, written) = store
+            .read_then_write("k", |f| {
+                let (_, cas) = f.unwrap();
+                store.write("k", b"c", cas).unwrap();
+                (Some(b"d"), ())
+            })
+            .unwrap();
+        assert_eq!(written, Some(Err(StoreError::CasMismatch)));
+        assert_eq!(store.read("k"), Ok(Some((b"c".to_vec(), 6))));
     }
 
     #[test]

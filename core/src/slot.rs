@@ -117,13 +117,18 @@ impl Group {
 
     pub fn encode(&self) -> [u8; GROUP_BYTES] {
         let mut out = [0; GROUP_BYTES];
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// [`Group::encode`] into `out`.
+    pub fn encode_into(&self, out: &mut [u8; GROUP_BYTES]) {
         for (i, slot) in self.slots.iter().enumerate() {
             let at = i * SLOT_BYTES;
             out[at..at + 8].copy_from_slice(&slot.tag.to_le_bytes());
             out[at + 8..at + 16].copy_from_slice(&slot.last_ns.to_le_bytes());
             out[at + 16..at + SLOT_BYTES].copy_from_slice(&slot.state);
         }
-        out
     }
 }
 

@@ -31,6 +31,23 @@ pub trait CasStore {
         let found = self.read(key)?;
         Ok(f(found.as_ref().map(|(bytes, cas)| (&bytes[..], *cas))))
     }
+
+    /// [`CasStore::read_with`], then the bytes `f` returns (if any) written with the version
+    /// read, and the write's result: one attempt of a read-modify-write. A store in the
+    /// process's own memory ([`crate::AtomicStore`]) looks the key up once for both.
+    fn read_then_write<W: AsRef<[u8]>, R>(
+        &self,
+        key: &str,
+        f: impl FnOnce(Option<(&[u8], u32)>) -> (Option<W>, R),
+    ) -> Result<(R, Option<Result<(), StoreError>>), StoreError> {
+        let mut cas = 0;
+        let (write, result) = self.read_with(key, |found| {
+            cas = found.map_or(0, |(_, cas)| cas);
+            f(found)
+        })?;
+        let written = write.map(|bytes| self.write(key, bytes.as_ref(), cas));
+        Ok((result, written))
+    }
 }
 
 /// Why [`update`] gave up.

@@ -129,6 +129,8 @@ struct Plan {
     /// The slot's state as read.
     before: crate::state::State,
     write: Option<(Group, u32)>,
+    /// The result of `write`, where the read that planned it wrote it too ([`plan_and_write`]).
+    written: Option<Result<(), StoreError>>,
 }
 
 fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u64) -> Plan {
@@ -140,30 +142,70 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
             cas
         })
     });
-    let cas = match read {
-        Ok(cas) => cas,
-        Err(_) => {
-            return Plan {
-                key,
-                outcome: CheckOutcome {
-                    verdict: Verdict::Unavailable,
-                    slot: SlotEvent::Own,
-                    hold: None,
-                    refill: false,
-                    stashed: 0,
-                },
-                index: 0,
-                owner: 0,
-                before: [0; crate::state::STATE_BYTES],
-                write: None,
-            }
-        }
-    };
-    let (index, slot, current) = choose(check.limit, &group, check.slot.tag, now_ns);
+    let mut p = unavailable(key);
+    if let Ok(cas) = read {
+        plan_group(check, &group, cas, now_ns, &mut p);
+    }
+    p
+}
+
+/// [`plan`] into `out` (made by [`unavailable`] with the check's key), with what it plans to
+/// write written by the same store call: one attempt of the read-modify-write, as
+/// [`commit_plans`] makes it of a request's only check.
+fn plan_and_write<S: CasStore + ?Sized>(store: &S, check: &Check, out: &mut Plan, now_ns: u64) {
+    // (The plan made where it stays and the bytes written from a buffer of the caller's: a plan
+    // returned through the store's call is copied at every level.)
+    let key = std::mem::take(&mut out.key);
+    let mut bytes = crate::slot::EMPTY_GROUP;
+    let buf = &mut bytes;
+    let read = store.read_then_write(key.as_str(), |found| {
+        let buf = buf;
+        let mut group = Group::decode(&[]);
+        let cas = found.map_or(0, |(bytes, cas)| {
+            group.decode_from(bytes);
+            cas
+        });
+        plan_group(check, &group, cas, now_ns, out);
+        let write = out.write.as_ref().map(|(next, _)| {
+            next.encode_into(buf);
+            &buf[..]
+        });
+        (write, ())
+    });
+    match read {
+        Ok(((), written)) => out.written = written,
+        Err(_) => *out = unavailable(StoreKey::default()),
+    }
+    out.key = key;
+}
+
+/// The plan of a check whose read failed.
+fn unavailable(key: StoreKey) -> Plan {
+    Plan {
+        key,
+        outcome: CheckOutcome {
+            verdict: Verdict::Unavailable,
+            slot: SlotEvent::Own,
+            hold: None,
+            refill: false,
+            stashed: 0,
+        },
+        index: 0,
+        owner: 0,
+        before: [0; crate::state::STATE_BYTES],
+        write: None,
+        written: None,
+    }
+}
+
+/// The decision on `check` from its slot `group` as read at version `cas`, into `out` (whose key
+/// stays).
+fn plan_group(check: &Check, group: &Group, cas: u32, now_ns: u64, out: &mut Plan) {
+    let (index, slot, current) = choose(check.limit, group, check.slot.tag, now_ns);
     let owner = current.tag;
     let mut stashed = 0;
     let claim_write = |state| {
-        let mut next = group;
+        let mut next = *group;
         next.slots[index] = Slot {
             tag: owner,
             last_ns: current.last_ns,
@@ -181,7 +223,7 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
             if let Some((more, taken)) = stash_take(check, &current.state, remaining, now_ns) {
                 (state, stashed) = (more, taken);
             }
-            let mut next = group;
+            let mut next = *group;
             // Only the owner's own admissions make its slot recently used.
             let last_ns = match slot {
                 SlotEvent::Shared => current.last_ns,
@@ -220,20 +262,16 @@ fn plan<S: CasStore + ?Sized>(store: &S, check: &Check, key: StoreKey, now_ns: u
         Decision::Wait { claim } => (Verdict::Waiting, claim.map(claim_write)),
         Decision::Fallback { claim } => (Verdict::Fallback, claim.map(claim_write)),
     };
-    Plan {
-        key,
-        outcome: CheckOutcome {
-            verdict,
-            slot,
-            hold: None,
-            refill: false,
-            stashed,
-        },
-        index,
-        owner,
-        before: current.state,
-        write,
-    }
+    out.outcome = CheckOutcome {
+        verdict,
+        slot,
+        hold: None,
+        refill: false,
+        stashed,
+    };
+    (out.index, out.owner, out.before) = (index, owner, current.state);
+    out.write = write;
+    out.written = None;
 }
 
 /// A plan for each check, from one read each, pushed into the caller's `plans` (returned, the
@@ -253,7 +291,8 @@ fn plan_each<S: CasStore + ?Sized>(
 pub fn admit<S: CasStore + ?Sized>(store: &S, checks: &[Check], now_ns: u64) -> Outcome {
     // (One check, the usual request: its plan in place, not moved into a vector of them.)
     if let [c] = checks {
-        let mut plans = [plan(store, c, c.table.store_key(c.slot.group), now_ns)];
+        let mut plans = [unavailable(c.table.store_key(c.slot.group))];
+        plan_and_write(store, c, &mut plans[0], now_ns);
         return commit_plans(store, checks, now_ns, &mut plans);
     }
     let mut plans = SmallVec::new();
@@ -276,7 +315,7 @@ fn commit_plans<S: CasStore + ?Sized>(
     for (check, p) in checks.iter().zip(plans.iter_mut()) {
         if matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback) {
             if let Some((group, cas)) = p.write.take() {
-                p.outcome.refill = store.write(p.key.as_str(), &group.encode(), cas).is_ok()
+                p.outcome.refill = write_planned(store, p, &group, cas).is_ok()
                     && check
                         .limit
                         .claims_refill(&p.before, &group.slots[p.index].state);
@@ -295,15 +334,25 @@ fn commit_plans<S: CasStore + ?Sized>(
         let check = &checks[i];
         let mut attempts = 0;
         // (The plan's group by reference: a copy of it each time round costs more than the loop.)
-        while let (Verdict::Admitted { .. }, Some((group, cas))) =
+        while let (Verdict::Admitted { .. }, Some(_)) =
             (plans[i].outcome.verdict, plans[i].write.as_ref())
         {
             attempts += 1;
-            match store.write(plans[i].key.as_str(), &group.encode(), *cas) {
+            let written = match (plans[i].written.take(), plans[i].write.as_ref()) {
+                (Some(written), _) => written,
+                (None, Some((group, cas))) => {
+                    store.write(plans[i].key.as_str(), &group.encode(), *cas)
+                }
+                (None, None) => break,
+            };
+            match written {
                 Ok(()) => {
-                    let refill = check
-                        .limit
-                        .claims_refill(&plans[i].before, &group.slots[plans[i].index].state);
+                    let p = &plans[i];
+                    let refill = p.write.as_ref().is_some_and(|(group, _)| {
+                        check
+                            .limit
+                            .claims_refill(&p.before, &group.slots[p.index].state)
+                    });
                     plans[i].outcome.refill = refill;
                     committed.push(i);
                     break;
@@ -352,7 +401,7 @@ fn commit_plans<S: CasStore + ?Sized>(
             }
             let p = &mut plans[i];
             if let Some((group, cas)) = p.write.take() {
-                p.outcome.refill = store.write(p.key.as_str(), &group.encode(), cas).is_ok()
+                p.outcome.refill = write_planned(store, p, &group, cas).is_ok()
                     && check
                         .limit
                         .claims_refill(&p.before, &group.slots[p.index].state);
@@ -370,6 +419,19 @@ fn commit_plans<S: CasStore + ?Sized>(
         }
     }
     finish(true, None, plans)
+}
+
+/// Write a plan's `group` at version `cas`, unless the read that planned it did already.
+fn write_planned<S: CasStore + ?Sized>(
+    store: &S,
+    p: &mut Plan,
+    group: &Group,
+    cas: u32,
+) -> Result<(), StoreError> {
+    match p.written.take() {
+        Some(written) => written,
+        None => store.write(p.key.as_str(), &group.encode(), cas),
+    }
 }
 
 /// Give back what an admitted request held (the end of a request under a concurrency rule).

@@ -19,13 +19,19 @@ struct Rule {
     table: SlotTable,
 }
 
-fn rule_with(store: &MemoryStore, name: &str, limit: Limit, slots: u32) -> Rule {
+fn rule_with<S: CasStore + ?Sized>(store: &S, name: &str, limit: Limit, slots: u32) -> Rule {
     let table = SlotTable::new(format!("{name}."), slots);
     table.initialize(store).unwrap();
     Rule { limit, table }
 }
 
-fn rule(store: &MemoryStore, name: &str, requests: u64, burst: u64, slots: u32) -> Rule {
+fn rule<S: CasStore + ?Sized>(
+    store: &S,
+    name: &str,
+    requests: u64,
+    burst: u64,
+    slots: u32,
+) -> Rule {
     let tb = TokenBucket::new(requests, 60 * SEC, burst).unwrap();
     rule_with(store, name, Limit::TokenBucket(tb), slots)
 }
@@ -385,8 +391,19 @@ fn contention_exhaustion_refuses() {
 
 #[test]
 fn threads_sharing_one_store_admit_exactly_the_burst() {
-    let store = Arc::new(MemoryStore::new());
-    let r = Arc::new(rule(&store, "t", 1, 100, 8));
+    threads_admit_exactly_the_burst(MemoryStore::new());
+}
+
+/// The process-memory store, whose read and write of a request's one check are one call.
+#[cfg(feature = "atomic-store")]
+#[test]
+fn threads_sharing_one_atomic_store_admit_exactly_the_burst() {
+    threads_admit_exactly_the_burst(crate::AtomicStore::new());
+}
+
+fn threads_admit_exactly_the_burst<S: CasStore + Send + Sync + 'static>(store: S) {
+    let store = Arc::new(store);
+    let r = Arc::new(rule(&*store, "t", 1, 100, 8));
     let admitted = Arc::new(AtomicU32::new(0));
     let threads: Vec<_> = (0..8)
         .map(|_| {
@@ -410,7 +427,7 @@ fn threads_sharing_one_store_admit_exactly_the_burst() {
 fn concurrency_holds_until_released_and_counts_return_to_zero_under_contention() {
     let store = Arc::new(MemoryStore::new());
     let c = Limit::Concurrency(Concurrency::new(3).unwrap());
-    let r = Arc::new(rule_with(&store, "c", c, 4));
+    let r = Arc::new(rule_with(&*store, "c", c, 4));
     let threads: Vec<_> = (0..8)
         .map(|_| {
             let (store, r) = (store.clone(), r.clone());

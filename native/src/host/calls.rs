@@ -183,6 +183,14 @@ impl CasStore for NativeHost {
     ) -> Result<R, StoreError> {
         STORE.read_with(key, f)
     }
+
+    fn read_then_write<W: AsRef<[u8]>, R>(
+        &self,
+        key: &str,
+        f: impl FnOnce(Option<(&[u8], u32)>) -> (Option<W>, R),
+    ) -> Result<(R, Option<Result<(), StoreError>>), StoreError> {
+        STORE.read_then_write(key, f)
+    }
 }
 
 impl Host for NativeHost {
