@@ -413,6 +413,15 @@ fn the_readme_native_quick_start_runs_as_written() {
     ));
     let file = std::fs::read_to_string(repo().join("envoy/envoy-native.yaml")).unwrap();
     let bootstrap: Value = serde_yaml_ng::from_str(&file).unwrap();
+    // Pasted at once, the curls wait for Envoy: its admin port's readiness, then the requests.
+    let ready = commands
+        .find("until curl -sf localhost:9901/ready")
+        .expect("the block waits until Envoy is ready");
+    assert!(ready < commands.find("for i in").unwrap());
+    assert_eq!(
+        bootstrap["admin"]["address"]["socket_address"]["port_value"],
+        9901
+    );
     // The snippets are the file's own filter and runtime layer.
     let yaml = blocks(&section, "yaml");
     let filters: Value = serde_yaml_ng::from_str(yaml[0]).unwrap();
