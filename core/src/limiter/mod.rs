@@ -315,7 +315,8 @@ fn commit_plans<S: CasStore + ?Sized>(
     for (check, p) in checks.iter().zip(plans.iter_mut()) {
         if matches!(p.outcome.verdict, Verdict::Waiting | Verdict::Fallback) {
             if let Some((group, cas)) = p.write.take() {
-                p.outcome.refill = write_planned(store, p, &group, cas).is_ok()
+                p.outcome.refill = write_planned(store, &p.key, &mut p.written, &group, cas)
+                    .is_ok()
                     && check
                         .limit
                         .claims_refill(&p.before, &group.slots[p.index].state);
@@ -333,41 +334,33 @@ fn commit_plans<S: CasStore + ?Sized>(
     for i in 0..checks.len() {
         let check = &checks[i];
         let mut attempts = 0;
-        // (The plan's group by reference: a copy of it each time round costs more than the loop.)
-        while let (Verdict::Admitted { .. }, Some(_)) =
-            (plans[i].outcome.verdict, plans[i].write.as_ref())
-        {
-            attempts += 1;
-            let written = match (plans[i].written.take(), plans[i].write.as_ref()) {
-                (Some(written), _) => written,
-                (None, Some((group, cas))) => {
-                    store.write(plans[i].key.as_str(), &group.encode(), *cas)
-                }
-                (None, None) => break,
+        loop {
+            let p = &mut plans[i];
+            // (The plan's group by reference: a copy of it each time round costs more than the loop.)
+            let (Verdict::Admitted { .. }, Some((group, cas))) = (p.outcome.verdict, &p.write)
+            else {
+                break;
             };
-            match written {
+            attempts += 1;
+            match write_planned(store, &p.key, &mut p.written, group, *cas) {
                 Ok(()) => {
-                    let p = &plans[i];
-                    let refill = p.write.as_ref().is_some_and(|(group, _)| {
-                        check
-                            .limit
-                            .claims_refill(&p.before, &group.slots[p.index].state)
-                    });
-                    plans[i].outcome.refill = refill;
+                    p.outcome.refill = check
+                        .limit
+                        .claims_refill(&p.before, &group.slots[p.index].state);
                     committed.push(i);
                     break;
                 }
                 Err(StoreError::Unavailable(_)) => {
-                    plans[i].outcome.verdict = Verdict::Unavailable;
+                    p.outcome.verdict = Verdict::Unavailable;
                     break;
                 }
                 Err(StoreError::CasMismatch) if attempts >= MAX_CAS_ATTEMPTS => {
-                    plans[i].outcome.verdict = Verdict::Contended;
-                    plans[i].write = None;
+                    p.outcome.verdict = Verdict::Contended;
+                    p.write = None;
                 }
                 Err(StoreError::CasMismatch) => {
-                    let key = std::mem::take(&mut plans[i].key);
-                    plans[i] = plan(store, check, key, now_ns);
+                    let key = std::mem::take(&mut p.key);
+                    *p = plan(store, check, key, now_ns);
                 }
             }
         }
@@ -401,7 +394,8 @@ fn commit_plans<S: CasStore + ?Sized>(
             }
             let p = &mut plans[i];
             if let Some((group, cas)) = p.write.take() {
-                p.outcome.refill = write_planned(store, p, &group, cas).is_ok()
+                p.outcome.refill = write_planned(store, &p.key, &mut p.written, &group, cas)
+                    .is_ok()
                     && check
                         .limit
                         .claims_refill(&p.before, &group.slots[p.index].state);
@@ -421,16 +415,18 @@ fn commit_plans<S: CasStore + ?Sized>(
     finish(true, None, plans)
 }
 
-/// Write a plan's `group` at version `cas`, unless the read that planned it did already.
+/// Write a plan's `group` to `key` at version `cas`, unless the read that planned it did already
+/// (`written`, its result, taken).
 fn write_planned<S: CasStore + ?Sized>(
     store: &S,
-    p: &mut Plan,
+    key: &StoreKey,
+    written: &mut Option<Result<(), StoreError>>,
     group: &Group,
     cas: u32,
 ) -> Result<(), StoreError> {
-    match p.written.take() {
+    match written.take() {
         Some(written) => written,
-        None => store.write(p.key.as_str(), &group.encode(), cas),
+        None => store.write(key.as_str(), &group.encode(), cas),
     }
 }
 
