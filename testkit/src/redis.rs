@@ -173,6 +173,8 @@ impl RedisCluster {
                         .args(["--repl-diskless-sync-delay", "0"])
                         .args(["--cluster-replica-validity-factor", "0"])
                         .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                        .arg("--logfile")
+                        .arg(dir.join(format!("redis-{port}.log")))
                         .args(["--save", "", "--appendonly", "no"])
                         .arg("--dir")
                         .arg(&dir)
@@ -279,6 +281,11 @@ impl Drop for RedisCluster {
         for i in 0..self.children.len() {
             self.kill(i);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // A failed test keeps the nodes' logs (failovers, roles) for its cause to be found.
+        if std::thread::panicking() {
+            eprintln!("--- Redis Cluster logs kept in {} ---", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
